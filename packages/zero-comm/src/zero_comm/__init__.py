@@ -1,0 +1,47 @@
+"""zero_comm: collectives over gloo, NCCL and MPI behind one interface.
+
+    comm = zero_comm.init()                  # reads torchrun / mpirun / srun / zero-launch
+    comm.all_reduce(grads)                   # in place, SUM
+    comm.reduce_scatter(shard, flat_grads)   # flat_grads holds world_size chunks
+    comm.all_gather(flat_params, shard)
+    comm.stats["all_reduce"].volume_elements # ring-convention volume, exact
+
+With ``deterministic=True`` every float reduction adds rank contributions in rank order, so
+results are bit-identical on every backend and to the same sum done in one process.
+"""
+
+from .communicator import Communicator, Handle
+from .errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    LaunchEnvError,
+    PeerFailureError,
+)
+from .launcher_env import LaunchEnv, detect_launch_env
+from .reduce_op import ReduceOp
+from .simulated import run_simulated
+from .stats import CommStats, ring_volume
+from .world import init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CommError",
+    "CommStats",
+    "CommTimeoutError",
+    "Communicator",
+    "Handle",
+    "LaunchEnv",
+    "LaunchEnvError",
+    "PeerFailureError",
+    "ReduceOp",
+    "__version__",
+    "detect_launch_env",
+    "init",
+    "ring_volume",
+    "run_simulated",
+]

@@ -1,0 +1,155 @@
+"""``zero-launch -n N CMD ...``: start N local ranks of a command, and stop them together.
+
+Each rank gets the variables :func:`zero_comm.init` reads (the same as torchrun's):
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
+    ZERO_LAUNCHER=zero-launch, and OMP_NUM_THREADS = cores // N (at least 1) unless set.
+
+SIGINT and SIGTERM are forwarded to every rank. When a rank exits non-zero (or is killed),
+the others are sent SIGTERM, then SIGKILL after ``--grace`` seconds, and zero-launch exits
+non-zero naming that rank. It needs nothing but Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class RankFailure(NamedTuple):
+    """The first rank that failed, and how."""
+
+    rank: int
+    returncode: int
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_environment(
+    base: dict[str, str], rank: int, world_size: int, port: int
+) -> dict[str, str]:
+    """The environment of local rank ``rank`` of ``world_size``."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ZERO_LAUNCHER="zero-launch",
+    )
+    if "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    return env
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> int:
+    """Run ``command`` as ``world_size`` ranks; return 0 if all succeed, else non-zero."""
+    if world_size < 1:
+        raise ValueError(f"-n must be at least 1, got {world_size}")
+    if not command:
+        raise ValueError("no command given: zero-launch -n N CMD [ARGS ...]")
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    forwarded: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failure: RankFailure | None = None
+    try:
+        for rank in range(world_size):
+            env = rank_environment(dict(os.environ), rank, world_size, port)
+            procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
+        while failure is None and any(p.poll() is None for p in procs):
+            for rank, proc in enumerate(procs):
+                code = proc.poll()
+                if code is not None and code != 0:
+                    failure = RankFailure(rank, code)
+                    break
+            else:
+                time.sleep(0.02)
+        if failure is None:
+            failure = next(
+                (RankFailure(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),
+                None,
+            )
+        if failure is not None:
+            running = [r for r, p in enumerate(procs) if p.poll() is None]
+            _stop(procs, grace)
+            stopped = f"; stopped ranks {running}" if running else ""
+            print(
+                f"zero-launch: rank {failure.rank} {describe_exit(failure.returncode)}{stopped}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if failure.returncode > 0:
+                return failure.returncode
+            return 128 - failure.returncode
+        return 128 + forwarded[0] if forwarded else 0
+    finally:
+        _stop(procs, grace)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="zero-launch",
+        description="Start N local ranks of a command with the environment zero_comm.init reads.",
+    )
+    parser.add_argument("-n", "--nproc", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        code = launch(command, args.nproc, grace=args.grace)
+    except ValueError as exc:
+        parser.error(str(exc))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The mpi backend, through mpi4py (torch's PyPI wheels have no MPI process group).
+
+Tensors are handed to MPI by address, with no copy: ``MPI.buffer.fromaddress`` on the
+tensor's data pointer. Data movement (all-to-all, all-gather, broadcast) is typed as bytes,
+so float16 and bfloat16 move like any other dtype. Native reductions exist only for the
+types MPI knows (float32, float64, integers); half-precision float SUMs always use the
+rank-ordered algorithm, which was bit-exact and faster than a native fp16 MPI_SUM here.
+
+Every operation is non-blocking underneath and waited on with a deadline, so a peer that
+never arrives becomes :class:`CommTimeoutError` after ``timeout`` seconds instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .communicator import Communicator, Work
+from .errors import BackendUnavailableError, CommTimeoutError
+from .reduce_op import ReduceOp
+
+
+def import_mpi(rank: int = 0) -> Any:
+    """The ``mpi4py.MPI`` module, or :class:`BackendUnavailableError` saying how to get it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"[rank {rank}] backend 'mpi' needs mpi4py: pip install 'zero-comm[mpi]' (and an MPI "
+            "library: the site's, or 'pip install mpich'); or use backend='gloo'"
+        ) from exc
+    return MPI
+
+
+class MPICommunicator(Communicator):
+    """A communicator over an mpi4py intracommunicator (a duplicate of the caller's)."""
+
+    def __init__(
+        self,
+        mpi_comm: Any,
+        *,
+        deterministic: bool,
+        check_consistency: bool,
+        timeout: float,
+    ) -> None:
+        self._MPI = import_mpi()
+        self.mpi_comm = mpi_comm
+        super().__init__(
+            rank=mpi_comm.Get_rank(),
+            world_size=mpi_comm.Get_size(),
+            backend="mpi",
+            device=torch.device("cpu"),
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            timeout=timeout,
+        )
+        mpi = self._MPI
+        self._typed = {
+            torch.float32: mpi.FLOAT,
+            torch.float64: mpi.DOUBLE,
+            torch.int64: mpi.INT64_T,
+            torch.int32: mpi.INT32_T,
+            torch.int8: mpi.INT8_T,
+            torch.uint8: mpi.UINT8_T,
+        }
+        self._ops = {ReduceOp.SUM: mpi.SUM, ReduceOp.MAX: mpi.MAX, ReduceOp.MIN: mpi.MIN}
+
+    @classmethod
+    def create_world(
+        cls, *, deterministic: bool, check_consistency: bool, timeout: float
+    ) -> MPICommunicator:
+        mpi = import_mpi()
+        return cls(
+            mpi.COMM_WORLD.Dup(),
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            timeout=timeout,
+        )
+
+    def _bytes(self, tensor: torch.Tensor) -> list[Any]:
+        nbytes = tensor.numel() * tensor.element_size()
+        return [self._MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), nbytes, self._MPI.BYTE]
+
+    def _typed_buffer(self, tensor: torch.Tensor) -> list[Any]:
+        address = self._MPI.buffer.fromaddress(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        )
+        return [address, tensor.numel(), self._typed[tensor.dtype]]
+
+    def _wait(self, work: Work, name: str) -> None:
+        request = work
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not request.Test():
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        self._err(
+                            f"{name}: no answer from the other ranks within {self.timeout}s; a "
+                            "peer is stuck, dead, or called a different collective"
+                        )
+                    )
+                time.sleep(min(1e-5 * (spins - 200), 1e-3))
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        chunk_bytes = inp.numel() * inp.element_size() // self.world_size
+        send = [self._bytes(inp)[0], chunk_bytes, self._MPI.BYTE]
+        recv = [self._bytes(out)[0], chunk_bytes, self._MPI.BYTE]
+        return self.mpi_comm.Ialltoall(send, recv)  # type: ignore[no-any-return]
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        chunk_bytes = inp.numel() * inp.element_size()
+        recv = [self._bytes(out)[0], chunk_bytes, self._MPI.BYTE]
+        return self.mpi_comm.Iallgather(self._bytes(inp), recv)  # type: ignore[no-any-return]
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        return self.mpi_comm.Ibcast(self._bytes(tensor), root=src)  # type: ignore[no-any-return]
+
+    def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        return self.mpi_comm.Iallreduce(  # type: ignore[no-any-return]
+            self._MPI.IN_PLACE, self._typed_buffer(tensor), self._ops[op]
+        )
+
+    def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
+        # The send side is given without a count: mpi4py reads the block count from recv.
+        send = self._typed_buffer(inp)
+        return self.mpi_comm.Ireduce_scatter_block(  # type: ignore[no-any-return]
+            [send[0], send[2]], self._typed_buffer(out), self._ops[op]
+        )
+
+    def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
+        # MPI has no bfloat16, and its float16 SUM was 20x slower than the ordered fold.
+        return dtype not in self._typed
+
+    def _barrier(self) -> None:
+        self._wait(self.mpi_comm.Ibarrier(), "barrier")
+
+    def _split(self, color: int, key: int) -> Communicator:
+        return MPICommunicator(
+            self.mpi_comm.Split(color, key),
+            deterministic=self.deterministic,
+            check_consistency=self.check_consistency,
+            timeout=self.timeout,
+        )
+
+    def close(self) -> None:
+        super().close()
+        if self.mpi_comm is not None and not self._MPI.Is_finalized():
+            self.mpi_comm.Free()
+            self.mpi_comm = None
+
+
+def mpi_world_check(rank: int) -> None:
+    """Raise if mpi4py's world disagrees with the launcher about this process's rank."""
+    mpi = import_mpi(rank)
+    if mpi.COMM_WORLD.Get_rank() != rank:
+        raise BackendUnavailableError(
+            f"[rank {rank}] mpi4py says this is rank {mpi.COMM_WORLD.Get_rank()}; the launcher's "
+            "MPI and mpi4py's MPI library differ (set MPI4PY_LIBMPI to the launcher's libmpi)"
+        )

@@ -1,0 +1,116 @@
+"""How the ranks of a gloo or nccl world find each other.
+
+Rank 0 hosts a TCP key-value store; the others connect to it. The store's address comes
+from, in order: MASTER_ADDR/MASTER_PORT (torchrun, zero-launch, or the user), SLURM's node
+list (see launcher_env), or, under an MPI launcher, rank 0 opening the store on a free port
+and broadcasting its address over mpi4py. Every rank then checks in, and rank 0 waits for
+all of them, so that a rank that never starts is named instead of waited for forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import BackendUnavailableError, CommTimeoutError
+from .launcher_env import LaunchEnv
+
+_PREFIX = "zero_comm/rendezvous"
+
+
+def _own_address() -> str:
+    """An address of this host that the other hosts of the job can reach."""
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return socket.gethostname()
+
+
+def _address_over_mpi(env: LaunchEnv, timeout: float) -> tuple[str, int, Any]:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"[rank {env.rank}] started by {env.launcher} without MASTER_ADDR/MASTER_PORT: "
+            "install mpi4py (pip install 'zero-comm[mpi]') so rank 0 can share its address, "
+            "or export MASTER_ADDR and MASTER_PORT to every rank"
+        ) from exc
+    store = None
+    address: tuple[str, int] | None = None
+    if env.rank == 0:
+        store = dist.TCPStore(
+            "0.0.0.0",
+            0,
+            env.world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        address = (_own_address(), store.port)
+    address = MPI.COMM_WORLD.bcast(address, root=0)
+    assert address is not None
+    return address[0], address[1], store
+
+
+def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
+    """A store shared by all ranks of the world described by ``env``.
+
+    Raises :class:`CommTimeoutError` naming the ranks that did not check in within
+    ``timeout`` seconds.
+    """
+    if env.world_size == 1:
+        return dist.HashStore()
+    store = None
+    if env.master_addr is not None and env.master_port is not None:
+        addr, port = env.master_addr, env.master_port
+    elif env.under_mpi_launcher:
+        addr, port, store = _address_over_mpi(env, timeout)
+    else:
+        raise BackendUnavailableError(
+            f"[rank {env.rank}] the {env.launcher} launcher did not say where rank 0 is: "
+            "export MASTER_ADDR and MASTER_PORT to every rank"
+        )
+    if store is None:
+        try:
+            store = dist.TCPStore(
+                addr,
+                port,
+                env.world_size,
+                is_master=env.rank == 0,
+                timeout=datetime.timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as exc:
+            role = "open" if env.rank == 0 else "reach"
+            raise CommTimeoutError(
+                f"[rank {env.rank}] could not {role} the rendezvous store at {addr}:{port} "
+                f"within {timeout}s ({exc}); check that rank 0 is running and that "
+                "MASTER_ADDR/MASTER_PORT are right and reachable"
+            ) from exc
+    _check_in(store, env, timeout)
+    return dist.PrefixStore("zero_comm", store)
+
+
+def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
+    store.set(f"{_PREFIX}/arrived/{env.rank}", "1")
+    store.add(f"{_PREFIX}/count", 1)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while store.add(f"{_PREFIX}/count", 0) < env.world_size:
+        if time.monotonic() > deadline:
+            missing = [
+                r
+                for r in range(env.world_size)
+                if not store.check([f"{_PREFIX}/arrived/{r}"])
+            ]
+            raise CommTimeoutError(
+                f"[rank {env.rank}] rendezvous: ranks {missing} of {env.world_size} did not "
+                f"arrive within {timeout}s; check that all {env.world_size} ranks were launched "
+                "(WORLD_SIZE or -n) and that they could start"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)

@@ -1,0 +1,225 @@
+"""An in-process world of N ranks, one thread each, for fast property tests.
+
+Collectives are exchanges through shared slots between two barrier waits:
+
+    rank r: slots[r] = my tensor -> barrier -> read slots[*] -> barrier
+
+so every rank reads every other rank's tensor while none of them can change it. This is
+the same :class:`Communicator` code path as the real backends (checks, stats, rank-ordered
+reductions); only the five primitives differ. The native reductions add in the order a
+ring algorithm would (chunk j starts at rank j+1), which is *not* rank order, so a caller
+that forgets ``deterministic=True`` sees the same kind of differences as on gloo or MPI.
+
+A rank that raises breaks the barrier, and every other rank stops at its next collective
+with :class:`CommError` instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .communicator import CompletedWork, Communicator, Work
+from .errors import CommError, CommTimeoutError
+from .ordered import chunk_numel
+from .reduce_op import ReduceOp
+
+T = TypeVar("T")
+
+
+class _SharedWorld:
+    """What the threads of one simulated group share."""
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list[Any] = [None] * world_size
+        self.lock = threading.Lock()
+        self.children: dict[tuple[int, int], _SharedWorld] = {}
+        self.arrived = [0] * world_size
+
+
+class SimulatedCommunicator(Communicator):
+    """One rank of a simulated world; create them with :func:`run_simulated`."""
+
+    def __init__(
+        self,
+        shared: _SharedWorld,
+        rank: int,
+        *,
+        deterministic: bool = True,
+        check_consistency: bool = True,
+    ) -> None:
+        super().__init__(
+            rank=rank,
+            world_size=shared.world_size,
+            backend="simulated",
+            device=torch.device("cpu"),
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            timeout=shared.timeout,
+        )
+        self._shared = shared
+        self._splits = 0
+
+    def _sync(self) -> None:
+        shared = self._shared
+        try:
+            shared.barrier.wait(timeout=shared.timeout)
+        except threading.BrokenBarrierError:
+            if all(n == shared.arrived[0] for n in shared.arrived):
+                raise CommError(self._err("a peer failed; this collective was abandoned")) from None
+            behind = [r for r, n in enumerate(shared.arrived) if n < max(shared.arrived)]
+            raise CommTimeoutError(
+                self._err(
+                    f"collective did not complete within {shared.timeout}s: ranks {behind} "
+                    "never arrived (they failed, are stuck, or called fewer collectives)"
+                )
+            ) from None
+
+    def _exchange(self, value: Any) -> list[Any]:
+        shared = self._shared
+        shared.slots[self.rank] = value
+        shared.arrived[self.rank] += 1
+        self._sync()
+        everyone = list(shared.slots)
+        self._sync()
+        return everyone
+
+    def _wait(self, work: Work, name: str) -> None:
+        work.wait()
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        size = self.world_size
+        everyone = self._exchange(inp)
+        rows = out.view(size, -1)
+        for r, theirs in enumerate(everyone):
+            rows[r].copy_(theirs.view(size, -1)[self.rank])
+        self._exchange(None)  # nobody may overwrite an input until all have copied it
+        return CompletedWork()
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        everyone = self._exchange(inp.clone())
+        torch.cat(everyone, out=out)
+        return CompletedWork()
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        everyone = self._exchange(tensor.clone() if self.rank == src else None)
+        if self.rank != src:
+            tensor.copy_(everyone[src])
+        return CompletedWork()
+
+    def _ring_order_reduce(self, parts: list[torch.Tensor], chunk: int, op: ReduceOp) -> torch.Tensor:
+        """Reduce chunk ``chunk`` of the ranks' parts starting at rank chunk+1, as a ring does."""
+        size = self.world_size
+        order = [(chunk + 1 + i) % size for i in range(size)]
+        total = parts[order[0]].clone()
+        for r in order[1:]:
+            if op is ReduceOp.SUM:
+                total = total + parts[r]
+            elif op is ReduceOp.MAX:
+                total = torch.maximum(total, parts[r])
+            else:
+                total = torch.minimum(total, parts[r])
+        return total
+
+    def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        size = self.world_size
+        everyone = self._exchange(tensor.clone())
+        chunk = chunk_numel(tensor.numel(), size)
+        for j in range(size):
+            lo, hi = min(j * chunk, tensor.numel()), min((j + 1) * chunk, tensor.numel())
+            parts = [t[lo:hi] for t in everyone]
+            tensor[lo:hi].copy_(self._ring_order_reduce(parts, j, op))
+        return CompletedWork()
+
+    def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
+        everyone = self._exchange(inp.clone())
+        parts = [t.view(self.world_size, -1)[self.rank] for t in everyone]
+        out.copy_(self._ring_order_reduce(parts, self.rank, op))
+        return CompletedWork()
+
+    def _barrier(self) -> None:
+        self._exchange(None)
+
+    def _split(self, color: int, key: int) -> Communicator:
+        self._splits += 1
+        everyone = self._exchange((color, key))
+        members = sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)
+        new_rank = [r for _, r in members].index(self.rank)
+        with self._shared.lock:
+            child = self._shared.children.setdefault(
+                (self._splits, color), _SharedWorld(len(members), self._shared.timeout)
+            )
+        self._exchange(None)  # every child exists before anyone uses it
+        return SimulatedCommunicator(
+            child,
+            new_rank,
+            deterministic=self.deterministic,
+            check_consistency=self.check_consistency,
+        )
+
+
+class SimulatedRankError(AssertionError):
+    """A rank of a simulated world raised; the message has every failing rank's traceback."""
+
+
+def run_simulated(
+    world_size: int,
+    body: Callable[[Communicator], T],
+    *,
+    deterministic: bool = True,
+    check_consistency: bool = True,
+    timeout: float = 60.0,
+) -> list[T]:
+    """Run ``body(comm)`` on ``world_size`` simulated ranks; return each rank's result.
+
+    If any rank raises, the others are released from their collectives, and a
+    :class:`SimulatedRankError` naming the first failing rank (with every failing rank's
+    traceback) is raised. The original exception of the first failing rank is its cause.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    shared = _SharedWorld(world_size, timeout)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+    tracebacks: dict[int, str] = {}
+
+    def run_rank(rank: int) -> None:
+        comm = SimulatedCommunicator(
+            shared, rank, deterministic=deterministic, check_consistency=check_consistency
+        )
+        try:
+            results[rank] = body(comm)
+        except BaseException as exc:
+            errors[rank] = exc
+            tracebacks[rank] = traceback.format_exc()
+            shared.barrier.abort()
+            for child in list(shared.children.values()):
+                child.barrier.abort()
+
+    if world_size == 1:
+        run_rank(0)
+    else:
+        threads = [
+            threading.Thread(target=run_rank, args=(r,), name=f"sim-rank-{r}")
+            for r in range(world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        # The root cause is the rank that failed with something other than a released peer.
+        causes = {r: e for r, e in errors.items() if not isinstance(e, CommError)} or errors
+        first = min(causes)
+        details = "\n".join(f"--- rank {r} ---\n{tracebacks[r]}" for r in sorted(errors))
+        raise SimulatedRankError(
+            f"rank {first} of {world_size} failed: {causes[first]!r}\n{details}"
+        ) from causes[first]
+    return results

@@ -1,0 +1,159 @@
+"""Run one test body on N real ranks, under zero-launch, mpiexec or torchrun.
+
+    def body(comm: Communicator) -> None:      # module level, in an importable file
+        ...assertions...
+
+    run_on_ranks(body, world_size=3, backend="gloo", launcher="spawn")
+
+Each rank imports the body's file, calls ``zero_comm.init(backend)``, runs the body, and
+then all ranks agree on the outcome (an all-gather of pass/fail), so a failure on one rank
+fails every rank and none is left waiting in a later collective. Each rank writes a small
+JSON result; the caller raises :class:`RanksFailed` unless *every* rank reported success.
+A rank that never reports (failed to start, failed to initialise, crashed, was killed by
+the timeout) is a failure, never a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+LAUNCHERS = ("spawn", "mpiexec", "torchrun")
+
+
+class RanksFailed(AssertionError):
+    """Some rank of a distributed test did not report success; the message says which."""
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (a venv with the ``mpich`` wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+def _is_open_mpi(mpiexec: str) -> bool:
+    try:
+        out = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out or "OpenRTE" in out
+
+
+def launch_command(launcher: str, world_size: int, rank_command: Sequence[str]) -> list[str]:
+    """The command line that starts ``rank_command`` on ``world_size`` local ranks."""
+    if launcher == "spawn":
+        return [sys.executable, "-m", "zero_comm.launch", "-n", str(world_size), *rank_command]
+    if launcher == "torchrun":
+        rest = list(rank_command)
+        if rest[:1] == [sys.executable]:
+            rest = rest[1:]
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world_size}", "--no-python", sys.executable, *rest,
+        ]  # fmt: skip
+    if launcher == "mpiexec":
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise RuntimeError("no mpiexec found: pip install mpich mpi4py (or the site's MPI)")
+        extra = ["--oversubscribe"] if _is_open_mpi(mpiexec) else []
+        rest = list(rank_command)
+        if rest[:1] == [sys.executable]:
+            # -m mpi4py: an uncaught exception on one rank aborts the job, not a hang.
+            rest = [sys.executable, "-m", "mpi4py", *rest[1:]]
+        return [mpiexec, *extra, "-n", str(world_size), *rest]
+    raise ValueError(f"launcher={launcher!r} is not one of {LAUNCHERS}")
+
+
+def _body_location(body: Callable[..., Any]) -> tuple[str, str]:
+    module = sys.modules.get(body.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None or "<locals>" in body.__qualname__:
+        raise ValueError(
+            f"{body.__qualname__} must be a module-level function of an importable file so "
+            "every rank can import it"
+        )
+    return os.path.abspath(path), body.__qualname__
+
+
+def run_on_ranks(
+    body: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    launcher: str = "spawn",
+    deterministic: bool = True,
+    timeout: float = 120.0,
+    comm_timeout: float = 60.0,
+    kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``body(comm, **kwargs)`` on ``world_size`` ranks; return each rank's report.
+
+    Raises :class:`RanksFailed` if any rank failed, did not report, or the run exceeded
+    ``timeout`` seconds (then every rank is killed). ``comm_timeout`` is the timeout given
+    to ``zero_comm.init``, so a stuck collective fails well before the run's timeout.
+    """
+    path, qualname = _body_location(body)
+    with tempfile.TemporaryDirectory(prefix="zero-ranks-") as result_dir:
+        rank_command = [
+            sys.executable, "-m", "zero_comm.testing.rank_main",
+            "--file", path, "--body", qualname, "--backend", backend,
+            "--results", result_dir, "--comm-timeout", str(comm_timeout),
+            "--kwargs", json.dumps(kwargs or {}),
+        ]  # fmt: skip
+        if deterministic:
+            rank_command.append("--deterministic")
+        command = launch_command(launcher, world_size, rank_command)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            timed_out = True
+        reports = _read_reports(Path(result_dir), world_size)
+    text = output.decode(errors="replace")
+    problems = []
+    if timed_out:
+        problems.append(f"the run exceeded {timeout}s and every rank was killed")
+    for rank, report in enumerate(reports):
+        if report is None:
+            problems.append(f"rank {rank} never reported (failed to start or initialise, or died)")
+        elif not report["ok"]:
+            problems.append(f"rank {rank} failed:\n{report['error']}")
+    if proc.returncode != 0 and not problems:
+        problems.append(f"the launcher exited with code {proc.returncode}")
+    if problems:
+        raise RanksFailed(
+            f"{qualname} on {world_size} ranks ({backend}, {launcher}):\n"
+            + "\n".join(problems)
+            + f"\n--- output (last 4000 characters) ---\n{text[-4000:]}"
+        )
+    return [r for r in reports if r is not None]
+
+
+def _read_reports(result_dir: Path, world_size: int) -> list[dict[str, Any] | None]:
+    reports: list[dict[str, Any] | None] = []
+    for rank in range(world_size):
+        path = result_dir / f"rank{rank}.json"
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            reports.append(None)
+    return reports

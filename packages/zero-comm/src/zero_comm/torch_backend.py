@@ -1,0 +1,231 @@
+"""The gloo and nccl backends, through torch.distributed process groups."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Communicator, Work
+from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
+from .launcher_env import LaunchEnv
+from .reduce_op import ReduceOp
+from .rendezvous import rendezvous_store
+
+_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
+             ReduceOp.MIN: dist.ReduceOp.MIN}
+_CLOSE_KEY = "zero_comm/closed"
+_TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+_PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
+
+
+class TorchCommunicator(Communicator):
+    """A communicator over one torch.distributed process group (gloo or nccl)."""
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        backend: str,
+        device: torch.device,
+        deterministic: bool,
+        check_consistency: bool,
+        timeout: float,
+    ) -> None:
+        super().__init__(
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            backend=backend,
+            device=device,
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            timeout=timeout,
+        )
+        self.group = group
+
+    @classmethod
+    def create(
+        cls,
+        backend: str,
+        env: LaunchEnv,
+        *,
+        deterministic: bool,
+        check_consistency: bool,
+        timeout: float,
+    ) -> TorchCommunicator:
+        """Rendezvous and create the world process group, or reuse an existing one."""
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise BackendUnavailableError(
+                    f"[rank {env.rank}] backend 'nccl' needs CUDA, and torch sees no GPU here; "
+                    "use backend='gloo' (or 'auto') on CPU machines"
+                )
+            if not dist.is_nccl_available():
+                raise BackendUnavailableError(
+                    f"[rank {env.rank}] this torch build has no NCCL; install a CUDA build of torch"
+                )
+            device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            if not dist.is_gloo_available():
+                raise BackendUnavailableError(f"[rank {env.rank}] this torch build has no gloo")
+            device = torch.device("cpu")
+        if dist.is_initialized():
+            existing = dist.get_backend()
+            if existing != backend:
+                raise BackendUnavailableError(
+                    f"[rank {env.rank}] torch.distributed is already initialised with "
+                    f"{existing!r}; ask zero_comm.init for backend={existing!r}"
+                )
+        else:
+            store = rendezvous_store(env, timeout)
+            _WorldSession.start(store, env.rank, env.world_size)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        return cls(
+            dist.group.WORLD,
+            backend=backend,
+            device=device,
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            timeout=timeout,
+        )
+
+    def _wait(self, work: Work, name: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            text = str(exc)
+            if any(word in text for word in _PEER_WORDS):
+                raise PeerFailureError(
+                    self._err(
+                        f"{name}: a peer closed its connection, most likely because its process "
+                        f"died; see the launcher's report and that rank's log ({text.strip()})"
+                    )
+                ) from exc
+            if any(word in text for word in _TIMEOUT_WORDS):
+                raise CommTimeoutError(
+                    self._err(
+                        f"{name}: no answer from the other ranks within {self.timeout}s; a peer "
+                        f"is stuck, dead, or called a different collective ({text.strip()})"
+                    )
+                ) from exc
+            raise CommError(self._err(f"{name} failed: {text.strip()}")) from exc
+
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        return dist.all_to_all_single(out, inp, group=self.group, async_op=True)  # type: ignore[no-any-return]
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
+        return dist.all_gather_single(out, inp, group=self.group, async_op=True)  # type: ignore[no-any-return]
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        global_src = dist.get_global_rank(self.group, src)
+        return dist.broadcast(tensor, global_src, group=self.group, async_op=True)  # type: ignore[no-any-return]
+
+    def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        return dist.all_reduce(tensor, _TORCH_OP[op], group=self.group, async_op=True)  # type: ignore[no-any-return]
+
+    def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
+        return dist.reduce_scatter_single(  # type: ignore[no-any-return]
+            out, inp, _TORCH_OP[op], group=self.group, async_op=True
+        )
+
+    def _barrier(self) -> None:
+        token = torch.zeros(1, device=self.device)
+        self._wait(self._all_reduce_native(token, ReduceOp.SUM), "barrier")
+
+    def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
+        # gloo's reduce_scatter is a whole all_reduce underneath; all-to-all plus a local
+        # fold moves (N-1)/N of the buffer instead and measured faster (tools/bench_collectives).
+        return self.backend == "gloo" and collective == "reduce_scatter"
+
+    def _split(self, color: int, key: int) -> Communicator:
+        everyone = self.all_gather_object((color, key, dist.get_global_rank(self.group, self.rank)))
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for c, k, global_rank in everyone:
+            groups.setdefault(c, []).append((k, global_rank))
+        mine = None
+        # torch requires every rank of the parent to create every subgroup, in one order.
+        for c in sorted(groups):
+            members = [g for _, g in sorted(groups[c])]
+            group = dist.new_group(
+                members,
+                timeout=datetime.timedelta(seconds=self.timeout),
+                backend=self.backend,
+                sort_ranks=False,
+            )
+            if c == color:
+                mine = group
+        return TorchCommunicator(
+            mine,
+            backend=self.backend,
+            device=self.device,
+            deterministic=self.deterministic,
+            check_consistency=self.check_consistency,
+            timeout=self.timeout,
+        )
+
+    def close(self) -> None:
+        """Collective: every rank of the group must call it.
+
+        Closing a world communicator destroys torch's default process group (see
+        :class:`_WorldSession`); closing a subgroup only frees this object's buffers.
+        """
+        super().close()
+        if self.group is dist.group.WORLD and dist.is_initialized():
+            self.barrier()
+            _WorldSession.release(self.timeout)
+
+
+class _WorldSession:
+    """The world process group that zero_comm created, and its rendezvous store.
+
+    torch.distributed keeps the default process group in module globals, so this mirrors
+    it: one session per process, shared by every world communicator ``init`` returns.
+
+    Destroying the process group while a peer is still inside a collective, rank 0 (which
+    hosts the store) leaving before the others have let go of it, or exiting without
+    destroying it at all, aborts the process from torch's C++ threads ("terminate called
+    without an active exception"). So release destroys the group, and rank 0 waits until
+    every other rank has checked out of the store before dropping it. A session that was
+    never closed is released at interpreter exit, with a short wait.
+    """
+
+    _current: _WorldSession | None = None
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def start(cls, store: Any, rank: int, world_size: int) -> None:
+        if cls._current is None:
+            atexit.register(cls.release, 10.0)
+        cls._current = cls(store, rank, world_size)
+
+    @classmethod
+    def release(cls, wait_limit: float) -> None:
+        session, cls._current = cls._current, None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if session is None or session.world_size == 1:
+            return
+        if session.rank != 0:
+            session.store.add(_CLOSE_KEY, 1)
+            return
+        deadline = time.monotonic() + wait_limit
+        while (
+            session.store.add(_CLOSE_KEY, 0) < session.world_size - 1
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.005)

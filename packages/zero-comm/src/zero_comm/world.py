@@ -1,0 +1,79 @@
+"""``init``: from the launcher's environment to the world :class:`Communicator`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .communicator import Communicator
+from .errors import BackendUnavailableError
+from .launcher_env import LaunchEnv, detect_launch_env
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def resolve_backend(backend: str, env: LaunchEnv) -> str:
+    """The concrete backend ``"auto"`` stands for here: nccl on CUDA, mpi under an MPI
+    launcher when mpi4py imports, else gloo. Other names are returned unchanged."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available():
+        return "nccl"
+    if env.under_mpi_launcher:
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            return "gloo"
+        return "mpi"
+    return "gloo"
+
+
+def init(
+    backend: str = "auto",
+    *,
+    deterministic: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    check_consistency: bool = True,
+) -> Communicator:
+    """The world communicator of this process, as its launcher set it up.
+
+    Args:
+        backend: "gloo", "nccl", "mpi" or "auto" (see :func:`resolve_backend`).
+        deterministic: every float SUM/AVG adds the ranks' contributions in rank order,
+            so results are bit-identical across backends, world sizes' algorithms, and the
+            same sum computed in one process.
+        timeout: seconds the rendezvous and each collective may wait for the other ranks
+            before raising :class:`~zero_comm.errors.CommTimeoutError`.
+        check_consistency: compare each collective's (name, dtype, numel, op, root) across
+            ranks first, so a mismatch raises on every rank instead of hanging or giving a
+            wrong answer. Costs one small all-gather per collective.
+    """
+    if timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    env = detect_launch_env()
+    chosen = resolve_backend(backend, env)
+    log.debug("zero_comm.init: %s, backend %s (asked %s)", env, chosen, backend)
+    options = dict(
+        deterministic=deterministic, check_consistency=check_consistency, timeout=timeout
+    )
+    if chosen == "mpi":
+        from .mpi_backend import MPICommunicator, mpi_world_check
+
+        if env.launcher != "none":
+            mpi_world_check(env.rank)
+        comm: Communicator = MPICommunicator.create_world(**options)  # type: ignore[arg-type]
+        if comm.world_size != env.world_size:
+            raise BackendUnavailableError(
+                f"[rank {env.rank}] MPI sees {comm.world_size} ranks but the {env.launcher} "
+                f"launcher says {env.world_size}; start the job with mpiexec/mpirun/srun"
+            )
+        return comm
+    from .torch_backend import TorchCommunicator
+
+    return TorchCommunicator.create(chosen, env, **options)  # type: ignore[arg-type]
