@@ -153,8 +153,9 @@ class Communicator(abc.ABC):
     def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
 
     @abc.abstractmethod
-    def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
-        ...
+    def _reduce_scatter_native(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp
+    ) -> Work: ...
 
     @abc.abstractmethod
     def _barrier(self) -> None: ...
@@ -217,7 +218,9 @@ class Communicator(abc.ABC):
         self._check_tensor(name, "input", inp)
         if out.dtype != inp.dtype:
             raise TypeError(
-                self._err(f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match")
+                self._err(
+                    f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match"
+                )
             )
         if out.numel() * in_factor != inp.numel() * out_factor:
             raise ValueError(
@@ -238,8 +241,12 @@ class Communicator(abc.ABC):
             dtype=torch.int64,
             device=self.device,
         )
-        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=self.device)
-        self._wait(self._all_gather(everyone, mine), f"{name} #{self._sequence} (consistency check)")
+        everyone = torch.empty(
+            self.world_size * mine.numel(), dtype=torch.int64, device=self.device
+        )
+        self._wait(
+            self._all_gather(everyone, mine), f"{name} #{self._sequence} (consistency check)"
+        )
         rows = everyone.view(self.world_size, -1).tolist()
         if all(row == rows[0] for row in rows):
             return
@@ -433,8 +440,10 @@ class Communicator(abc.ABC):
 
 def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
     data = bytearray(pickle.dumps(obj))
-    return torch.frombuffer(data, dtype=torch.uint8).to(device) if data else torch.empty(
-        0, dtype=torch.uint8, device=device
+    return (
+        torch.frombuffer(data, dtype=torch.uint8).to(device)
+        if data
+        else torch.empty(0, dtype=torch.uint8, device=device)
     )
 
 

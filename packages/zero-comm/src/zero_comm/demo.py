@@ -44,14 +44,20 @@ def main() -> None:
 
     if rank == 0:
         print(f"zero_comm demo: {size} ranks: {', '.join(names)}")
-        print(f"all_reduce of {args.numel:,} floats: {elapsed * 1e3:.1f} ms, bit-identical to "
-              f"the rank-order sum in one process: {torch.equal(grads, expected)}")
-        print(f"reduce_scatter + all_gather of {chunk * size:,} floats round-trip: "
-              f"{gathered.shape[0]:,} elements")
+        print(
+            f"all_reduce of {args.numel:,} floats: {elapsed * 1e3:.1f} ms, bit-identical to "
+            f"the rank-order sum in one process: {torch.equal(grads, expected)}"
+        )
+        print(
+            f"reduce_scatter + all_gather of {chunk * size:,} floats round-trip: "
+            f"{gathered.shape[0]:,} elements"
+        )
         for name, counts in comm.stats.as_dict().items():
             if counts["calls"]:
-                print(f"  {name:15s} calls={counts['calls']:<3d} "
-                      f"ring volume={counts['volume_bytes'] / 1e6:8.2f} MB")
+                print(
+                    f"  {name:15s} calls={counts['calls']:<3d} "
+                    f"ring volume={counts['volume_bytes'] / 1e6:8.2f} MB"
+                )
     comm.barrier()
     comm.close()
 

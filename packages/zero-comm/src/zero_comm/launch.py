@@ -37,9 +37,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def rank_environment(
-    base: dict[str, str], rank: int, world_size: int, port: int
-) -> dict[str, str]:
+def rank_environment(base: dict[str, str], rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment of local rank ``rank`` of ``world_size``."""
     env = dict(base)
     env.update(

@@ -48,7 +48,9 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
     raw = environ.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise LaunchEnvError(f"environment variable {name} is not set; the launcher must set it")
+            raise LaunchEnvError(
+                f"environment variable {name} is not set; the launcher must set it"
+            )
         return default
     try:
         return int(raw)
@@ -97,9 +99,11 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         launcher = "slurm"
         rank, size = _int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_STEP_NUM_TASKS")
         local_rank = _int_var(env, "SLURM_LOCALID", 0)
-        local_size = _int_var(env, "SLURM_STEP_TASKS_PER_NODE", size) if env.get(
-            "SLURM_STEP_TASKS_PER_NODE", ""
-        ).isdigit() else size
+        local_size = (
+            _int_var(env, "SLURM_STEP_TASKS_PER_NODE", size)
+            if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit()
+            else size
+        )
         if addr is None:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
             addr = first_slurm_host(nodelist) if nodelist else None

@@ -90,7 +90,7 @@ class MPICommunicator(Communicator):
         return [address, tensor.numel(), self._typed[tensor.dtype]]
 
     def _wait(self, work: Work, name: str) -> None:
-        request = work
+        request: Any = work  # an mpi4py Request
         deadline = time.monotonic() + self.timeout
         spins = 0
         while not request.Test():

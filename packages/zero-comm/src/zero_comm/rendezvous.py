@@ -14,7 +14,7 @@ import socket
 import time
 from typing import Any
 
-import torch.distributed as dist
+from torch.distributed import HashStore, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from .errors import BackendUnavailableError, CommTimeoutError
 from .launcher_env import LaunchEnv
@@ -42,7 +42,7 @@ def _address_over_mpi(env: LaunchEnv, timeout: float) -> tuple[str, int, Any]:
     store = None
     address: tuple[str, int] | None = None
     if env.rank == 0:
-        store = dist.TCPStore(
+        store = TCPStore(
             "0.0.0.0",
             0,
             env.world_size,
@@ -63,7 +63,7 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
     ``timeout`` seconds.
     """
     if env.world_size == 1:
-        return dist.HashStore()
+        return HashStore()
     store = None
     if env.master_addr is not None and env.master_port is not None:
         addr, port = env.master_addr, env.master_port
@@ -76,7 +76,7 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
         )
     if store is None:
         try:
-            store = dist.TCPStore(
+            store = TCPStore(
                 addr,
                 port,
                 env.world_size,
@@ -92,7 +92,7 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
                 "MASTER_ADDR/MASTER_PORT are right and reachable"
             ) from exc
     _check_in(store, env, timeout)
-    return dist.PrefixStore("zero_comm", store)
+    return PrefixStore("zero_comm", store)
 
 
 def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
@@ -103,9 +103,7 @@ def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
     while store.add(f"{_PREFIX}/count", 0) < env.world_size:
         if time.monotonic() > deadline:
             missing = [
-                r
-                for r in range(env.world_size)
-                if not store.check([f"{_PREFIX}/arrived/{r}"])
+                r for r in range(env.world_size) if not store.check([f"{_PREFIX}/arrived/{r}"])
             ]
             raise CommTimeoutError(
                 f"[rank {env.rank}] rendezvous: ranks {missing} of {env.world_size} did not "

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .communicator import CompletedWork, Communicator, Work
+from .communicator import Communicator, CompletedWork, Work
 from .errors import CommError, CommTimeoutError
 from .ordered import chunk_numel
 from .reduce_op import ReduceOp
@@ -114,7 +114,9 @@ class SimulatedCommunicator(Communicator):
             tensor.copy_(everyone[src])
         return CompletedWork()
 
-    def _ring_order_reduce(self, parts: list[torch.Tensor], chunk: int, op: ReduceOp) -> torch.Tensor:
+    def _ring_order_reduce(
+        self, parts: list[torch.Tensor], chunk: int, op: ReduceOp
+    ) -> torch.Tensor:
         """Reduce chunk ``chunk`` of the ranks' parts starting at rank chunk+1, as a ring does."""
         size = self.world_size
         order = [(chunk + 1 + i) % size for i in range(size)]

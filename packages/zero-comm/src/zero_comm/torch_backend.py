@@ -16,8 +16,11 @@ from .launcher_env import LaunchEnv
 from .reduce_op import ReduceOp
 from .rendezvous import rendezvous_store
 
-_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
-             ReduceOp.MIN: dist.ReduceOp.MIN}
+_TORCH_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+}
 _CLOSE_KEY = "zero_comm/closed"
 _TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")

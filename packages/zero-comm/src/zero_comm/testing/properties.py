@@ -105,7 +105,11 @@ def check_case(comm: Communicator, case: CollectiveCase) -> None:
         assert full_ref is not None
         lo, hi = rank * case.numel, (rank + 1) * case.numel
         expected = full_ref[lo:hi]
-        ok = torch.equal(out, expected) if exact else _close(out, expected, [x[lo:hi] for x in inputs])
+        ok = (
+            torch.equal(out, expected)
+            if exact
+            else _close(out, expected, [x[lo:hi] for x in inputs])
+        )
         assert ok, f"reduce_scatter {case}: got {out[:8]} expected {expected[:8]}"
         if comm.deterministic:
             assert torch.equal(out, whole[lo:hi]), f"reduce_scatter {case} != all_reduce slice"
@@ -174,9 +178,7 @@ def agree(comm: Communicator, error: str) -> None:
     everyone = comm.all_gather_object(error)
     failed = {r: e for r, e in enumerate(everyone) if e}
     if failed:
-        raise AssertionError(
-            "; ".join(f"rank {r}: {e}" for r, e in failed.items())
-        )
+        raise AssertionError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
 
 
 def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int:

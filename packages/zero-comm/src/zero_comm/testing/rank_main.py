@@ -65,6 +65,11 @@ def main() -> None:
     value = None
     try:
         value = body(comm, **json.loads(args.kwargs))
+    except zero_comm.CommError:
+        # The communicator itself failed (a peer died or timed out): it cannot carry the
+        # agreement. Report and exit non-zero, so that the launcher stops the other ranks.
+        _write(args.results, rank, {"ok": False, "error": traceback.format_exc()})
+        sys.exit(1)
     except BaseException:
         error = traceback.format_exc()
     try:

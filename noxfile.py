@@ -1,0 +1,109 @@
+"""Every way of running the project.
+
+    nox                  lint + tests (what CI runs; no GPU needed)
+    nox -s train         the quick-start training run (a collectives demo until zero-train exists)
+    nox -s tests_gloo    real-process tests on gloo only
+    nox -s tests_mpi     real-process tests under mpiexec (MPICH from PyPI unless you have one)
+    nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
+    nox -s bench_comm    deterministic vs native collectives, bus bandwidth
+
+Every session installs torch pinned first (TORCH), so that pip never resolves the packages'
+`torch>=2.4` range to a multi-GB CUDA download, then the packages from this checkout.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+TORCH = "torch==2.13.0"
+# In dependency order: each package needs only those before it.
+PACKAGES = ("zero-comm", "zero-core", "zero-models")
+TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy")
+MPI_DEPS = ("mpi4py>=3.1", "mpich")
+LINT_DEPS = ("ruff", "mypy", "import-linter")
+TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
+CROSS_PACKAGE_TESTS = "tests"
+
+
+def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
+    session.install(TORCH)
+    session.install(*extra, *(arg for name in packages for arg in ("-e", f"packages/{name}")))
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, mypy on each package's src, and the layering contract (import-linter)."""
+    _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    for name in PACKAGES:
+        session.run("mypy", f"packages/{name}/src")
+    session.run("lint-imports")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Everything that runs on CPU: unit, simulated, gloo and MPI real-process tests.
+
+    Packages are installed one at a time, bottom up, and each package's own tests run
+    before the packages above it are installed: zero-comm is proven to work alone.
+    """
+    session.install(TORCH)
+    session.install(*TEST_DEPS, *MPI_DEPS)
+    session.run("pip", "uninstall", "--quiet", "--yes", *PACKAGES[1:])
+    for index, name in enumerate(PACKAGES):
+        session.install("-e", f"packages/{name}")
+        session.run(
+            "python", "-c",
+            f"import importlib.util as u, sys; above = {list(PACKAGES[index + 1:])!r}; "
+            "found = [p for p in above if u.find_spec(p.replace('-', '_'))]; "
+            "sys.exit(f'installed above this layer: {found}' if found else 0)",
+        )  # fmt: skip
+        _pytest(session, TEST_DIRS[name], "-m", "not nccl")
+    _pytest(session, CROSS_PACKAGE_TESTS, "-m", "not nccl")
+
+
+@nox.session
+def tests_gloo(session: nox.Session) -> None:
+    """Real-process tests on the gloo backend (zero-launch and torchrun)."""
+    _install(session, *TEST_DEPS)
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "gloo")
+
+
+@nox.session
+def tests_mpi(session: nox.Session) -> None:
+    """Real-process tests under mpiexec: the mpi backend, and gloo rendezvous over MPI."""
+    _install(session, *TEST_DEPS, *MPI_DEPS)
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "mpi")
+
+
+@nox.session
+def tests_nccl(session: nox.Session) -> None:
+    """GPU tests on NCCL; skips with the reason where torch sees no CUDA device."""
+    _install(session, *TEST_DEPS)
+    probe = "import torch; print(int(torch.cuda.is_available()))"
+    if str(session.run("python", "-c", probe, silent=True)).strip() != "1":
+        session.skip("no CUDA device visible to torch here: the nccl tests need a GPU")
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "nccl")
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """The quick start: until zero-train exists, a collectives demo on 2 local ranks."""
+    _install(session, "numpy", packages=PACKAGES)
+    session.run("zero-launch", "-n", "2", "python", "-m", "zero_comm.demo", *session.posargs)
+
+
+@nox.session
+def bench_comm(session: nox.Session) -> None:
+    """Deterministic vs native collectives and bus bandwidth, gloo and MPI."""
+    _install(session, "numpy", *MPI_DEPS, packages=("zero-comm",))
+    session.run("python", "tools/bench_collectives.py", *session.posargs)

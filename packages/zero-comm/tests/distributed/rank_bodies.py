@@ -1,0 +1,75 @@
+"""Test bodies that run on every rank of a real world (see zero_comm.testing.harness).
+
+They live apart from the test module so each rank imports only what it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from zero_comm import CommTimeoutError, Communicator
+from zero_comm.testing.properties import (
+    CollectiveCase,
+    check_case,
+    check_mismatch_is_named,
+    run_collective_properties,
+)
+
+
+def collective_properties(comm: Communicator, examples: int) -> int:
+    """The hypothesis suite of the simulated tests, on real ranks, all in step."""
+    ran = run_collective_properties(comm, examples)
+    check_mismatch_is_named(comm)
+    return ran
+
+
+def mesh_subgroups(comm: Communicator, tp: int) -> list[int]:
+    """Rows (tensor parallel) and columns (data parallel) of a tp x dp mesh."""
+    row = comm.split(color=comm.rank // tp)
+    column = comm.split(color=comm.rank % tp)
+    for group in (row, column, comm):
+        for seed, dtype in enumerate(("float32", "bfloat16", "float16")):
+            check_case(group, CollectiveCase("all_reduce", 101, dtype, seed=seed))
+            check_case(group, CollectiveCase("reduce_scatter", 13, dtype, "AVG", seed=seed))
+            check_case(group, CollectiveCase("all_gather", 7, dtype, seed=seed))
+    return [row.rank, row.world_size, column.rank, column.world_size]
+
+
+def rank_one_dies(comm: Communicator) -> None:
+    """Rank 1 exits abruptly before a collective the others enter."""
+    if comm.rank == 1:
+        os._exit(3)
+    comm.all_reduce(torch.ones(1000))
+
+
+def rank_one_is_late(comm: Communicator, late_s: float) -> float:
+    """Rank 0 enters a collective that rank 1 reaches only after rank 0's timeout."""
+    if comm.rank == 1:
+        time.sleep(late_s)
+        return 0.0
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(10))
+    except CommTimeoutError:
+        elapsed = time.monotonic() - start
+        raise CommTimeoutError(f"rank 0 timed out after {elapsed:.1f}s as it should") from None
+    raise AssertionError("rank 0's all_reduce returned although rank 1 never came")
+
+
+def fails_on_last_rank(comm: Communicator) -> None:
+    comm.all_reduce(torch.ones(3))
+    assert comm.rank != comm.world_size - 1, "deliberate failure on the last rank"
+
+
+def stats_of_one_step(comm: Communicator, numel: int) -> dict[str, float]:
+    """One all_reduce, reduce_scatter and all_gather of ``numel`` elements per rank."""
+    comm.stats.reset()
+    flat = torch.ones(numel * comm.world_size)
+    comm.all_reduce(flat)
+    shard = torch.empty(numel)
+    comm.reduce_scatter(shard, flat)
+    comm.all_gather(flat, shard)
+    return {name: float(c["volume_elements"]) for name, c in comm.stats.as_dict().items()}

@@ -1,0 +1,154 @@
+"""Real processes: the collective properties and the failure modes on gloo, MPI and NCCL.
+
+Each test starts its ranks with zero_comm.testing.run_on_ranks, under zero-launch
+("spawn"), torchrun or mpiexec. Markers select the backend (nox -s tests_gloo / tests_mpi /
+tests_nccl).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from fractions import Fraction
+
+import fails_to_import_on_rank_one
+import pytest
+import rank_bodies
+import torch
+
+from zero_comm.testing import RanksFailed, find_mpiexec, run_on_ranks
+
+needs_mpi = pytest.mark.skipif(
+    find_mpiexec() is None, reason="no mpiexec: pip install mpich mpi4py (nox -s tests_mpi does)"
+)
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the nccl backend needs a GPU"
+)
+
+GLOO = pytest.mark.gloo
+MPI = [pytest.mark.mpi, needs_mpi]
+NCCL = [pytest.mark.nccl, needs_cuda]
+
+WORLDS = [
+    pytest.param("gloo", "spawn", 3, marks=GLOO, id="gloo-spawn-3"),
+    pytest.param("gloo", "spawn", 4, marks=GLOO, id="gloo-spawn-4"),
+    pytest.param("gloo", "torchrun", 2, marks=GLOO, id="gloo-torchrun-2"),
+    pytest.param("mpi", "mpiexec", 3, marks=MPI, id="mpi-mpiexec-3"),
+    pytest.param("mpi", "mpiexec", 4, marks=MPI, id="mpi-mpiexec-4"),
+    pytest.param("gloo", "mpiexec", 3, marks=MPI, id="gloo-under-mpiexec-3"),
+    pytest.param("nccl", "spawn", 1, marks=NCCL, id="nccl-spawn-1"),
+]
+FAILURE_WORLDS = [
+    pytest.param("gloo", "spawn", marks=GLOO, id="gloo-spawn"),
+    pytest.param("mpi", "mpiexec", marks=MPI, id="mpi-mpiexec"),
+]
+
+
+@pytest.mark.parametrize(("backend", "launcher", "world_size"), WORLDS)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "native"])
+def test_collective_properties_on_real_ranks(
+    backend: str, launcher: str, world_size: int, deterministic: bool
+) -> None:
+    reports = run_on_ranks(
+        rank_bodies.collective_properties, world_size, backend=backend, launcher=launcher,
+        deterministic=deterministic, kwargs={"examples": 40},
+    )  # fmt: skip
+    assert [r["value"] for r in reports] == [40] * world_size
+
+
+@pytest.mark.parametrize(
+    ("backend", "launcher"),
+    [pytest.param("gloo", "spawn", marks=GLOO), pytest.param("mpi", "mpiexec", marks=MPI)],
+)
+def test_mesh_subgroups(backend: str, launcher: str) -> None:
+    reports = run_on_ranks(
+        rank_bodies.mesh_subgroups, 4, backend=backend, launcher=launcher, kwargs={"tp": 2}
+    )
+    assert [r["value"] for r in reports] == [
+        [0, 2, 0, 2], [1, 2, 0, 2], [0, 2, 1, 2], [1, 2, 1, 2]
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_a_dead_rank_is_named_not_waited_for(backend: str, launcher: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 1") as info:
+        run_on_ranks(rank_bodies.rank_one_dies, 3, backend=backend, launcher=launcher,
+                     comm_timeout=60, timeout=120)  # fmt: skip
+    assert time.monotonic() - start < 45, "took as long as a timeout: the death was not noticed"
+    if launcher == "spawn":
+        assert "zero-launch: rank 1 exited with code 3" in str(info.value)
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_a_peer_that_never_arrives_times_out_with_a_named_error(
+    backend: str, launcher: str
+) -> None:
+    with pytest.raises(RanksFailed) as info:
+        run_on_ranks(rank_bodies.rank_one_is_late, 2, backend=backend, launcher=launcher,
+                     comm_timeout=3, timeout=90, kwargs={"late_s": 20})  # fmt: skip
+    message = str(info.value)
+    assert "CommTimeoutError" in message and "rank 0 timed out after" in message, message
+    assert "[rank 0] all_reduce" in message, message
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_a_failure_on_one_rank_fails_every_rank(backend: str, launcher: str) -> None:
+    """The harness must not pass a test that failed on any rank (fairscale's old bug)."""
+    with pytest.raises(RanksFailed) as info:
+        run_on_ranks(rank_bodies.fails_on_last_rank, 3, backend=backend, launcher=launcher)
+    message = str(info.value)
+    assert "deliberate failure on the last rank" in message
+    assert all(f"rank {r} failed" in message for r in range(3)), message
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_a_rank_that_fails_to_initialise_fails_the_test(backend: str, launcher: str) -> None:
+    with pytest.raises(RanksFailed, match=r"rank 1 failed:(.|\n)*deliberate import failure"):
+        run_on_ranks(fails_to_import_on_rank_one.body, 2, backend=backend, launcher=launcher,
+                     timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_stats_count_ring_volume_exactly(backend: str, launcher: str) -> None:
+    numel, n = 1000, 3
+    reports = run_on_ranks(rank_bodies.stats_of_one_step, n, backend=backend, launcher=launcher,
+                           kwargs={"numel": numel})  # fmt: skip
+    buffer = numel * n
+    for report in reports:
+        volume = report["value"]
+        assert volume["all_reduce"] == float(Fraction(2 * (n - 1) * buffer, n))
+        assert volume["reduce_scatter"] == float(Fraction((n - 1) * buffer, n))
+        assert volume["all_gather"] == float(Fraction((n - 1) * buffer, n))
+
+
+@pytest.mark.gloo
+def test_rendezvous_names_the_ranks_that_never_arrive() -> None:
+    """Rank 0 of a world of 3 is started alone: it must name ranks 1 and 2, in time."""
+    from zero_comm.launch import free_port
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    code = "import zero_comm; zero_comm.init('gloo', timeout=2)"
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode != 0
+    assert "CommTimeoutError" in result.stderr
+    assert "[rank 0] rendezvous: ranks [1, 2] of 3 did not arrive within 2" in result.stderr
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.gloo
+def test_a_rank_whose_rendezvous_host_is_unreachable_gets_a_named_error() -> None:
+    from zero_comm.launch import free_port
+
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    code = "import zero_comm; zero_comm.init('gloo', timeout=2)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode != 0
+    assert "[rank 1] could not reach the rendezvous store at 127.0.0.1" in result.stderr

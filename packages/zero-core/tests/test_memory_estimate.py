@@ -1,0 +1,47 @@
+"""The memory formulas against the paper's Figure 1, and their structure as properties."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zero_core import model_state_bytes
+
+
+def test_paper_figure_1() -> None:
+    """Ψ = 7.5e9, N = 64, K = 12: 120, 31.4, 16.6, 1.9 GB, rounded as the paper does."""
+    totals = [round(model_state_bytes(7.5e9, 64, s).total / 1e9, 1) for s in range(4)]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+@given(st.integers(0, 10**12), st.integers(1, 4096), st.floats(0, 32))
+def test_stages_never_hold_more_and_agree_at_one_rank(params: int, n: int, k: float) -> None:
+    totals = [model_state_bytes(params, n, s, optimizer_state_bytes=k).total for s in range(4)]
+    assert totals == sorted(totals, reverse=True)
+    single = [model_state_bytes(params, 1, s, optimizer_state_bytes=k).total for s in range(4)]
+    assert single == [single[0]] * 4
+    # (2 + 2 + K) Ψ summed term by term may round differently from (4 + K) * Ψ.
+    assert single[0] == pytest.approx((4 + k) * params, rel=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"stage": 4}, "stage"), ({"world_size": 0}, "world_size"), ({"params": -1}, "params"),
+])  # fmt: skip
+def test_bad_input_is_named(kwargs: dict[str, int], message: str) -> None:
+    args = {"params": 10, "world_size": 2, "stage": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        model_state_bytes(args["params"], args["world_size"], args["stage"])
+
+
+def test_cli_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "zero_core.estimate_cli", "--params", "7.5e9",
+         "--world-size", "64", "--json"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert round(json.loads(out)["2"]["total"] / 1e9, 1) == 16.6
