@@ -194,3 +194,18 @@ def test_async_handles_complete_on_wait_and_tolerate_a_second_wait() -> None:
 
     for result in run_simulated(3, body):
         assert torch.equal(result, torch.full((10,), 6.0))
+
+
+def test_a_closed_communicator_refuses_work() -> None:
+    def body(comm: Communicator) -> None:
+        comm.close()
+        for call in (
+            lambda: comm.all_reduce(torch.ones(2)),
+            comm.barrier,
+            lambda: comm.all_gather_object(1),
+            lambda: comm.split(0),
+        ):
+            with pytest.raises(CommError, match="closed"):
+                call()
+
+    run_simulated(2, body)

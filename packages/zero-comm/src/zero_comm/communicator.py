@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from .buffers import BufferPool
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, CommError
 from .ordered import chunk_numel, fold_rows
 from .reduce_op import ReduceOp
 from .stats import CommStats
@@ -132,6 +132,7 @@ class Communicator(abc.ABC):
         self.stats = CommStats(world_size)
         self.buffers = BufferPool(device)
         self._sequence = 0
+        self.closed = False
 
     def __repr__(self) -> str:
         return (
@@ -158,7 +159,7 @@ class Communicator(abc.ABC):
     ) -> Work: ...
 
     @abc.abstractmethod
-    def _barrier(self) -> None: ...
+    def _barrier(self) -> Work: ...
 
     @abc.abstractmethod
     def _split(self, color: int, key: int) -> Communicator: ...
@@ -177,11 +178,16 @@ class Communicator(abc.ABC):
 
     def close(self) -> None:
         """Release the backend's resources; the communicator cannot be used afterwards."""
+        self.closed = True
         self.buffers.clear()
 
     # ------------------------------------------------------------------ checks
     def _err(self, message: str) -> str:
         return f"[rank {self.rank}] {message}"
+
+    def _check_open(self, name: str) -> None:
+        if self.closed:
+            raise CommError(self._err(f"{name}: this communicator was closed; create a new one"))
 
     def _check_tensor(self, name: str, role: str, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -233,6 +239,7 @@ class Communicator(abc.ABC):
 
     def _agree_on_call(self, name: str, dtype: torch.dtype, numel: int, op: int, root: int) -> None:
         """Every rank checks that every rank is in the same collective with the same shape."""
+        self._check_open(name)
         self._sequence += 1
         if not self.check_consistency or self.world_size == 1:
             return
@@ -358,12 +365,13 @@ class Communicator(abc.ABC):
             return self._complete(Handle(self, name, CompletedWork()), async_op)
         return self._complete(Handle(self, name, self._broadcast(tensor.view(-1), src)), async_op)
 
-    def barrier(self) -> None:
-        """Return only when every rank has entered the barrier."""
+    def barrier(self, *, async_op: bool = False) -> Handle | None:
+        """Return (or complete the handle) only when every rank has entered the barrier."""
+        self._check_open("barrier")
         self._sequence += 1
         self.stats.record("barrier", 0, 1)
-        if self.world_size > 1:
-            self._barrier()
+        work = self._barrier() if self.world_size > 1 else CompletedWork()
+        return self._complete(Handle(self, "barrier", work), async_op)
 
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Collective: ranks passing the same ``color`` form a new communicator.
@@ -373,6 +381,7 @@ class Communicator(abc.ABC):
         ``timeout``. For a tensor-parallel x data-parallel mesh of ``tp`` columns:
         ``tp_group = comm.split(color=rank // tp)``, ``dp_group = comm.split(color=rank % tp)``.
         """
+        self._check_open("split")
         if not isinstance(color, int) or color < 0:
             raise ValueError(self._err(f"split: color must be an int >= 0, got {color!r}"))
         return self._split(color, self.rank if key is None else key)
@@ -406,6 +415,7 @@ class Communicator(abc.ABC):
     # --------------------------------------------------------- object collectives
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
+        self._check_open("broadcast_object")
         if self.world_size == 1:
             return obj
         payload = _to_bytes(obj, self.device) if self.rank == src else None
@@ -421,6 +431,7 @@ class Communicator(abc.ABC):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
+        self._check_open("all_gather_object")
         if self.world_size == 1:
             return [obj]
         payload = _to_bytes(obj, self.device)

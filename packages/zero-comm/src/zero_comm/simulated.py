@@ -146,8 +146,9 @@ class SimulatedCommunicator(Communicator):
         out.copy_(self._ring_order_reduce(parts, self.rank, op))
         return CompletedWork()
 
-    def _barrier(self) -> None:
+    def _barrier(self) -> Work:
         self._exchange(None)
+        return CompletedWork()
 
     def _split(self, color: int, key: int) -> Communicator:
         self._splits += 1

@@ -22,7 +22,7 @@ _TORCH_OP = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
 _CLOSE_KEY = "zero_comm/closed"
-_TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+_TIMEOUT_WORDS = ("timed out", "timeout")  # matched without case
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
 
 
@@ -108,14 +108,15 @@ class TorchCommunicator(Communicator):
             work.wait()
         except RuntimeError as exc:
             text = str(exc)
-            if any(word in text for word in _PEER_WORDS):
+            lowered = text.lower()
+            if any(word.lower() in lowered for word in _PEER_WORDS):
                 raise PeerFailureError(
                     self._err(
                         f"{name}: a peer closed its connection, most likely because its process "
                         f"died; see the launcher's report and that rank's log ({text.strip()})"
                     )
                 ) from exc
-            if any(word in text for word in _TIMEOUT_WORDS):
+            if any(word in lowered for word in _TIMEOUT_WORDS):
                 raise CommTimeoutError(
                     self._err(
                         f"{name}: no answer from the other ranks within {self.timeout}s; a peer "
@@ -142,9 +143,9 @@ class TorchCommunicator(Communicator):
             out, inp, _TORCH_OP[op], group=self.group, async_op=True
         )
 
-    def _barrier(self) -> None:
-        token = torch.zeros(1, device=self.device)
-        self._wait(self._all_reduce_native(token, ReduceOp.SUM), "barrier")
+    def _barrier(self) -> Work:
+        # An all-reduce of one element: gloo's own barrier cannot be given a timeout.
+        return self._all_reduce_native(torch.zeros(1, device=self.device), ReduceOp.SUM)
 
     def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
         # gloo's reduce_scatter is a whole all_reduce underneath; all-to-all plus a local
@@ -183,10 +184,15 @@ class TorchCommunicator(Communicator):
         Closing a world communicator destroys torch's default process group (see
         :class:`_WorldSession`); closing a subgroup only frees this object's buffers.
         """
-        super().close()
+        if self.closed:
+            return
         if self.group is dist.group.WORLD and dist.is_initialized():
             self.barrier()
             _WorldSession.release(self.timeout)
+        super().close()
+        # Drop the process group now: a ProcessGroupGloo that lives on into interpreter
+        # teardown is destroyed in no particular order with the rest of torch.
+        self.group = None
 
 
 class _WorldSession:

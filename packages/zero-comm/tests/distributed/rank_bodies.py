@@ -53,9 +53,11 @@ def rank_one_is_late(comm: Communicator, late_s: float) -> float:
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(10))
-    except CommTimeoutError:
+    except CommTimeoutError as exc:
         elapsed = time.monotonic() - start
-        raise CommTimeoutError(f"rank 0 timed out after {elapsed:.1f}s as it should") from None
+        raise CommTimeoutError(
+            f"rank 0 timed out after {elapsed:.1f}s as it should: {exc}"
+        ) from None
     raise AssertionError("rank 0's all_reduce returned although rank 1 never came")
 
 
@@ -73,3 +75,11 @@ def stats_of_one_step(comm: Communicator, numel: int) -> dict[str, float]:
     comm.reduce_scatter(shard, flat)
     comm.all_gather(flat, shard)
     return {name: float(c["volume_elements"]) for name, c in comm.stats.as_dict().items()}
+
+
+def barriers_in_every_form(comm: Communicator) -> int:
+    comm.barrier()
+    handle = comm.barrier(async_op=True)
+    assert handle is not None
+    handle.wait()
+    return comm.stats["barrier"].calls

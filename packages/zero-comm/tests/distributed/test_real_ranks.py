@@ -124,6 +124,46 @@ def test_stats_count_ring_volume_exactly(backend: str, launcher: str) -> None:
         assert volume["all_gather"] == float(Fraction((n - 1) * buffer, n))
 
 
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_barriers(backend: str, launcher: str) -> None:
+    reports = run_on_ranks(rank_bodies.barriers_in_every_form, 3, backend=backend,
+                           launcher=launcher)  # fmt: skip
+    assert [r["value"] for r in reports] == [2, 2, 2]
+
+
+@pytest.mark.gloo
+def test_a_dead_peer_is_an_error_even_without_a_launcher_to_stop_the_others() -> None:
+    """Two ranks started by hand (no launcher kills anyone): rank 1 dies before a
+    collective; rank 0 must raise a CommError (peer failure or timeout), not hang."""
+    from zero_comm.launch import free_port
+
+    port = str(free_port())
+    code = (
+        "import os, torch, zero_comm\n"
+        "comm = zero_comm.init('gloo', timeout=10)\n"
+        "comm.barrier()\n"
+        "if comm.rank == 1: os._exit(0)\n"
+        "comm.all_reduce(torch.ones(100))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=dict(
+                os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    start = time.monotonic()
+    _, err = procs[0].communicate(timeout=60)
+    procs[1].wait(timeout=60)
+    assert procs[0].returncode != 0
+    assert "PeerFailureError: [rank 0]" in err or "CommTimeoutError: [rank 0]" in err, err
+    assert time.monotonic() - start < 30, "rank 0 waited longer than its timeout"
+
+
 @pytest.mark.gloo
 def test_rendezvous_names_the_ranks_that_never_arrive() -> None:
     """Rank 0 of a world of 3 is started alone: it must name ranks 1 and 2, in time."""

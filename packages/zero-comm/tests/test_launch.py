@@ -1,0 +1,358 @@
+"""``zero-launch``: run as a real command, with real rank processes (tier 3, kept small).
+
+Each test starts ``python -m zero_comm.launch -n N python -c RANK_CODE``. The rank code
+uses only the standard library and talks back through files in ``tmp_path``: what it saw,
+its pid, that it is ready, that it got a signal. Every wait has a timeout, and any rank pid
+a test learned is killed at teardown if it is still alive, so a broken launcher fails the
+test instead of hanging it or leaking processes.
+
+``python -m zero_comm.launch`` imports the package first, and with it torch: 1.5-3 s per
+start on a small CPU. So only :func:`test_all_ranks_succeed_with_the_torchrun_variables`
+goes through ``-m zero_comm.launch``; the other tests run the same module as ``__main__``
+through :data:`LAUNCH_SHIM`, which skips only ``zero_comm/__init__.py`` (the launcher itself
+needs nothing but the standard library). The time bounds below include the start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from zero_comm.launch import describe_exit, main, rank_environment
+
+pytestmark = pytest.mark.timeout(60)
+
+LAUNCH_TIMEOUT = 30.0  # seconds; far above any test here, only there to stop a hang.
+LONG_SLEEP = 120  # seconds a rank sleeps when it should be stopped long before.
+
+
+# ``runpy`` of zero_comm.launch as __main__, with an empty ``zero_comm`` package in place of
+# the real one, so that ``zero_comm/__init__.py`` (and torch) is not imported.
+LAUNCH_SHIM = """
+import importlib.util, runpy, sys, types
+spec = importlib.util.find_spec("zero_comm")
+pkg = types.ModuleType("zero_comm")
+pkg.__path__ = list(spec.submodule_search_locations)
+sys.modules["zero_comm"] = pkg
+runpy.run_module("zero_comm.launch", run_name="__main__", alter_sys=True)
+"""
+FULL_LAUNCH = [sys.executable, "-m", "zero_comm.launch"]
+FAST_LAUNCH = [sys.executable, "-c", LAUNCH_SHIM]
+
+
+class Finished(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def launch_command(n: int, code: str, *options: str, full: bool = False) -> list[str]:
+    return [
+        *(FULL_LAUNCH if full else FAST_LAUNCH),
+        "-n",
+        str(n),
+        *options,
+        sys.executable,
+        "-c",
+        textwrap.dedent(code),
+    ]
+
+
+def _env(tmp_path: Path, drop_omp: bool = True) -> dict[str, str]:
+    env = dict(os.environ)
+    env["TEST_DIR"] = str(tmp_path)
+    if drop_omp:
+        env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, but not ours: cannot be a rank we started
+        return False
+    return True
+
+
+def _rank_pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(tmp_path.glob("pid.*")) if p.read_text()]
+
+
+@pytest.fixture
+def rank_dir(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path``; afterwards, every rank that wrote its pid there and still runs is killed."""
+    yield tmp_path
+    for pid in _rank_pids(tmp_path):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_launch(cmd: list[str], env: dict[str, str], out_dir: Path) -> Finished:
+    """Run zero-launch to completion (or kill it after LAUNCH_TIMEOUT and fail)."""
+    start = time.monotonic()
+    with open(out_dir / "launch.out", "w+") as out, open(out_dir / "launch.err", "w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+        try:
+            code = proc.wait(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"zero-launch did not exit within {LAUNCH_TIMEOUT}s")
+        seconds = time.monotonic() - start
+        out.seek(0)
+        err.seek(0)
+        return Finished(code, out.read(), err.read(), seconds)
+
+
+def wait_for_files(paths: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            pytest.fail(f"files {missing} did not appear within {timeout}s")
+        time.sleep(0.02)
+
+
+# Shared by the rank programs: write a file atomically (so a reader never sees it empty).
+RANK_PRELUDE = """
+import os, sys, time, signal, json
+d = os.environ["TEST_DIR"]
+rank = int(os.environ["RANK"])
+def put(name, text):
+    tmp = os.path.join(d, "." + name)
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(d, name))
+put(f"pid.{rank}", str(os.getpid()))
+"""
+
+SEEN = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ZERO_LAUNCHER",
+    "OMP_NUM_THREADS",
+)
+
+
+@pytest.mark.parametrize(("n", "full"), [(1, False), (3, True)])
+def test_all_ranks_succeed_with_the_torchrun_variables(rank_dir: Path, n: int, full: bool) -> None:
+    code = (
+        RANK_PRELUDE
+        + f"""
+put(f"seen.{{rank}}", json.dumps({{k: os.environ.get(k) for k in {SEEN!r}}}))
+"""
+    )
+    result = run_launch(launch_command(n, code, full=full), _env(rank_dir), rank_dir)
+    assert result.returncode == 0, result.stderr
+    seen = [json.loads((rank_dir / f"seen.{r}").read_text()) for r in range(n)]
+    ports = {s["MASTER_PORT"] for s in seen}
+    assert len(ports) == 1, f"ranks were given different ports: {ports}"
+    port = int(ports.pop())
+    assert 0 < port < 65536
+    omp = str(max(1, (os.cpu_count() or 1) // n))
+    for r, s in enumerate(seen):
+        assert s == {
+            "RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(n),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "ZERO_LAUNCHER": "zero-launch",
+            "OMP_NUM_THREADS": omp,
+        }
+
+
+def test_omp_num_threads_set_by_the_user_is_kept(rank_dir: Path) -> None:
+    code = RANK_PRELUDE + 'put(f"omp.{rank}", os.environ["OMP_NUM_THREADS"])\n'
+    env = _env(rank_dir)
+    env["OMP_NUM_THREADS"] = "7"
+    result = run_launch(launch_command(2, code), env, rank_dir)
+    assert result.returncode == 0, result.stderr
+    assert [(rank_dir / f"omp.{r}").read_text() for r in range(2)] == ["7", "7"]
+
+
+def test_a_failing_rank_stops_the_others_quickly(rank_dir: Path) -> None:
+    """Rank 1 exits with 3 once ranks 0 and 2 (sleeping LONG_SLEEP s) have written their pids.
+
+    zero-launch must exit non-zero, name rank 1, and leave no rank running, within 15 s:
+    the start-up (~1.5 s) plus a poll and SIGTERM, far below the 120 s sleep.
+    """
+    code = (
+        RANK_PRELUDE
+        + f"""
+if rank == 1:
+    deadline = time.monotonic() + 20
+    while not all(os.path.exists(os.path.join(d, f"pid.{{r}}")) for r in (0, 2)):
+        if time.monotonic() > deadline:
+            sys.exit(4)
+        time.sleep(0.01)
+    sys.exit(3)
+time.sleep({LONG_SLEEP})
+"""
+    )
+    result = run_launch(launch_command(3, code), _env(rank_dir), rank_dir)
+    assert result.returncode != 0
+    assert result.returncode == 3, "zero-launch passes the failing rank's exit code on"
+    assert result.seconds < 15, f"took {result.seconds:.1f}s"
+    assert "rank 1 exited with code 3" in result.stderr
+    assert "stopped ranks [0, 2]" in result.stderr
+    pids = _rank_pids(rank_dir)
+    assert len(pids) == 3
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(rank_dir: Path) -> None:
+    """With ``--grace 0.5``, ranks that ignore SIGTERM are SIGKILLed half a second later."""
+    code = (
+        RANK_PRELUDE
+        + f"""
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if rank == 0:
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(d, "pid.1")):
+        if time.monotonic() > deadline:
+            sys.exit(4)
+        time.sleep(0.01)
+    sys.exit(5)
+time.sleep({LONG_SLEEP})
+"""
+    )
+    result = run_launch(launch_command(2, code, "--grace", "0.5"), _env(rank_dir), rank_dir)
+    assert result.returncode == 5
+    assert result.seconds < 15, f"took {result.seconds:.1f}s"
+    assert "rank 0 exited with code 5" in result.stderr
+    assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
+
+
+def test_a_rank_killed_by_a_signal_is_reported_by_its_name(rank_dir: Path) -> None:
+    code = (
+        RANK_PRELUDE
+        + """
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    )
+    result = run_launch(launch_command(2, code), _env(rank_dir), rank_dir)
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in result.stderr
+
+
+def test_sigterm_is_forwarded_to_every_rank(rank_dir: Path) -> None:
+    """Each rank installs a SIGTERM handler that writes ``term.R`` and exits 0, then says
+    it is ready. SIGTERM to zero-launch (only to it: ranks run in their own sessions)
+    must reach every rank, and zero-launch must still exit non-zero (128 + SIGTERM)."""
+    n = 2
+    code = (
+        RANK_PRELUDE
+        + f"""
+def on_term(signum, frame):
+    put(f"term.{{rank}}", signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+put(f"ready.{{rank}}", "")
+time.sleep({LONG_SLEEP})
+sys.exit(6)
+"""
+    )
+    with open(rank_dir / "launch.err", "w+") as err:
+        proc = subprocess.Popen(
+            launch_command(n, code), env=_env(rank_dir), stdout=subprocess.DEVNULL, stderr=err
+        )
+        try:
+            wait_for_files([rank_dir / f"ready.{r}" for r in range(n)], timeout=20)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code_ = proc.wait(timeout=10)
+            seconds = time.monotonic() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [(rank_dir / f"term.{r}").read_text() for r in range(n)] == ["SIGTERM"] * n
+    assert code_ != 0
+    assert code_ == 128 + signal.SIGTERM
+    assert seconds < 5, f"took {seconds:.1f}s after SIGTERM"
+    assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "0", "true"], "-n must be at least 1, got 0"),
+        (["-n", "-2", "true"], "-n must be at least 1, got -2"),
+        (["-n", "2"], "no command given"),
+        (["-n", "2", "--"], "no command given"),
+        (["-n", "two", "true"], "invalid int value"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In process: argparse's usage errors exit 2 before anything is started."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage: zero-launch" in err
+
+
+def test_usage_error_as_a_command() -> None:
+    """The same as a command: exit 2, message on stderr, nothing started."""
+    cmd = [*FAST_LAUNCH, "-n", "0", sys.executable, "-c", "pass"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 2
+    assert "-n must be at least 1" in proc.stderr
+
+
+def test_double_dash_separates_the_command(rank_dir: Path) -> None:
+    """``zero-launch -n 1 -- python -c CODE -n 5``: everything after ``--`` is the rank's."""
+    code = RANK_PRELUDE + 'put("argv", json.dumps(sys.argv[1:]))\n'
+    cmd = [*FAST_LAUNCH, "-n", "1", "--"]
+    cmd += [sys.executable, "-c", code, "-n", "5"]
+    result = run_launch(cmd, _env(rank_dir), rank_dir)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((rank_dir / "argv").read_text()) == ["-n", "5"]
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+@pytest.mark.parametrize("sig", list(signal.Signals), ids=lambda s: s.name)
+def test_describe_exit_names_every_signal(sig: signal.Signals) -> None:
+    assert describe_exit(-sig.value) == f"was killed by {sig.name}"
+
+
+def test_describe_exit_of_an_unknown_signal() -> None:
+    assert describe_exit(-200) == "was killed by signal 200"
+
+
+@pytest.mark.parametrize("code", [1, 3, 127, 255])
+def test_describe_exit_of_an_exit_code(code: int) -> None:
+    assert describe_exit(code) == f"exited with code {code}"
+
+
+def test_rank_environment_does_not_change_its_base() -> None:
+    base = {"PATH": "/bin", "RANK": "9"}
+    env = rank_environment(base, 2, 4, 12345)
+    assert base == {"PATH": "/bin", "RANK": "9"}
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "4", "12345")
+    assert env["PATH"] == "/bin"
