@@ -13,6 +13,8 @@ Every session installs torch pinned first (TORCH), so that pip never resolves th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
@@ -104,6 +106,20 @@ def train(session: nox.Session) -> None:
 
 @nox.session
 def bench_comm(session: nox.Session) -> None:
-    """Deterministic vs native collectives and bus bandwidth, gloo and MPI."""
+    """Deterministic vs native collectives and bus bandwidth, gloo and MPI, N = 2 and 4.
+
+    Writes one JSON per launch under .nox/bench_comm/tmp and prints the merged tables.
+    """
     _install(session, "numpy", *MPI_DEPS, packages=("zero-comm",))
-    session.run("python", "tools/bench_collectives.py", *session.posargs)
+    out = Path(session.create_tmp())
+    results = []
+    for n in ("2", "4"):
+        for backend, launch in (
+            ("gloo", ["zero-launch", "-n", n, "python"]),
+            ("mpi", ["mpiexec", "-n", n, "python", "-m", "mpi4py"]),
+        ):
+            result = str(out / f"{backend}-{n}.json")
+            session.run(*launch, "tools/bench_collectives.py", "--backend", backend,
+                        "--json", result, *session.posargs)  # fmt: skip
+            results.append(result)
+    session.run("python", "tools/bench_collectives.py", "--merge", *results)

@@ -90,20 +90,29 @@ class MPICommunicator(Communicator):
         return [address, tensor.numel(), self._typed[tensor.dtype]]
 
     def _wait(self, work: Work, name: str) -> None:
+        # MPICH advances a non-blocking collective only while a rank is inside an MPI call,
+        # so a rank that naps holds the others up (a 1e4-element all_reduce went from
+        # 0.04 ms to 0.8 ms with 1 ms naps), while pure spinning starves oversubscribed
+        # ranks. So: spin for 1 ms, then poll yielding the core up to 10 ms, then nap 0.1 ms.
         request: Any = work  # an mpi4py Request
-        deadline = time.monotonic() + self.timeout
-        spins = 0
+        start = time.monotonic()
+        polls = 0
         while not request.Test():
-            spins += 1
-            if spins > 200:
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError(
-                        self._err(
-                            f"{name}: no answer from the other ranks within {self.timeout}s; a "
-                            "peer is stuck, dead, or called a different collective"
-                        )
+            polls += 1
+            if polls % 16:
+                continue
+            waited = time.monotonic() - start
+            if waited > self.timeout:
+                raise CommTimeoutError(
+                    self._err(
+                        f"{name}: no answer from the other ranks within {self.timeout}s; a "
+                        "peer is stuck, dead, or called a different collective"
                     )
-                time.sleep(min(1e-5 * (spins - 200), 1e-3))
+                )
+            if waited > 0.01:
+                time.sleep(1e-4)
+            elif waited > 0.001:
+                time.sleep(0)
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         chunk_bytes = inp.numel() * inp.element_size() // self.world_size
