@@ -12,6 +12,7 @@ from zero_core.flat_layout import FlatLayout, Range
 numels = st.lists(st.one_of(st.integers(0, 40), st.sampled_from([0, 1, 97, 1031])), max_size=8)
 world_sizes = st.integers(1, 9)
 alignments = st.sampled_from([1, 2, 4, 16, 128])
+param_alignments = st.sampled_from([1, 1, 3, 16])
 
 
 @given(numels, world_sizes, alignments)
@@ -35,11 +36,11 @@ def test_padding_is_below_world_size_times_alignment(sizes: list[int], n: int, a
     assert 0 <= layout.padding < n * a
 
 
-@given(numels, world_sizes, alignments)
+@given(numels, world_sizes, alignments, param_alignments)
 def test_pieces_cover_every_parameter_element_exactly_once(
-    sizes: list[int], n: int, a: int
+    sizes: list[int], n: int, a: int, pa: int
 ) -> None:
-    layout = FlatLayout.of(sizes, n, a)
+    layout = FlatLayout.of(sizes, n, a, pa)
     seen = [[0] * size for size in sizes]
     for rank in range(n):
         for piece in layout.shard_pieces(rank):
@@ -50,13 +51,14 @@ def test_pieces_cover_every_parameter_element_exactly_once(
     assert seen == [[1] * size for size in sizes]
 
 
-@given(numels, world_sizes, alignments, st.integers(0, 2**16))
+@given(numels, world_sizes, alignments, param_alignments, st.integers(0, 2**16))
 def test_flatten_shard_gather_unflatten_is_the_identity(
-    sizes: list[int], n: int, a: int, seed: int
+    sizes: list[int], n: int, a: int, pa: int, seed: int
 ) -> None:
     generator = torch.Generator().manual_seed(seed)
     params = [torch.randn(size, generator=generator) for size in sizes]
-    layout = FlatLayout.of(sizes, n, a)
+    layout = FlatLayout.of(sizes, n, a, pa)
+    assert all(r.start % pa == 0 for r in layout.param_flat_ranges())
     # Each rank builds its shard from the pieces alone; concatenating shards is all_gather.
     shards = []
     for rank in range(n):
@@ -69,7 +71,10 @@ def test_flatten_shard_gather_unflatten_is_the_identity(
     flat = torch.cat(shards) if shards else torch.zeros(0)
     rebuilt = [flat[r.start : r.stop] for r in layout.param_flat_ranges()]
     assert all(torch.equal(x, y) for x, y in zip(params, rebuilt, strict=True))
-    assert not flat[layout.numel :].any(), "padding must stay zero"
+    gaps = torch.ones(layout.padded_numel, dtype=torch.bool)
+    for r in layout.param_flat_ranges():
+        gaps[r.start : r.stop] = False
+    assert not flat[gaps].any(), "padding must stay zero"
 
 
 def test_more_ranks_than_elements_and_a_single_huge_parameter() -> None:
@@ -93,7 +98,12 @@ def test_range_intersect_and_shift(a: int, b: int, c: int, d: int) -> None:
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(([1], 0), "world_size"), (([1], 2, 0), "alignment"), (([-1], 2), "sizes")],
+    [
+        (([1], 0), "world_size"),
+        (([1], 2, 0), "alignment"),
+        (([1], 2, 1, 0), "param_alignment"),
+        (([-1], 2), "sizes"),
+    ],
 )
 def test_bad_layouts_are_named(args: tuple, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):

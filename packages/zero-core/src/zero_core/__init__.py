@@ -1,11 +1,28 @@
-"""zero_core: ZeRO partitioning and stages, written against zero_comm.
+"""zero_core: ZeRO stages 0-2 written against zero_comm's Communicator.
 
-So far: the paper's model-state memory formulas (:func:`model_state_bytes`, and the
-``zero-estimate`` command). The engine (stages 0-3) builds on zero_comm's Communicator.
+    import zero_comm, zero_core
+    comm = zero_comm.init(deterministic=True)
+    engine = zero_core.initialize(model, torch.optim.AdamW(model.parameters()),
+                                  zero_core.ZeroConfig(stage=2, param_dtype="bf16"), comm)
+    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+
+With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
+from .config import ZeroConfig
+from .engine import ZeroEngine
+from .initialize import initialize
+from .memory import MemoryReport
 from .memory_estimate import ModelStateBytes, model_state_bytes
 
 __version__ = "0.1.0"
 
-__all__ = ["ModelStateBytes", "__version__", "model_state_bytes"]
+__all__ = [
+    "MemoryReport",
+    "ModelStateBytes",
+    "ZeroConfig",
+    "ZeroEngine",
+    "__version__",
+    "initialize",
+    "model_state_bytes",
+]

@@ -17,7 +17,12 @@ to 16 = 4 shards of 4:
     rank          0   |    1    |     2     |     3
 
 Rank 1 owns flat [4, 8): a's param_range [4, 5) at local [0, 1) and b's param_range
-[0, 3) at local [1, 4). A parameter may straddle shards; padding is below N x alignment.
+[0, 3) at local [1, 4). A parameter may straddle shards; the tail padding is below
+N x alignment.
+
+With ``param_alignment`` > 1 every parameter also starts at a multiple of it (zeros fill
+the gaps), so fixed-size blocks of a parameter never straddle a shard boundary when the
+shard size is a multiple of the block: the gradient norm uses that (see grad_norm).
 """
 
 from __future__ import annotations
@@ -73,23 +78,30 @@ class FlatLayout:
     numels: tuple[int, ...]
     world_size: int
     alignment: int = 1
+    param_alignment: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
-        if self.alignment < 1:
-            raise ValueError(f"alignment must be at least 1, got {self.alignment}")
+        if self.alignment < 1 or self.param_alignment < 1:
+            raise ValueError(
+                f"alignment and param_alignment must be at least 1, got {self.alignment} "
+                f"and {self.param_alignment}"
+            )
         if any(n < 0 for n in self.numels):
             raise ValueError(f"parameter sizes must be >= 0, got {self.numels}")
 
     @classmethod
-    def of(cls, numels: Sequence[int], world_size: int, alignment: int = 1) -> FlatLayout:
-        return cls(tuple(numels), world_size, alignment)
+    def of(
+        cls, numels: Sequence[int], world_size: int, alignment: int = 1, param_alignment: int = 1
+    ) -> FlatLayout:
+        return cls(tuple(numels), world_size, alignment, param_alignment)
 
     @property
     def numel(self) -> int:
-        """Elements of the parameters, without padding."""
-        return sum(self.numels)
+        """Elements up to the end of the last parameter (with the gaps, without tail padding)."""
+        ranges = self.param_flat_ranges()
+        return ranges[-1].stop if ranges else 0
 
     @property
     def shard_numel(self) -> int:
@@ -106,10 +118,11 @@ class FlatLayout:
 
     def param_flat_ranges(self) -> list[Range]:
         """Each parameter's place in the flat buffer (flat_range)."""
-        ranges, start = [], 0
+        ranges, stop = [], 0
         for n in self.numels:
+            start = round_up(stop, self.param_alignment)
             ranges.append(Range(start, start + n))
-            start += n
+            stop = start + n
         return ranges
 
     def shard_flat_range(self, rank: int) -> Range:

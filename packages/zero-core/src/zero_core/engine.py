@@ -1,0 +1,255 @@
+"""The engine every stage shares: the training-step protocol, precision, scaling, clipping.
+
+    engine = zero_core.initialize(model, torch.optim.AdamW(model.parameters()), config, comm)
+    for batch in data:
+        loss = loss_fn(engine(batch))
+        engine.backward(loss)
+        engine.step()          # applies the update every gradient_accumulation_steps calls
+
+One step, for every stage, in this order (the order is part of the bit-for-bit contract):
+
+    per micro-step   loss * loss_scale -> backward -> gradients reduced across ranks in the
+                     compute dtype (rank order when the communicator is deterministic) and
+                     accumulated, in the compute dtype, over micro-steps
+    at the boundary  g = float32(accumulated) / (N * accumulation_steps * loss_scale)
+                     float16: if any rank sees inf/nan, skip the step on every rank
+                     clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)
+                     optimizer.step() on float32 master weights (full, or this rank's shard)
+                     compute parameters = master weights cast to the compute dtype
+
+Subclasses hold the policy of their stage: where gradients and master weights live, and
+which collectives move them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator, ReduceOp
+
+from .config import ZeroConfig
+from .grad_norm import clip_coefficient, norm_from_row_sums
+from .loss_scaler import LossScaler, NoLossScaler
+from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
+from .optimizer_spec import ParamGroups
+
+
+class ZeroEngine(abc.ABC):
+    """A model, its optimizer and a communicator, trained as one data-parallel replica."""
+
+    def __init__(
+        self, module: nn.Module, groups: ParamGroups, config: ZeroConfig, comm: Communicator
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.groups = groups
+        self.dtype = config.param_dtype
+        self.loss_scaler: LossScaler = (
+            LossScaler(
+                config.loss_scale or config.initial_loss_scale,
+                dynamic=config.loss_scale == 0,
+                window=config.loss_scale_window,
+                hysteresis=config.hysteresis,
+                minimum=config.min_loss_scale,
+            )
+            if self.dtype is torch.float16
+            else NoLossScaler()
+        )
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        initial = self._broadcast_initial_state()
+        module.to(self.dtype)
+        self.masters = self._build(initial)
+        self.optimizer = groups.build(self.masters)
+
+    # ----------------------------------------------------------- stage policy
+    @abc.abstractmethod
+    def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Lay out parameters and gradients; return the float32 master tensor of each group.
+
+        ``initial`` maps id(parameter) to its float32 value, identical on every rank."""
+
+    @abc.abstractmethod
+    def _reduce_gradients(self, first_micro_step: bool) -> None:
+        """After a backward: reduce this micro-step's gradients and accumulate them."""
+
+    @abc.abstractmethod
+    def _float32_gradients(self) -> list[torch.Tensor]:
+        """Per group, the accumulated gradient matching that group's master tensor, as a
+        new float32 tensor."""
+
+    @abc.abstractmethod
+    def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        """The grad_norm row sums of the whole (all ranks') gradient, in parameter order."""
+
+    @abc.abstractmethod
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (the same answer on every rank)."""
+
+    @abc.abstractmethod
+    def _publish_parameters(self) -> None:
+        """Copy the updated master weights into the compute parameters of every rank."""
+
+    @abc.abstractmethod
+    def _clear_gradients(self) -> None:
+        """Forget accumulated gradients."""
+
+    @abc.abstractmethod
+    def _full_master_values(self) -> dict[int, torch.Tensor]:
+        """Collective: id(parameter) -> its full float32 master value, on every rank."""
+
+    @abc.abstractmethod
+    def _gradient_tensors(self) -> list[torch.Tensor | None]:
+        """The gradient storage this rank holds, for the memory report."""
+
+    # ----------------------------------------------------------- shared set-up
+    def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
+        for g, params in enumerate(self.groups.params):
+            for p in params:
+                yield g, p
+
+    def _broadcast_initial_state(self) -> dict[int, torch.Tensor]:
+        """Rank 0's parameters and buffers on every rank; float32 copies of the trainables."""
+        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
+            data = tensor.data
+            if not data.is_contiguous():
+                data = data.contiguous()
+                tensor.data = data
+            self.comm.broadcast(data, src=0)
+        return {
+            id(p): p.detach().to(torch.float32, copy=True) for _, p in self.trainable_parameters()
+        }
+
+    # ----------------------------------------------------------- training step
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def is_accumulation_boundary(self) -> bool:
+        return self.micro_steps == self.config.gradient_accumulation_steps
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (scaled for float16), then reduce this micro-step's gradients."""
+        if self.micro_steps >= self.config.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] backward called {self.micro_steps + 1} times without "
+                f"step(); with gradient_accumulation_steps="
+                f"{self.config.gradient_accumulation_steps} call step() after each backward"
+            )
+        scale = self.loss_scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+        self._reduce_gradients(first_micro_step=self.micro_steps == 0)
+        self.micro_steps += 1
+
+    def step(self) -> bool:
+        """Apply the update if this is an accumulation boundary; True if it was applied
+        (False between boundaries, and when float16 overflow skipped it)."""
+        if not self.is_accumulation_boundary:
+            return False
+        denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
+        denominator *= self.loss_scaler.scale
+        gradients = self._float32_gradients()
+        for g in gradients:
+            g.div_(denominator)
+        if self.dtype is torch.float16:
+            finite = all(bool(torch.isfinite(g).all()) for g in gradients)
+            if self._any_rank(not finite):
+                self.loss_scaler.update(overflow=True)
+                self.skipped_steps += 1
+                self.zero_grad()
+                return False
+        if self.config.clip_grad_norm is not None:
+            self.last_grad_norm = norm_from_row_sums(self._row_sums(gradients))
+            coefficient = clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
+            if coefficient is not None:
+                for g in gradients:
+                    g.mul_(coefficient)
+        for master, g in zip(self.masters, gradients, strict=True):
+            master.grad = g
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self._publish_parameters()
+        self.loss_scaler.update(overflow=False)
+        self.global_steps += 1
+        self.zero_grad()
+        return True
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (done automatically after every applied step)."""
+        self.micro_steps = 0
+        for p in self.module.parameters():
+            if p.grad is not None and not self._keeps_grad_views:
+                p.grad = None
+        self._clear_gradients()
+
+    _keeps_grad_views = False
+
+    # ---------------------------------------------------------------- reports
+    @property
+    def stats(self) -> Any:
+        """The communicator's statistics (calls and ring-convention volume per collective)."""
+        return self.comm.stats
+
+    def full_state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Collective: the full float32 model state keyed like ``module.state_dict()``.
+
+        Trainable parameters come from the master weights; frozen parameters and floating
+        buffers are converted to float32. With ``rank`` given, only that rank gets the dict
+        (the others get an empty one)."""
+        masters = self._full_master_values()
+        if rank is not None and rank != self.comm.rank:
+            return {}
+        result: dict[str, torch.Tensor] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) in masters:
+                result[name] = masters[id(value)].clone()
+            elif value.is_floating_point():
+                result[name] = value.detach().to(torch.float32, copy=True)
+            else:
+                result[name] = value.detach().clone()
+        return result
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds now, by category (views of one storage count once)."""
+        return MemoryReport(
+            parameters=tensor_bytes(self.module.parameters()),
+            gradients=tensor_bytes(self._gradient_tensors()),
+            master_weights=tensor_bytes(self.masters),
+            optimizer_states=optimizer_state_bytes(self.optimizer),
+            buffers=tensor_bytes(self.module.buffers()),
+            comm_buffers=self.comm.buffers.bytes_held,
+        )
+
+    def any_rank_int(self, flag: bool) -> bool:
+        token = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(token, ReduceOp.MAX)
+        return bool(token.item())
+
+
+def check_model(module: nn.Module, comm: Communicator) -> None:
+    """Reject what the engine cannot train, naming the parameter and the fix."""
+    for name, p in module.named_parameters():
+        if p.device.type != comm.device.type:
+            raise ValueError(
+                f"[rank {comm.rank}] parameter {name} is on {p.device}, but the {comm.backend} "
+                f"communicator works on {comm.device}; move the model with "
+                f".to({str(comm.device)!r}) first"
+            )
+        if p.requires_grad and not p.is_floating_point():
+            raise TypeError(f"[rank {comm.rank}] parameter {name} is {p.dtype}: not trainable")
+
+
+def describe(groups: ParamGroups) -> Mapping[str, Any]:
+    return {
+        "optimizer": groups.optimizer_class.__name__,
+        "groups": [len(p) for p in groups.params],
+    }

@@ -1,0 +1,127 @@
+"""Reduce-scatter gradient buckets, in one order on every rank, overlapped with backward.
+
+A bucket is *complete* when every parameter in it has its gradient for this micro-step.
+Buckets are launched strictly in the canonical order, last bucket first (the order backward
+usually completes them), over all parameter groups:
+
+    complete:  b5  b4  b2  b3  b1  b0      (the order hooks happen to fire)
+    launched:  b5  b4  .   b3+b2  b1  b0   (b2 waits for b3: same order on every rank)
+
+so every rank issues the same sequence of collectives even if its hooks fire in another
+order or some parameter gets no gradient (those buckets complete in ``finish``). At most
+``max_in_flight`` reduce-scatters are outstanding; each one's result (this rank's slice of
+the bucket) is added into that bucket's *target*, a view of the rank's gradient shard.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from zero_comm import Communicator, Handle
+
+from .flat_layout import Range
+
+
+@dataclass
+class BucketSlot:
+    """One bucket: its parameters' places, where its reduced slice goes, its staging."""
+
+    numel: int  # padded bucket elements
+    slice_numel: int
+    params: list[tuple[torch.nn.Parameter, Range]]
+    target: torch.Tensor  # slice_numel elements: this rank's accumulated gradient slice
+    persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
+
+
+class BucketReducer:
+    """Collects gradients into buckets and reduce-scatters them in canonical order."""
+
+    def __init__(
+        self, comm: Communicator, slots: list[BucketSlot], dtype: torch.dtype, max_in_flight: int
+    ) -> None:
+        self.comm = comm
+        self.slots = slots
+        self.dtype = dtype
+        self.max_in_flight = max_in_flight
+        self.place = {
+            id(p): (index, flat) for index, slot in enumerate(slots) for p, flat in slot.params
+        }
+        self._staging: list[torch.Tensor | None] = [None] * len(slots)
+        self._arrived = [0] * len(slots)
+        self._next = len(slots) - 1
+        self._in_flight: deque[tuple[int, Handle, torch.Tensor]] = deque()
+        self._first = True
+
+    def begin(self, first_micro_step: bool) -> None:
+        self._first = first_micro_step
+        self._arrived = [0] * len(self.slots)
+        self._next = len(self.slots) - 1
+
+    def _stage(self, index: int) -> torch.Tensor:
+        staging = self._staging[index]
+        if staging is None:
+            slot = self.slots[index]
+            if slot.persistent is not None:
+                staging = slot.persistent
+            else:
+                staging = self.comm.buffers.take(slot.numel, self.dtype)
+                staging.zero_()
+            self._staging[index] = staging
+        return staging
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Hook: ``param.grad`` holds this micro-step's gradient; move it into its bucket."""
+        index, flat = self.place[id(param)]
+        if param.grad is not None:
+            self._stage(index)[flat.start : flat.stop].copy_(param.grad.reshape(-1))
+            param.grad = None
+        self._arrived[index] += 1
+        self._launch_ready()
+
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        """Stage 1: the gradient is already in place in the persistent bucket."""
+        self._arrived[self.place[id(param)][0]] += 1
+        self._launch_ready()
+
+    def _complete(self, index: int) -> bool:
+        return self._arrived[index] >= len(self.slots[index].params)
+
+    def _launch_ready(self) -> None:
+        while self._next >= 0 and self._complete(self._next):
+            self._launch(self._next)
+            self._next -= 1
+
+    def _launch(self, index: int) -> None:
+        slot = self.slots[index]
+        out = self.comm.buffers.take(slot.slice_numel, self.dtype)
+        handle = self.comm.reduce_scatter(out, self._stage(index), async_op=True)
+        assert handle is not None
+        self._in_flight.append((index, handle, out))
+        while len(self._in_flight) > self.max_in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        index, handle, out = self._in_flight.popleft()
+        handle.wait()
+        slot = self.slots[index]
+        if self._first:
+            slot.target.copy_(out)
+        else:
+            slot.target.add_(out)
+        self.comm.buffers.give_back(out)
+        staging = self._staging[index]
+        if staging is not None and slot.persistent is None:
+            self.comm.buffers.give_back(staging)
+        self._staging[index] = None
+
+    def finish(self) -> None:
+        """After backward: complete every bucket (missing gradients are zeros), launch the
+        rest in canonical order, and wait for all of them."""
+        for index in range(len(self.slots)):
+            self._arrived[index] = len(self.slots[index].params)
+        self._launch_ready()
+        while self._in_flight:
+            self._finish_oldest()

@@ -1,0 +1,51 @@
+"""``initialize``: a model, an optimizer, a config and a communicator, to a ZeroEngine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from zero_comm import Communicator
+
+from .config import AVAILABLE_STAGES, ZeroConfig
+from .engine import ZeroEngine, check_model
+from .optimizer_spec import OptimizerSpec, resolve_param_groups
+from .stage0 import DataParallelEngine
+from .stage1 import Stage1Engine
+from .stage2 import Stage2Engine
+
+ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallelEngine, 1: Stage1Engine, 2: Stage2Engine}
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerSpec,
+    config: ZeroConfig | Mapping[str, Any],
+    comm: Communicator,
+    *,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+) -> ZeroEngine:
+    """Wrap ``model`` for ZeRO training on the ranks of ``comm``.
+
+    Args:
+        model: an ``nn.Module`` on ``comm.device``; rank 0's initial values are broadcast.
+        optimizer: an optimizer built over ``model.parameters()`` (its groups and options
+            are kept), an optimizer class (with ``optimizer_kwargs``), or a factory
+            ``params -> Optimizer``. It must be elementwise (SGD, Adam, AdamW, ...).
+        config: a :class:`ZeroConfig`, or a DeepSpeed-style dict (see
+            ``ZeroConfig.from_deepspeed``).
+        comm: the data-parallel communicator; ``deterministic=True`` makes every stage
+            equal stage 0 bit for bit.
+    """
+    if not isinstance(config, ZeroConfig):
+        config = ZeroConfig.from_deepspeed(config)
+    if config.stage not in AVAILABLE_STAGES:
+        raise NotImplementedError(
+            f"ZeRO stage {config.stage} is not implemented yet; stages {AVAILABLE_STAGES} are. "
+            "Use stage=2 for partitioned gradients and optimizer states"
+        )
+    check_model(model, comm)
+    groups = resolve_param_groups(model, optimizer, optimizer_kwargs)
+    return ENGINES[config.stage](model, groups, config, comm)

@@ -1,0 +1,49 @@
+"""What a rank holds, by category, counted from the tensors themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+
+class MemoryReport(NamedTuple):
+    """Bytes one rank holds. ``comm_buffers`` are the communicator's pooled staging
+    buffers, bounded by ``bucket_numel`` and ``max_buckets_in_flight``."""
+
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    buffers: int
+    comm_buffers: int
+
+    @property
+    def model_states(self) -> int:
+        """The paper's model states: parameters, gradients, master weights, optimizer states."""
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.buffers + self.comm_buffers
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )

@@ -1,0 +1,94 @@
+"""What the user gave as an optimizer, turned into parameter groups and a builder.
+
+Accepted, as DeepSpeed and FSDP users expect:
+
+    torch.optim.AdamW(model.parameters(), lr=1e-3)     an instance: its groups and options
+    torch.optim.AdamW  (+ optimizer_kwargs)             a class: one group of all trainables
+    lambda params: torch.optim.AdamW(params, lr=1e-3)   a factory of an instance
+
+The engine then builds the same optimizer class, with the same per-group options, over its
+own float32 master tensors (the full ones at stage 0, this rank's shard otherwise). Only
+elementwise optimizers are correct on a shard (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+OptimizerSpec = torch.optim.Optimizer | type[torch.optim.Optimizer] | Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """The trainable parameters in optimizer groups, and how to rebuild the optimizer."""
+
+    params: tuple[tuple[nn.Parameter, ...], ...]
+    options: tuple[dict[str, Any], ...]
+    optimizer_class: type[torch.optim.Optimizer]
+    defaults: dict[str, Any]
+
+    def build(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer over ``tensors`` (one per group), with each group's options."""
+        groups = [{"params": [t], **opts} for t, opts in zip(tensors, self.options, strict=True)]
+        # Each group carries every option; the constructor takes the defaults it names
+        # (some optimizers keep defaults their constructor does not accept).
+        accepted = inspect.signature(self.optimizer_class.__init__).parameters
+        defaults = {k: v for k, v in self.defaults.items() if k in accepted}
+        return self.optimizer_class(groups, **defaults)
+
+
+def resolve_param_groups(
+    model: nn.Module, optimizer: OptimizerSpec, optimizer_kwargs: Mapping[str, Any] | None
+) -> ParamGroups:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    instance: Any
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        instance = optimizer(trainable, **(optimizer_kwargs or {}))
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer_kwargs:
+            raise TypeError("optimizer_kwargs apply to an optimizer class, not to an instance")
+        instance = optimizer
+    elif callable(optimizer):
+        factory: Callable[..., Any] = optimizer
+        instance = factory(trainable, **(optimizer_kwargs or {}))
+        if not isinstance(instance, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(instance)}, not an Optimizer")
+    else:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, its class, or a factory; got {optimizer!r}"
+        )
+    names = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    params, options = [], []
+    for index, group in enumerate(instance.param_groups):
+        members = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"optimizer group {index} holds a parameter of shape {tuple(p.shape)} that "
+                    "is not in the model; build the optimizer from model.parameters()"
+                )
+            if not p.requires_grad:
+                raise ValueError(
+                    f"parameter {names[id(p)]} has requires_grad=False but is in optimizer "
+                    f"group {index}; remove frozen parameters from the optimizer"
+                )
+            seen.add(id(p))
+            members.append(p)
+        params.append(tuple(members))
+        options.append({k: v for k, v in group.items() if k != "params"})
+    missing = [names[id(p)] for p in trainable if id(p) not in seen]
+    if missing:
+        raise ValueError(
+            f"trainable parameters {missing[:5]} are in no optimizer group; add them or set "
+            "requires_grad=False"
+        )
+    if instance.state:
+        raise ValueError("the optimizer already has state; pass a fresh optimizer")
+    return ParamGroups(tuple(params), tuple(options), type(instance), dict(instance.defaults))

@@ -1,0 +1,152 @@
+"""What stages 1 and 2 share: float32 master weights and optimizer states partitioned
+across ranks, gradients reduce-scattered bucket by bucket, parameters all-gathered after
+the update. stage1.py and stage2.py choose where the gradients live.
+
+Per parameter group (see group_layout): compute parameters are views into full,
+padded bucket buffers (every rank holds all of them); this rank's float32 master shard
+holds its slice of every bucket, one after another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import ZeroEngine
+from .grad_norm import BLOCK, row_sums_of_squares
+from .grad_reducer import BucketReducer, BucketSlot
+from .group_layout import GroupLayout
+
+
+class PartitionedEngine(ZeroEngine):
+    """Stages 1 and 2; subclasses set ``_gradient_targets``."""
+
+    def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        rank, size = self.comm.rank, self.comm.world_size
+        self.layouts = [
+            GroupLayout.build([p.numel() for p in params], size, self.config.bucket_numel)
+            for params in self.groups.params
+        ]
+        self.param_buckets: list[list[torch.Tensor]] = []
+        masters: list[torch.Tensor] = []
+        for params, layout in zip(self.groups.params, self.layouts, strict=True):
+            buckets = [torch.zeros(b.layout.padded_numel, dtype=self.dtype) for b in layout.buckets]
+            full32 = [torch.zeros(b.layout.padded_numel) for b in layout.buckets]
+            for p, (k, flat) in zip(params, layout.param_places(), strict=True):
+                full32[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
+                buckets[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
+                p.data = buckets[k][flat.start : flat.stop].view(p.shape)
+            master = torch.zeros(layout.shard_numel)
+            for bucket, values in zip(layout.buckets, full32, strict=True):
+                mine = bucket.layout.shard_flat_range(rank)
+                master[bucket.local_offset : bucket.local_offset + bucket.slice_numel] = values[
+                    mine.start : mine.stop
+                ]
+            self.param_buckets.append(buckets)
+            masters.append(torch.nn.Parameter(master))
+        slots = []
+        targets = self._gradient_targets()
+        for g, (params, layout) in enumerate(zip(self.groups.params, self.layouts, strict=True)):
+            places = layout.param_places()
+            for k, bucket in enumerate(layout.buckets):
+                members = [(params[i], places[i][1]) for i in bucket.param_indices]
+                slots.append(
+                    BucketSlot(
+                        bucket.layout.padded_numel,
+                        bucket.slice_numel,
+                        members,
+                        targets[g][k],
+                        self._persistent_bucket(g, k),
+                    )
+                )
+        self.reducer = BucketReducer(
+            self.comm, slots, self.dtype, self.config.max_buckets_in_flight
+        )
+        return masters
+
+    # --------------------------------------------------------- stage policy hooks
+    def _gradient_targets(self) -> list[list[torch.Tensor]]:
+        """Per group and bucket, the tensor (slice_numel elements) that accumulates this
+        rank's reduced gradient slice."""
+        raise NotImplementedError
+
+    def _persistent_bucket(self, group: int, bucket: int) -> torch.Tensor | None:
+        return None
+
+    # -------------------------------------------------------------- the step
+    def _reduce_gradients(self, first_micro_step: bool) -> None:
+        self.reducer.begin(first_micro_step)
+        self._collect_gradients()
+        self.reducer.finish()
+
+    def _collect_gradients(self) -> None:
+        """Hand the gradients that backward left in ``p.grad`` to the reducer."""
+        for _, p in self.trainable_parameters():
+            self.reducer.grad_ready(p)
+
+    def _targets(self, group: int) -> list[torch.Tensor]:
+        first = sum(len(layout.buckets) for layout in self.layouts[:group])
+        count = len(self.layouts[group].buckets)
+        return [slot.target for slot in self.reducer.slots[first : first + count]]
+
+    def _float32_gradients(self) -> list[torch.Tensor]:
+        return [
+            torch.cat([t.to(torch.float32) for t in self._targets(g)])
+            if self.layouts[g].buckets
+            else torch.zeros(0)
+            for g in range(len(self.layouts))
+        ]
+
+    def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        size = self.comm.world_size
+        mine, counts = [], []
+        for layout, g in zip(self.layouts, gradients, strict=True):
+            for bucket in layout.buckets:
+                local = g[bucket.local_offset : bucket.local_offset + bucket.slice_numel]
+                mine.append(row_sums_of_squares(local))
+                counts.append(bucket.slice_numel // BLOCK)
+        if not mine:
+            return torch.zeros(0)
+        local_rows = torch.cat(mine)
+        everyone = torch.empty(size * local_rows.numel())
+        self.comm.all_gather(everyone, local_rows)
+        table = everyone.view(size, -1)
+        ordered, start = [], 0
+        for count in counts:  # bucket by bucket, ranks in order: the flat order of rows
+            ordered.append(table[:, start : start + count].reshape(-1))
+            start += count
+        return torch.cat(ordered)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return self.any_rank_int(flag)
+
+    def _publish_parameters(self) -> None:
+        handles, staged = [], []
+        for layout, master, buckets in zip(
+            self.layouts, self.masters, self.param_buckets, strict=True
+        ):
+            for bucket, full in zip(layout.buckets, buckets, strict=True):
+                mine = self.comm.buffers.take(bucket.slice_numel, self.dtype)
+                start = bucket.local_offset
+                mine.copy_(master.detach()[start : start + bucket.slice_numel])
+                handles.append(self.comm.all_gather(full, mine, async_op=True))
+                staged.append(mine)
+        for handle in handles:
+            assert handle is not None
+            handle.wait()
+        for mine in staged:
+            self.comm.buffers.give_back(mine)
+
+    def _full_master_values(self) -> dict[int, torch.Tensor]:
+        values = {}
+        for params, layout, master in zip(
+            self.groups.params, self.layouts, self.masters, strict=True
+        ):
+            gathered = []
+            for bucket in layout.buckets:
+                full = torch.empty(bucket.layout.padded_numel)
+                start = bucket.local_offset
+                self.comm.all_gather(full, master.detach()[start : start + bucket.slice_numel])
+                gathered.append(full)
+            for p, (k, flat) in zip(params, layout.param_places(), strict=True):
+                values[id(p)] = gathered[k][flat.start : flat.stop].view(p.shape)
+        return values
