@@ -20,6 +20,8 @@ from zero_comm.launcher_env import detect_launch_env
 
 
 def load_body(path: str, qualname: str) -> Any:
+    # As pytest does for a test file: its directory is importable (helpers beside it).
+    sys.path.insert(0, str(Path(path).parent))
     spec = importlib.util.spec_from_file_location(f"zero_rank_body_{Path(path).stem}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")

@@ -1,0 +1,109 @@
+"""ZeroConfig validation, the DeepSpeed dict, and the errors initialize raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_core
+from zero_comm import run_simulated
+from zero_core import ZeroConfig
+
+
+def test_defaults_and_dtype_names() -> None:
+    assert ZeroConfig().stage == 2
+    assert ZeroConfig(param_dtype="bf16").param_dtype is torch.bfloat16
+    assert ZeroConfig(param_dtype=torch.float16).param_dtype is torch.float16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, "stage=4"),
+        ({"param_dtype": "int8"}, "param_dtype='int8'"),
+        ({"bucket_numel": 0}, "bucket_numel=0"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan"),
+        ({"loss_scale": 128.0}, "float16 only"),
+        ({"param_dtype": "fp16", "initial_loss_scale": 0.5}, "min_loss_scale"),
+    ],
+)
+def test_bad_settings_are_named(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ZeroConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_deepspeed_dict() -> None:
+    config = ZeroConfig.from_deepspeed(
+        {
+            "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e5},
+            "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 100},
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 1.0,
+        }
+    )
+    assert (config.stage, config.bucket_numel, config.param_dtype) == (1, 500_000, torch.float16)
+    assert (config.initial_loss_scale, config.loss_scale_window) == (4096.0, 100)
+    assert (config.gradient_accumulation_steps, config.clip_grad_norm) == (4, 1.0)
+    assert ZeroConfig.from_deepspeed({"bf16": {"enabled": True}}).param_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"train_batch_size": 8}, "'train_batch_size' is not supported"),
+        ({"zero_optimization": {"offload_optimizer": {}}}, "zero_optimization.offload_optimizer"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable one of them"),
+    ],
+)
+def test_deepspeed_keys_we_do_not_support_are_rejected_by_name(config: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        ZeroConfig.from_deepspeed(config)
+
+
+def test_stage_3_is_a_clear_error_not_a_fallback() -> None:
+    def body(comm: zero_core.ZeroEngine) -> None:
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(NotImplementedError, match="stage 3 is not implemented"):
+            zero_core.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 ZeroConfig(stage=3), comm)  # type: ignore[arg-type]  # fmt: skip
+
+    run_simulated(1, body)  # type: ignore[arg-type]
+
+
+def test_optimizer_forms_and_their_errors() -> None:
+    def body(comm: object) -> None:
+        model = torch.nn.Linear(3, 2)
+        config = ZeroConfig(stage=2)
+        engine = zero_core.initialize(model, torch.optim.Adam, config, comm,  # type: ignore[arg-type]
+                                      optimizer_kwargs={"lr": 0.1})  # fmt: skip
+        assert isinstance(engine.optimizer, torch.optim.Adam)
+        model = torch.nn.Linear(3, 2)
+        engine = zero_core.initialize(
+            model,
+            lambda ps: torch.optim.SGD(ps, lr=0.1),
+            config,
+            comm,  # type: ignore[arg-type]
+        )
+        assert isinstance(engine.optimizer, torch.optim.SGD)
+        other = torch.nn.Linear(3, 2)
+        model = torch.nn.Linear(3, 2)
+        with pytest.raises(ValueError, match="not in the model"):
+            zero_core.initialize(model, torch.optim.SGD(other.parameters(), lr=0.1), config, comm)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"trainable parameters \['bias'\] are in no"):
+            zero_core.initialize(model, torch.optim.SGD([model.weight], lr=0.1), config, comm)  # type: ignore[arg-type]
+
+    run_simulated(2, body)  # type: ignore[arg-type]
+
+
+def test_backward_twice_without_step_is_named() -> None:
+    def body(comm: object) -> None:
+        model = torch.nn.Linear(3, 2)
+        engine = zero_core.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      ZeroConfig(stage=2), comm)  # type: ignore[arg-type]  # fmt: skip
+        engine.backward(engine(torch.ones(1, 3)).sum())
+        with pytest.raises(RuntimeError, match="without step"):
+            engine.backward(engine(torch.ones(1, 3)).sum())
+
+    run_simulated(1, body)  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""Measured memory and communication against the paper's formulas.
+
+Mixed-precision Adam (bf16 compute, K = 12: fp32 master 4 + two fp32 moments 8). Ψ counts
+elements including the stated padding: each parameter starts at a multiple of BLOCK and each
+bucket is padded to N x BLOCK, so P (a full replica's elements) >= Ψ and P - Ψ is bounded
+by (#parameters + N x #buckets) x BLOCK. Adam also keeps one float32 step counter per group.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from parity import ParityCase, build_engine, loss_of, micro_batch
+
+from zero_comm import Communicator, run_simulated
+from zero_core.grad_norm import BLOCK
+from zero_core.partitioned import PartitionedEngine
+
+CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam", two_groups=True,
+                  bucket_numel=20_000)  # fmt: skip
+
+
+def one_step_then_backward(comm: Communicator, stage: int) -> tuple[object, dict, dict]:  # type: ignore[type-arg]
+    engine = build_engine(CASE, comm, stage)
+    comm.stats.reset()
+    x, t = micro_batch(CASE, comm.rank)
+    engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
+    engine.step()
+    traffic = {name: c["volume_elements"] for name, c in comm.stats.as_dict().items()}
+    engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
+    sizes = {"psi": sum(p.numel() for _, p in engine.trainable_parameters()),
+             "groups": len(engine.masters)}  # fmt: skip
+    if isinstance(engine, PartitionedEngine):
+        sizes["padded"] = sum(layout.padded_numel for layout in engine.layouts)
+        sizes["shard"] = sum(layout.shard_numel for layout in engine.layouts)
+        sizes["buckets"] = sum(len(layout.buckets) for layout in engine.layouts)
+    return engine.memory_report(), traffic, sizes
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_report_equals_the_paper(stage: int, n: int) -> None:
+    report, _, s = run_simulated(n, lambda comm: one_step_then_backward(comm, stage))[0]
+    psi, step_counters = s["psi"], 4 * s["groups"]
+    if stage == 0:
+        expected = (2 * psi, 2 * psi, 4 * psi, 8 * psi + step_counters)
+    else:
+        padded, shard = s["padded"], s["shard"]
+        assert shard * n == padded
+        assert psi <= padded < psi + (len(CASE.widths) * 2 + n * s["buckets"]) * BLOCK
+        grads = 2 * padded if stage == 1 else 2 * shard
+        expected = (2 * padded, grads, 4 * shard, 8 * shard + step_counters)
+    measured = (report.parameters, report.gradients, report.master_weights,
+                report.optimizer_states)  # fmt: skip
+    assert measured == expected
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_one_step_moves_what_the_paper_says(stage: int, n: int) -> None:
+    """Stage 0: all-reduce 2Ψ(N-1)/N. Stages 1, 2: reduce-scatter + all-gather of the
+    (padded) Ψ, (N-1)/N each. Volumes in elements, exact."""
+    _, traffic, s = run_simulated(n, lambda comm: one_step_then_backward(comm, stage))[0]
+    if stage == 0:
+        assert traffic["all_reduce"] == float(Fraction(2 * (n - 1) * s["psi"], n))
+        assert traffic["reduce_scatter"] == traffic["all_gather"] == 0
+    else:
+        assert traffic["all_reduce"] == 0
+        assert traffic["reduce_scatter"] == float(Fraction((n - 1) * s["padded"], n))
+        assert traffic["all_gather"] == float(Fraction((n - 1) * s["padded"], n))
+
+
+def test_stage_2_buffers_are_bounded_by_config_not_model() -> None:
+    """Staging buffers come from the communicator's pool: at most max_buckets_in_flight + 1
+    buckets of bucket_numel (rounded to powers of two), for a small and a 10x model, as long
+    as no single parameter exceeds bucket_numel (such a parameter is a bucket of its own)."""
+    held = []
+    for scale in (1, 10):
+        case = ParityCase(widths=(16, 64 * scale, 16), dtype="bfloat16", bucket_numel=16384)
+
+        def body(comm: Communicator, case: ParityCase = case) -> int:
+            engine = build_engine(case, comm, 2)
+            x, t = micro_batch(case, comm.rank)
+            engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
+            return engine.memory_report().comm_buffers
+
+        held.append(run_simulated(2, body)[0])
+    bound = (2 + 1) * 2 * 2 * 16384 * 2  # buckets x pow2 rounding x (staging + out) x bytes
+    assert all(0 < h <= bound for h in held), held
