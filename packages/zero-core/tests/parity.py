@@ -24,6 +24,8 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -179,7 +181,7 @@ def parity_cases() -> Any:
             freeze_first=draw(st.booleans()),
             two_groups=draw(st.booleans()),
             dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-            optimizer=draw(st.sampled_from(["sgd", "adam", "adamw"])),
+            optimizer=draw(st.sampled_from(["sgd", "adam", "adamw", "adam", "adagrad", "rmsprop"])),
             accumulation=draw(st.sampled_from([1, 1, 2, 3])),
             clip=draw(st.sampled_from([None, None, 0.05, 1e3])),
             bucket_numel=draw(st.sampled_from([1, 64, 300, 5000, 1 << 20])),

@@ -59,3 +59,23 @@ def test_tied_frozen_and_grouped_parameters_survive_in_the_state_dict(stage: int
     state = run_simulated(3, lambda comm: train(case, comm, stage))[0][-1]
     assert torch.equal(state["embedding.weight"], state["head.weight"])
     assert all(v.dtype == torch.float32 for v in state.values())
+
+
+def test_stage_2_reduces_buckets_during_backward() -> None:
+    """With several buckets, reduce-scatters start before backward reaches the first layer
+    (the last gradient to be produced), so communication overlaps the rest of backward."""
+    case = ParityCase(widths=(8, 64, 64, 64, 8), bucket_numel=4096)
+
+    def body(comm: Communicator) -> int:
+        from parity import build_engine, loss_of, micro_batch
+
+        engine = build_engine(case, comm, 2)
+        seen: list[int] = []
+        x, t = micro_batch(case, comm.rank)
+        x.requires_grad_(True)
+        x.register_hook(lambda g: seen.append(comm.stats["reduce_scatter"].calls) or g)
+        comm.stats.reset()
+        engine.backward(loss_of(case, engine(x), t))
+        return seen[0]
+
+    assert all(calls >= 2 for calls in run_simulated(2, body))

@@ -89,6 +89,10 @@ def resolve_param_groups(
             f"trainable parameters {missing[:5]} are in no optimizer group; add them or set "
             "requires_grad=False"
         )
-    if instance.state:
-        raise ValueError("the optimizer already has state; pass a fresh optimizer")
+    # Some optimizers (Adagrad) create state at construction; only stepped state is lost.
+    if any(float(s.get("step", 0)) > 0 for s in instance.state.values()):
+        raise ValueError(
+            "the optimizer has already taken steps; its state would be dropped. Pass a fresh "
+            "optimizer (load a checkpoint to resume)"
+        )
     return ParamGroups(tuple(params), tuple(options), type(instance), dict(instance.defaults))
