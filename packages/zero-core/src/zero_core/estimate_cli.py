@@ -23,10 +23,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zero-estimate", description=__doc__)
     parser.add_argument("--params", type=float, required=True, help="parameter count Ψ")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16",
-                        help="compute dtype of parameters and gradients (default fp16)")  # fmt: skip
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adam",
-                        help="sets K = 4 (fp32 master) + the optimizer's fp32 states")  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), default="fp16",
+        help="compute dtype of parameters and gradients (default fp16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adam",
+        help="sets K = 4 (fp32 master) + the optimizer's fp32 states",
+    )  # fmt: skip
     parser.add_argument(
         "--optimizer-state-bytes", "-K", type=float, default=None,
         help="K directly: optimizer state bytes per parameter (overrides --optimizer)",
