@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import time
 
 import pytest
 import torch
@@ -165,7 +166,8 @@ def test_object_collectives(world_size: int, src: int, payload: object) -> None:
         (lambda c: c.all_reduce(torch.ones(4)[::2]), "contiguous"),
         (lambda c: c.all_reduce(torch.ones(4, dtype=torch.complex64)), "dtype"),
         (lambda c: c.all_reduce(torch.ones(4, dtype=torch.int64), ReduceOp.AVG), "AVG"),
-        (lambda c: c.reduce_scatter(torch.empty(3), torch.empty(7)), "output must hold"),
+        (lambda c: c.reduce_scatter(torch.empty(3), torch.empty(7)), "equal chunks"),
+        (lambda c: c.reduce_scatter(torch.empty(3), torch.empty(8)), "output must hold"),
         (lambda c: c.all_gather(torch.empty(7), torch.empty(3)), "output must hold"),
         (lambda c: c.all_gather(torch.empty(6, dtype=torch.float16), torch.empty(3)), "must match"),
         (lambda c: c.broadcast(torch.empty(3), src=5), "src=5"),
@@ -209,3 +211,81 @@ def test_a_closed_communicator_refuses_work() -> None:
                 call()
 
     run_simulated(2, body)
+
+
+def test_async_ordered_all_reduces_may_be_waited_in_any_order() -> None:
+    """The ordered all-reduce's gather phase runs at wait(); ranks that wait in different
+    orders (or issue another collective first) must still pair the right collectives."""
+
+    def body(comm: Communicator) -> tuple[list[float], list[float], list[float]]:
+        a = torch.full((4,), 1.0 + comm.rank)
+        b = torch.full((4,), 100.0 + comm.rank)
+        first = comm.all_reduce(a, async_op=True)
+        second = comm.all_reduce(b, async_op=True)
+        assert first is not None and second is not None
+        if comm.rank % 2:
+            second.wait()
+            c = torch.ones(2)
+            comm.all_reduce(c)
+            first.wait()
+        else:
+            c = torch.ones(2)
+            comm.all_reduce(c)
+            first.wait()
+            second.wait()
+        return a.tolist(), b.tolist(), c.tolist()
+
+    for n in (2, 3):
+        expected_a = float(sum(1 + r for r in range(n)))
+        expected_b = float(sum(100 + r for r in range(n)))
+        for a, b, c in run_simulated(n, body):
+            assert a == [expected_a] * 4 and b == [expected_b] * 4 and c == [float(n)] * 2
+
+
+def test_bad_arguments_on_one_rank_stop_every_rank_at_once() -> None:
+    """The bad rank raises its own error; the others raise a mismatch naming it, instead of
+    waiting for a timeout; and the communicator stays in step afterwards."""
+
+    def body(comm: Communicator) -> str:
+        size = 11 if comm.rank == 1 else 12
+        try:
+            comm.reduce_scatter(torch.empty(4), torch.empty(size))
+        except CollectiveMismatchError as exc:
+            message = f"mismatch: {exc}"
+        except ValueError as exc:
+            message = f"own: {exc}"
+        ones = torch.ones(3)
+        comm.all_reduce(ones)
+        assert ones.tolist() == [3.0] * 3
+        return message
+
+    messages = run_simulated(3, body, timeout=10)
+    assert messages[1].startswith("own:") and "equal chunks" in messages[1]
+    assert all(m.startswith("mismatch:") and "ranks [1]" in m for m in (messages[0], messages[2]))
+
+
+def test_barrier_against_another_collective_is_a_mismatch() -> None:
+    def body(comm: Communicator) -> str:
+        try:
+            if comm.rank == 0:
+                comm.barrier()
+            else:
+                comm.broadcast(torch.ones(2), src=0)
+        except CollectiveMismatchError as exc:
+            return str(exc)
+        return ""
+
+    assert all("barrier" in m and "broadcast" in m for m in run_simulated(2, body))
+
+
+def test_a_failure_releases_ranks_waiting_in_nested_subgroups() -> None:
+    def body(comm: Communicator) -> None:
+        inner = comm.split(0).split(0)
+        if comm.rank == 0:
+            raise ValueError("rank 0 fails")
+        inner.barrier()
+
+    start = time.monotonic()
+    with pytest.raises(SimulatedRankError, match="rank 0 of 3 failed"):
+        run_simulated(3, body, timeout=30)
+    assert time.monotonic() - start < 10

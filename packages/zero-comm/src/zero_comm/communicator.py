@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import pickle
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -49,7 +50,11 @@ SUPPORTED_DTYPES = (
     torch.uint8,
 )
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
-_COLLECTIVE_CODE = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4}
+_COLLECTIVE_CODE = {
+    "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 5,
+    "split": 6, "broadcast_object": 7, "all_gather_object": 8,
+}  # fmt: skip
+_INVALID = -1  # a rank whose own arguments were bad sends this as its collective code
 _CODE_COLLECTIVE = {code: name for name, code in _COLLECTIVE_CODE.items()}
 
 
@@ -72,6 +77,12 @@ class Handle:
     The result is in the output tensor only after ``wait()`` returns. For rank-ordered
     reductions the local fold (and, for all_reduce, the all-gather that follows it) runs
     inside ``wait()``. Waiting twice is harmless.
+
+    A handle whose completion issues another collective (the ordered all-reduce's gather
+    phase) is queued on the communicator, and queued phases run strictly in issue order: at
+    the ``wait()`` of that handle or of a later one, or at the next collective, whichever
+    comes first. So ranks may wait in any order, as with torch.distributed, and every rank
+    still issues the same sequence of collectives.
     """
 
     def __init__(
@@ -86,11 +97,17 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        if self in self._comm._pending:
+            self._comm._run_pending(until=self)
+            return
+        self._complete_now()
+
+    def _complete_now(self) -> None:
         if not isinstance(self._work, CompletedWork):
             self._comm._wait(self._work, self._name)
+        self._done = True
         if self._finish is not None:
             self._finish()
-        self._done = True
 
     def is_completed(self) -> bool:
         return self._done
@@ -133,6 +150,7 @@ class Communicator(abc.ABC):
         self.buffers = BufferPool(device)
         self._sequence = 0
         self.closed = False
+        self._pending: deque[Handle] = deque()
 
     def __repr__(self) -> str:
         return (
@@ -209,6 +227,15 @@ class Communicator(abc.ABC):
                 self._err(f"{name}: {role} must be contiguous; pass tensor.contiguous()")
             )
 
+    def _check_src(self, name: str, src: int) -> int:
+        if not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(
+                self._err(
+                    f"{name}: src={src!r} is not a rank of this group (0..{self.world_size - 1})"
+                )
+            )
+        return src
+
     def _check_op(self, name: str, op: ReduceOp, dtype: torch.dtype) -> None:
         if not isinstance(op, ReduceOp):
             raise TypeError(self._err(f"{name}: op must be a zero_comm.ReduceOp, got {op!r}"))
@@ -228,6 +255,13 @@ class Communicator(abc.ABC):
                     f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match"
                 )
             )
+        if in_factor > 1 and inp.numel() % in_factor:
+            raise ValueError(
+                self._err(
+                    f"{name}: the input's {inp.numel()} elements do not split into "
+                    f"world_size={in_factor} equal chunks; pad it to a multiple of {in_factor}"
+                )
+            )
         if out.numel() * in_factor != inp.numel() * out_factor:
             raise ValueError(
                 self._err(
@@ -237,27 +271,53 @@ class Communicator(abc.ABC):
                 )
             )
 
-    def _agree_on_call(self, name: str, dtype: torch.dtype, numel: int, op: int, root: int) -> None:
-        """Every rank checks that every rank is in the same collective with the same shape."""
+    def _run_pending(self, until: Handle | None = None) -> None:
+        """Complete queued second phases in issue order (all, or up to ``until``)."""
+        while self._pending:
+            handle = self._pending.popleft()
+            handle._complete_now()
+            if handle is until:
+                return
+
+    def _enter(self, name: str, describe: Callable[[], tuple[int, int, int, int]]) -> None:
+        """Start a collective: finish queued phases, validate, and agree with every rank.
+
+        ``describe`` validates this rank's arguments (raising TypeError/ValueError) and
+        returns (dtype code, numel, op, root). With ``check_consistency`` a rank whose own
+        arguments are bad still joins the agreement, so it raises its error while every
+        other rank raises :class:`CollectiveMismatchError` naming it, instead of waiting.
+        """
         self._check_open(name)
+        self._run_pending()
         self._sequence += 1
+        error: Exception | None = None
+        try:
+            row = [_COLLECTIVE_CODE[name], *describe()]
+        except (TypeError, ValueError) as exc:
+            error, row = exc, [_INVALID, 0, 0, 0, 0]
         if not self.check_consistency or self.world_size == 1:
+            if error is not None:
+                raise error
             return
-        mine = torch.tensor(
-            [_COLLECTIVE_CODE[name], _DTYPE_CODE[dtype], numel, op, root],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        everyone = torch.empty(
-            self.world_size * mine.numel(), dtype=torch.int64, device=self.device
-        )
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.world_size * len(row), dtype=torch.int64, device=self.device)
         self._wait(
             self._all_gather(everyone, mine), f"{name} #{self._sequence} (consistency check)"
         )
+        if error is not None:
+            raise error
         rows = everyone.view(self.world_size, -1).tolist()
-        if all(row == rows[0] for row in rows):
+        invalid = [r for r, other in enumerate(rows) if other[0] == _INVALID]
+        if invalid:
+            raise CollectiveMismatchError(
+                self._err(
+                    f"{name} #{self._sequence}: ranks {invalid} passed invalid arguments (see "
+                    "their errors); this rank stops too, so that no rank waits for them"
+                )
+            )
+        if all(other == rows[0] for other in rows):
             return
-        seen = "; ".join(f"rank {r}: {_describe_call(row)}" for r, row in enumerate(rows))
+        seen = "; ".join(f"rank {r}: {_describe_call(other)}" for r, other in enumerate(rows))
         raise CollectiveMismatchError(
             self._err(
                 f"{name} #{self._sequence}: ranks disagree on the collective: {seen}. Every "
@@ -290,9 +350,13 @@ class Communicator(abc.ABC):
     ) -> Handle | None:
         """Reduce ``tensor`` elementwise across ranks, in place, on every rank."""
         name = "all_reduce"
-        self._check_tensor(name, "tensor", tensor)
-        self._check_op(name, op, tensor.dtype)
-        self._agree_on_call(name, tensor.dtype, tensor.numel(), op.value, -1)
+
+        def describe() -> tuple[int, int, int, int]:
+            self._check_tensor(name, "tensor", tensor)
+            self._check_op(name, op, tensor.dtype)
+            return _DTYPE_CODE[tensor.dtype], tensor.numel(), op.value, -1
+
+        self._enter(name, describe)
         self.stats.record(name, tensor.numel(), tensor.element_size())
         flat = tensor.view(-1)
         if self.world_size == 1 or flat.numel() == 0:
@@ -317,9 +381,13 @@ class Communicator(abc.ABC):
         ``input`` holds ``world_size`` equal chunks of ``output.numel()`` elements.
         """
         name = "reduce_scatter"
-        self._check_pair(name, output, input, 1, self.world_size)
-        self._check_op(name, op, input.dtype)
-        self._agree_on_call(name, input.dtype, input.numel(), op.value, -1)
+
+        def describe() -> tuple[int, int, int, int]:
+            self._check_pair(name, output, input, 1, self.world_size)
+            self._check_op(name, op, input.dtype)
+            return _DTYPE_CODE[input.dtype], input.numel(), op.value, -1
+
+        self._enter(name, describe)
         self.stats.record(name, input.numel(), input.element_size())
         out, inp = output.view(-1), input.view(-1)
         if self.world_size == 1 or out.numel() == 0:
@@ -344,8 +412,12 @@ class Communicator(abc.ABC):
     ) -> Handle | None:
         """``output`` = concatenation of every rank's ``input``, in rank order."""
         name = "all_gather"
-        self._check_pair(name, output, input, self.world_size, 1)
-        self._agree_on_call(name, input.dtype, input.numel(), -1, -1)
+
+        def describe() -> tuple[int, int, int, int]:
+            self._check_pair(name, output, input, self.world_size, 1)
+            return _DTYPE_CODE[input.dtype], input.numel(), -1, -1
+
+        self._enter(name, describe)
         self.stats.record(name, output.numel(), output.element_size())
         out, inp = output.view(-1), input.view(-1)
         if self.world_size == 1 or inp.numel() == 0:
@@ -356,10 +428,13 @@ class Communicator(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
         name = "broadcast"
-        self._check_tensor(name, "tensor", tensor)
-        if not 0 <= src < self.world_size:
-            raise ValueError(self._err(f"{name}: src={src} is not a rank of this group"))
-        self._agree_on_call(name, tensor.dtype, tensor.numel(), -1, src)
+
+        def describe() -> tuple[int, int, int, int]:
+            self._check_tensor(name, "tensor", tensor)
+            self._check_src(name, src)
+            return _DTYPE_CODE[tensor.dtype], tensor.numel(), -1, src
+
+        self._enter(name, describe)
         self.stats.record(name, tensor.numel(), tensor.element_size())
         if self.world_size == 1 or tensor.numel() == 0:
             return self._complete(Handle(self, name, CompletedWork()), async_op)
@@ -367,8 +442,7 @@ class Communicator(abc.ABC):
 
     def barrier(self, *, async_op: bool = False) -> Handle | None:
         """Return (or complete the handle) only when every rank has entered the barrier."""
-        self._check_open("barrier")
-        self._sequence += 1
+        self._enter("barrier", lambda: (-1, 0, -1, -1))
         self.stats.record("barrier", 0, 1)
         work = self._barrier() if self.world_size > 1 else CompletedWork()
         return self._complete(Handle(self, "barrier", work), async_op)
@@ -381,9 +455,15 @@ class Communicator(abc.ABC):
         ``timeout``. For a tensor-parallel x data-parallel mesh of ``tp`` columns:
         ``tp_group = comm.split(color=rank // tp)``, ``dp_group = comm.split(color=rank % tp)``.
         """
-        self._check_open("split")
-        if not isinstance(color, int) or color < 0:
-            raise ValueError(self._err(f"split: color must be an int >= 0, got {color!r}"))
+
+        def describe() -> tuple[int, int, int, int]:
+            if not isinstance(color, int) or color < 0:
+                raise ValueError(self._err(f"split: color must be an int >= 0, got {color!r}"))
+            if key is not None and not isinstance(key, int):
+                raise ValueError(self._err(f"split: key must be an int or None, got {key!r}"))
+            return -1, 0, -1, -1
+
+        self._enter("split", describe)
         return self._split(color, self.rank if key is None else key)
 
     # ---------------------------------------------------------- rank-ordered sums
@@ -410,12 +490,16 @@ class Communicator(abc.ABC):
             self.buffers.give_back(mine)
             self.buffers.give_back(rows)
 
-        return Handle(self, "all_reduce", work, fold_then_gather)
+        handle = Handle(self, "all_reduce", work, fold_then_gather)
+        self._pending.append(handle)  # its gather phase must keep its place in the order
+        return handle
 
     # --------------------------------------------------------- object collectives
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
-        self._check_open("broadcast_object")
+        self._enter(
+            "broadcast_object", lambda: (-1, 0, -1, self._check_src("broadcast_object", src))
+        )
         if self.world_size == 1:
             return obj
         payload = _to_bytes(obj, self.device) if self.rank == src else None
@@ -431,7 +515,7 @@ class Communicator(abc.ABC):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
-        self._check_open("all_gather_object")
+        self._enter("all_gather_object", lambda: (-1, 0, -1, -1))
         if self.world_size == 1:
             return [obj]
         payload = _to_bytes(obj, self.device)
@@ -461,8 +545,10 @@ def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
 def _describe_call(row: list[int]) -> str:
     collective, dtype_code, numel, op, root = row
     name = _CODE_COLLECTIVE.get(collective, f"collective#{collective}")
-    parts = [str(SUPPORTED_DTYPES[dtype_code]).removeprefix("torch."), f"numel={numel}"]
-    if op >= 0:
+    parts = []
+    if 0 <= dtype_code < len(SUPPORTED_DTYPES):
+        parts += [str(SUPPORTED_DTYPES[dtype_code]).removeprefix("torch."), f"numel={numel}"]
+    if op in {o.value for o in ReduceOp}:
         parts.append(ReduceOp(op).name)
     if root >= 0:
         parts.append(f"src={root}")

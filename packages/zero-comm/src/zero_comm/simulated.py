@@ -42,6 +42,16 @@ class _SharedWorld:
         self.lock = threading.Lock()
         self.children: dict[tuple[int, int], _SharedWorld] = {}
         self.arrived = [0] * world_size
+        self.failed = False
+
+    def abort(self) -> None:
+        """A rank failed: release every rank waiting here or in any descendant group."""
+        self.failed = True
+        self.barrier.abort()
+        with self.lock:
+            children = list(self.children.values())
+        for child in children:
+            child.abort()
 
 
 class SimulatedCommunicator(Communicator):
@@ -72,7 +82,7 @@ class SimulatedCommunicator(Communicator):
         try:
             shared.barrier.wait(timeout=shared.timeout)
         except threading.BrokenBarrierError:
-            if all(n == shared.arrived[0] for n in shared.arrived):
+            if shared.failed:
                 raise CommError(self._err("a peer failed; this collective was abandoned")) from None
             behind = [r for r, n in enumerate(shared.arrived) if n < max(shared.arrived)]
             raise CommTimeoutError(
@@ -202,9 +212,7 @@ def run_simulated(
         except BaseException as exc:
             errors[rank] = exc
             tracebacks[rank] = traceback.format_exc()
-            shared.barrier.abort()
-            for child in list(shared.children.values()):
-                child.barrier.abort()
+            shared.abort()
 
     if world_size == 1:
         run_rank(0)

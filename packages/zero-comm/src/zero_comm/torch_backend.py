@@ -154,23 +154,24 @@ class TorchCommunicator(Communicator):
 
     def _split(self, color: int, key: int) -> Communicator:
         everyone = self.all_gather_object((color, key, dist.get_global_rank(self.group, self.rank)))
-        groups: dict[int, list[tuple[int, int]]] = {}
-        for c, k, global_rank in everyone:
-            groups.setdefault(c, []).append((k, global_rank))
-        mine = None
-        # torch requires every rank of the parent to create every subgroup, in one order.
-        for c in sorted(groups):
-            members = [g for _, g in sorted(groups[c])]
-            group = dist.new_group(
-                members,
-                timeout=datetime.timedelta(seconds=self.timeout),
-                backend=self.backend,
-                sort_ranks=False,
+        # Ties on key go by rank in this (parent) group, as MPI_Comm_split does.
+        members = [
+            global_rank
+            for _, _, global_rank in sorted(
+                (k, parent_rank, g) for parent_rank, (c, k, g) in enumerate(everyone) if c == color
             )
-            if c == color:
-                mine = group
+        ]
+        # Only the members create the group (use_local_synchronization), so splitting a
+        # subgroup works without the rest of the world taking part.
+        group = dist.new_group(
+            members,
+            timeout=datetime.timedelta(seconds=self.timeout),
+            backend=self.backend,
+            use_local_synchronization=True,
+            sort_ranks=False,
+        )
         return TorchCommunicator(
-            mine,
+            group,
             backend=self.backend,
             device=self.device,
             deterministic=self.deterministic,
@@ -181,14 +182,19 @@ class TorchCommunicator(Communicator):
     def close(self) -> None:
         """Collective: every rank of the group must call it.
 
-        Closing a world communicator destroys torch's default process group (see
-        :class:`_WorldSession`); closing a subgroup only frees this object's buffers.
+        Closing the world communicator destroys torch's default process group if zero_comm
+        created it (see :class:`_WorldSession`); one the application created is left alone.
+        Closing a subgroup destroys that subgroup's process group.
         """
         if self.closed:
             return
         if self.group is dist.group.WORLD and dist.is_initialized():
+            if _WorldSession.created_here():
+                self.barrier()
+                _WorldSession.release(self.timeout)
+        elif self.group is not None and dist.is_initialized():
             self.barrier()
-            _WorldSession.release(self.timeout)
+            dist.destroy_process_group(self.group)
         super().close()
         # Drop the process group now: a ProcessGroupGloo that lives on into interpreter
         # teardown is destroyed in no particular order with the rest of torch.
@@ -221,6 +227,11 @@ class _WorldSession:
         if cls._current is None:
             atexit.register(cls.release, 10.0)
         cls._current = cls(store, rank, world_size)
+
+    @classmethod
+    def created_here(cls) -> bool:
+        """Whether zero_comm created the default process group (else the user owns it)."""
+        return cls._current is not None
 
     @classmethod
     def release(cls, wait_limit: float) -> None:

@@ -83,3 +83,31 @@ def barriers_in_every_form(comm: Communicator) -> int:
     assert handle is not None
     handle.wait()
     return comm.stats["barrier"].calls
+
+
+def waits_in_any_order(comm: Communicator) -> list[float]:
+    """Two async deterministic all-reduces, waited in opposite orders on odd/even ranks."""
+    a = torch.full((5,), 1.0 + comm.rank)
+    b = torch.full((5,), 100.0 + comm.rank)
+    first, second = comm.all_reduce(a, async_op=True), comm.all_reduce(b, async_op=True)
+    assert first is not None and second is not None
+    for handle in (second, first) if comm.rank % 2 else (first, second):
+        handle.wait()
+    return [a[0].item(), b[0].item()]
+
+
+def splits_of_splits(comm: Communicator) -> list[float]:
+    """Split a subgroup (only its members take part), then split the world again."""
+    rank = comm.rank
+    pairs = comm.split(color=rank // 2)
+    alone = pairs.split(color=pairs.rank)
+    one = torch.ones(1)
+    alone.all_reduce(one)
+    interleaved = comm.split(color=rank % 2)
+    mine = torch.full((1,), float(rank))
+    interleaved.all_reduce(mine)
+    reversed_ = comm.split(color=0, key=-rank)
+    tie = reversed_.split(color=0, key=0)  # ties keep the parent's order, as MPI does
+    for group in (tie, reversed_, interleaved, alone, pairs):
+        group.close()
+    return [one.item(), mine.item(), float(tie.rank), float(reversed_.rank)]

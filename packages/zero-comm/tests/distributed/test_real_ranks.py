@@ -131,6 +131,36 @@ def test_barriers(backend: str, launcher: str) -> None:
     assert [r["value"] for r in reports] == [2, 2, 2]
 
 
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_async_handles_waited_in_different_orders(backend: str, launcher: str) -> None:
+    reports = run_on_ranks(rank_bodies.waits_in_any_order, 3, backend=backend, launcher=launcher)
+    assert [r["value"] for r in reports] == [[6.0, 303.0]] * 3
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+def test_splits_of_subgroups_and_key_ties(backend: str, launcher: str) -> None:
+    reports = run_on_ranks(rank_bodies.splits_of_splits, 4, backend=backend, launcher=launcher)
+    sums = [0 + 2, 1 + 3, 0 + 2, 1 + 3]
+    assert [r["value"] for r in reports] == [
+        [1.0, float(sums[r]), float(3 - r), float(3 - r)] for r in range(4)
+    ]
+
+
+@pytest.mark.gloo
+def test_closing_does_not_destroy_a_process_group_the_application_owns() -> None:
+    code = (
+        "import torch.distributed as dist, zero_comm\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=0, world_size=1)\n"
+        "comm = zero_comm.init('gloo')\n"
+        "comm.close()\n"
+        "assert dist.is_initialized(), 'zero_comm destroyed the application group'\n"
+        "dist.destroy_process_group()\n"
+    )
+    from zero_comm.launch import free_port
+
+    subprocess.run([sys.executable, "-c", code % free_port()], check=True, timeout=60)
+
+
 @pytest.mark.gloo
 def test_a_dead_peer_is_an_error_even_without_a_launcher_to_stop_the_others() -> None:
     """Two ranks started by hand (no launcher kills anyone): rank 1 dies before a

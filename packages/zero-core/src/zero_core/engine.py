@@ -77,6 +77,9 @@ class ZeroEngine(abc.ABC):
 
         ``initial`` maps id(parameter) to its float32 value, identical on every rank."""
 
+    def _before_backward(self, first_micro_step: bool) -> None:
+        """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
+
     @abc.abstractmethod
     def _reduce_gradients(self, first_micro_step: bool) -> None:
         """After a backward: reduce this micro-step's gradients and accumulate them."""
@@ -144,6 +147,7 @@ class ZeroEngine(abc.ABC):
                 f"step(); with gradient_accumulation_steps="
                 f"{self.config.gradient_accumulation_steps} call step() after each backward"
             )
+        self._before_backward(first_micro_step=self.micro_steps == 0)
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         self._reduce_gradients(first_micro_step=self.micro_steps == 0)

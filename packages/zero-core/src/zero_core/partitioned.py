@@ -9,7 +9,10 @@ holds its slice of every bucket, one after another.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
+from zero_comm import Handle
 
 from .engine import ZeroEngine
 from .grad_norm import BLOCK, row_sums_of_squares
@@ -120,7 +123,15 @@ class PartitionedEngine(ZeroEngine):
         return self.any_rank_int(flag)
 
     def _publish_parameters(self) -> None:
-        handles, staged = [], []
+        """All-gather the updated parameters bucket by bucket, at most
+        ``max_buckets_in_flight`` at once, so staging stays bounded by the config."""
+        in_flight: deque[tuple[Handle, torch.Tensor]] = deque()
+
+        def finish_oldest() -> None:
+            handle, staged = in_flight.popleft()
+            handle.wait()
+            self.comm.buffers.give_back(staged)
+
         for layout, master, buckets in zip(
             self.layouts, self.masters, self.param_buckets, strict=True
         ):
@@ -128,13 +139,13 @@ class PartitionedEngine(ZeroEngine):
                 mine = self.comm.buffers.take(bucket.slice_numel, self.dtype)
                 start = bucket.local_offset
                 mine.copy_(master.detach()[start : start + bucket.slice_numel])
-                handles.append(self.comm.all_gather(full, mine, async_op=True))
-                staged.append(mine)
-        for handle in handles:
-            assert handle is not None
-            handle.wait()
-        for mine in staged:
-            self.comm.buffers.give_back(mine)
+                handle = self.comm.all_gather(full, mine, async_op=True)
+                assert handle is not None
+                in_flight.append((handle, mine))
+                if len(in_flight) > self.config.max_buckets_in_flight:
+                    finish_oldest()
+        while in_flight:
+            finish_oldest()
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         values = {}

@@ -1,11 +1,12 @@
 """Stage 0: plain data parallelism, the oracle every other stage must equal bit for bit.
 
-Every rank holds everything; per micro-step, the gradients of each group are flattened in
-parameter order and all-reduced; the optimizer updates the full float32 master weights.
+Every rank holds everything; per micro-step, the gradients of each group (one flat buffer
+in parameter order) are all-reduced; the optimizer updates the full float32 master weights.
 
     16 elements, N = 4 ranks:   every rank  | p p p p p p p p p p p p p p p p |  (all of it)
 
-Memory per rank (mixed precision Adam, K = 12): (2 + 2 + K) Ψ.
+Memory per rank (mixed precision Adam, K = 12): (2 + 2 + K) Ψ, plus 2Ψ for the reduced
+sum when accumulating over several micro-steps.
 Communication per step: one all-reduce of Ψ elements, 2Ψ (N-1)/N in the ring convention.
 
 It is deliberately small and separate from the partitioned stages, which reuse none of it
@@ -21,45 +22,71 @@ from .grad_norm import param_row_sums
 
 
 class DataParallelEngine(ZeroEngine):
-    """ZeRO stage 0: full replicas, all-reduced gradients, a full optimizer step."""
+    """ZeRO stage 0: full replicas, all-reduced gradients, a full optimizer step.
+
+    As DDP does with ``gradient_as_bucket_view``, each group's gradients are views into one
+    flat buffer that autograd fills in place; it is all-reduced in chunks of
+    ``bucket_numel`` elements. With accumulation the reduced gradients are summed into a
+    second buffer of the same size.
+    """
+
+    _keeps_grad_views = True
 
     def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        self._accumulated: list[torch.Tensor | None] = [None] * len(self.groups.params)
+        self._grads = [
+            torch.zeros(sum(p.numel() for p in params), dtype=self.dtype)
+            for params in self.groups.params
+        ]
+        self._views: dict[int, torch.Tensor] = {}
+        for params, flat in zip(self.groups.params, self._grads, strict=True):
+            start = 0
+            for p in params:
+                self._views[id(p)] = flat[start : start + p.numel()]
+                p.grad = self._views[id(p)].view(p.shape)
+                start += p.numel()
+        accumulate = self.config.gradient_accumulation_steps > 1
+        self._accumulated = [torch.zeros_like(g) for g in self._grads] if accumulate else None
         return [
             torch.nn.Parameter(torch.cat([initial[id(p)].reshape(-1) for p in params]))
-            if params
-            else torch.nn.Parameter(torch.zeros(0))
             for params in self.groups.params
         ]
 
     def _reduce_gradients(self, first_micro_step: bool) -> None:
-        for g, params in enumerate(self.groups.params):
-            flat = (
-                torch.cat(
-                    [
-                        p.grad.reshape(-1)
-                        if p.grad is not None
-                        else torch.zeros(p.numel(), dtype=p.dtype)
-                        for p in params
-                    ]
-                )
-                if params
-                else torch.zeros(0, dtype=self.dtype)
-            )
+        for params, flat in zip(self.groups.params, self._grads, strict=True):
             for p in params:
-                p.grad = None
-            self.comm.all_reduce(flat)
-            accumulated = self._accumulated[g]
-            if first_micro_step or accumulated is None:
-                self._accumulated[g] = flat
-            else:
-                accumulated.add_(flat)
+                view = self._views[id(p)]
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad.reshape(-1))  # backward replaced the view
+                p.grad = view.view(p.shape)
+            for start, stop in self._chunks(params):
+                self.comm.all_reduce(flat[start:stop])
+        if self._accumulated is not None:
+            for total, flat in zip(self._accumulated, self._grads, strict=True):
+                if first_micro_step:
+                    total.copy_(flat)
+                else:
+                    total.add_(flat)
+                flat.zero_()
+
+    def _chunks(self, params: tuple[torch.nn.Parameter, ...]) -> list[tuple[int, int]]:
+        """Ranges of about ``bucket_numel`` elements that end at parameter boundaries."""
+        chunks, start, stop = [], 0, 0
+        for p in params:
+            if stop > start and stop + p.numel() - start > self.config.bucket_numel:
+                chunks.append((start, stop))
+                start = stop
+            stop += p.numel()
+        if stop > start:
+            chunks.append((start, stop))
+        return chunks
+
+    def _reduced(self) -> list[torch.Tensor]:
+        return self._accumulated if self._accumulated is not None else self._grads
 
     def _float32_gradients(self) -> list[torch.Tensor]:
-        return [
-            acc.to(torch.float32, copy=True) if acc is not None else torch.zeros_like(master)
-            for acc, master in zip(self._accumulated, self.masters, strict=True)
-        ]
+        return [g.to(torch.float32, copy=True) for g in self._reduced()]
 
     def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         rows = []
@@ -81,7 +108,9 @@ class DataParallelEngine(ZeroEngine):
                 start += p.numel()
 
     def _clear_gradients(self) -> None:
-        self._accumulated = [None] * len(self.groups.params)
+        for buffers in (self._grads, self._accumulated or []):
+            for flat in buffers:
+                flat.zero_()
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         values = {}
@@ -93,4 +122,4 @@ class DataParallelEngine(ZeroEngine):
         return values
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
-        return [*self._accumulated, *(p.grad for p in self.module.parameters())]
+        return [*self._grads, *(self._accumulated or [])]

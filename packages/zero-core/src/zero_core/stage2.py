@@ -13,8 +13,11 @@ rank r adds the reduced slice it owns into its gradient shard (accumulating over
 micro-steps).
 
 Memory per rank (mixed precision Adam, K = 12): 2Ψ + (2 + K)Ψ/N plus alignment padding,
-plus the staging buckets in flight (at most ``max_buckets_in_flight + 1`` buckets of
-``bucket_numel``, from the communicator's pool). Unlike DeepSpeed's stage 2 there is no
+plus communication buffers from the communicator's pool, bounded by the configuration: for
+each of at most ``max_buckets_in_flight + 1`` buckets being reduced, the bucket's staging
+copy, the reduce-scatter's receive rows (one more bucket) and its output slice, each
+rounded up to a power of two. A parameter larger than ``bucket_numel`` is a bucket of its
+own, so the bound is in terms of max(bucket_numel, largest parameter). Unlike DeepSpeed's stage 2 there is no
 extra float32 gradient partition: the float32 gradient exists only inside step().
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N.
 """
@@ -56,9 +59,11 @@ class Stage2Engine(PartitionedEngine):
         self.reducer.finish()
         self._in_backward = False
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.reducer.begin(first_micro_step=self.micro_steps == 0)
+    def _before_backward(self, first_micro_step: bool) -> None:
+        self.reducer.begin(first_micro_step)
         self._in_backward = True
+
+    def backward(self, loss: torch.Tensor) -> None:
         try:
             super().backward(loss)
         finally:

@@ -24,8 +24,8 @@ def parity_suite(comm: Communicator, examples: int) -> int:
     def prop(case: ParityCase) -> None:
         nonlocal ran
         ran += 1
-        if comm.broadcast_object(case, 0) != case:
-            agree(comm, f"drew {case}, not rank 0's case")
+        differs = comm.broadcast_object(case, 0) != case
+        agree(comm, f"drew {case}, not rank 0's case" if differs else "")
         error = ""
         try:
             stages_equal_stage0(comm, case)
