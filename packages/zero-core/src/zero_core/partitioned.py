@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+
 from zero_comm import Handle
 
 from .engine import ZeroEngine
