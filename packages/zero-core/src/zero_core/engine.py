@@ -79,6 +79,7 @@ class ZeroEngine(abc.ABC):
 
     def _before_backward(self, first_micro_step: bool) -> None:
         """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
+        return None
 
     @abc.abstractmethod
     def _reduce_gradients(self, first_micro_step: bool) -> None:
