@@ -18,7 +18,8 @@ each of at most ``max_buckets_in_flight + 1`` buckets being reduced, the bucket'
 copy, the reduce-scatter's receive rows (one more bucket) and its output slice, each
 rounded up to a power of two. A parameter larger than ``bucket_numel`` is a bucket of its
 own, so the bound is in terms of max(bucket_numel, largest parameter).
-Unlike DeepSpeed's stage 2 there is no extra float32 gradient partition: the float32 gradient exists only inside step().
+Unlike DeepSpeed's stage 2 there is no extra float32 gradient partition: the float32
+gradient exists only inside step().
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N.
 """
 
