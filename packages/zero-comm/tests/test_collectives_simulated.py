@@ -289,3 +289,24 @@ def test_a_failure_releases_ranks_waiting_in_nested_subgroups() -> None:
     with pytest.raises(SimulatedRankError, match="rank 0 of 3 failed"):
         run_simulated(3, body, timeout=30)
     assert time.monotonic() - start < 10
+
+
+@settings(max_examples=80, deadline=None)
+@given(world_size=world_sizes, case=collective_cases())
+def test_properties_hold_when_outputs_land_only_at_wait(
+    world_size: int, case: CollectiveCase
+) -> None:
+    run_simulated(world_size, lambda comm: check_case(comm, case), defer_outputs=True)
+
+
+def test_deferred_outputs_expose_a_missing_wait() -> None:
+    """The harness that the engines' tests use must catch a forgotten wait()."""
+
+    def body(comm: Communicator) -> list[float]:
+        x = torch.ones(4)
+        comm.all_reduce(x, async_op=True)  # no wait: deliberately wrong
+        comm.barrier()
+        return x.tolist()
+
+    assert run_simulated(2, body, defer_outputs=True, deterministic=False) == [[1.0] * 4] * 2
+    assert run_simulated(2, body, defer_outputs=False, deterministic=False) == [[2.0] * 4] * 2

@@ -16,7 +16,9 @@ with :class:`CommError` instead of waiting for the timeout.
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -64,6 +66,7 @@ class SimulatedCommunicator(Communicator):
         *,
         deterministic: bool = True,
         check_consistency: bool = True,
+        defer_outputs: bool = False,
     ) -> None:
         super().__init__(
             rank=rank,
@@ -76,6 +79,17 @@ class SimulatedCommunicator(Communicator):
         )
         self._shared = shared
         self._splits = 0
+        self.defer_outputs = defer_outputs
+        self._random = random.Random(rank)
+
+    def _deliver(self, out: torch.Tensor, result: torch.Tensor) -> Work:
+        """Write ``result`` into ``out`` now, or (``defer_outputs``) only when the work is
+        waited on, after a random pause: as a real backend, whose output is not there before
+        wait(). A caller that forgets a wait reads stale data and fails its checks."""
+        if not self.defer_outputs:
+            out.copy_(result)
+            return CompletedWork()
+        return _DeferredWork(out, result, self._random.random() * 1e-3)
 
     def _sync(self) -> None:
         shared = self._shared
@@ -107,22 +121,19 @@ class SimulatedCommunicator(Communicator):
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         size = self.world_size
         everyone = self._exchange(inp)
-        rows = out.view(size, -1)
-        for r, theirs in enumerate(everyone):
-            rows[r].copy_(theirs.view(size, -1)[self.rank])
+        rows = torch.stack([theirs.view(size, -1)[self.rank] for theirs in everyone])
         self._exchange(None)  # nobody may overwrite an input until all have copied it
-        return CompletedWork()
+        return self._deliver(out, rows.view(-1))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         everyone = self._exchange(inp.clone())
-        torch.cat(everyone, out=out)
-        return CompletedWork()
+        return self._deliver(out, torch.cat(everyone))
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         everyone = self._exchange(tensor.clone() if self.rank == src else None)
-        if self.rank != src:
-            tensor.copy_(everyone[src])
-        return CompletedWork()
+        if self.rank == src:
+            return CompletedWork()
+        return self._deliver(tensor, everyone[src])
 
     def _ring_order_reduce(
         self, parts: list[torch.Tensor], chunk: int, op: ReduceOp
@@ -144,17 +155,17 @@ class SimulatedCommunicator(Communicator):
         size = self.world_size
         everyone = self._exchange(tensor.clone())
         chunk = chunk_numel(tensor.numel(), size)
+        result = torch.empty_like(tensor)
         for j in range(size):
             lo, hi = min(j * chunk, tensor.numel()), min((j + 1) * chunk, tensor.numel())
             parts = [t[lo:hi] for t in everyone]
-            tensor[lo:hi].copy_(self._ring_order_reduce(parts, j, op))
-        return CompletedWork()
+            result[lo:hi] = self._ring_order_reduce(parts, j, op)
+        return self._deliver(tensor, result)
 
     def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
         everyone = self._exchange(inp.clone())
         parts = [t.view(self.world_size, -1)[self.rank] for t in everyone]
-        out.copy_(self._ring_order_reduce(parts, self.rank, op))
-        return CompletedWork()
+        return self._deliver(out, self._ring_order_reduce(parts, self.rank, op))
 
     def _barrier(self) -> Work:
         self._exchange(None)
@@ -175,7 +186,22 @@ class SimulatedCommunicator(Communicator):
             new_rank,
             deterministic=self.deterministic,
             check_consistency=self.check_consistency,
+            defer_outputs=self.defer_outputs,
         )
+
+
+class _DeferredWork:
+    """Output that lands only at ``wait()`` (see ``SimulatedCommunicator._deliver``)."""
+
+    def __init__(self, out: torch.Tensor, result: torch.Tensor, pause_s: float) -> None:
+        self._out, self._result, self._pause_s = out, result, pause_s
+
+    def wait(self) -> None:
+        if self._result is None:
+            return
+        time.sleep(self._pause_s)
+        self._out.copy_(self._result)
+        self._result = None
 
 
 class SimulatedRankError(AssertionError):
@@ -189,12 +215,15 @@ def run_simulated(
     deterministic: bool = True,
     check_consistency: bool = True,
     timeout: float = 60.0,
+    defer_outputs: bool = False,
 ) -> list[T]:
     """Run ``body(comm)`` on ``world_size`` simulated ranks; return each rank's result.
 
     If any rank raises, the others are released from their collectives, and a
     :class:`SimulatedRankError` naming the first failing rank (with every failing rank's
     traceback) is raised. The original exception of the first failing rank is its cause.
+    With ``defer_outputs`` the results of asynchronous collectives land only when waited on,
+    after a random pause, so a missing ``wait()`` shows up as wrong numbers.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -205,7 +234,11 @@ def run_simulated(
 
     def run_rank(rank: int) -> None:
         comm = SimulatedCommunicator(
-            shared, rank, deterministic=deterministic, check_consistency=check_consistency
+            shared,
+            rank,
+            deterministic=deterministic,
+            check_consistency=check_consistency,
+            defer_outputs=defer_outputs,
         )
         try:
             results[rank] = body(comm)
