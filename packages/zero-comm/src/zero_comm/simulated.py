@@ -194,7 +194,8 @@ class _DeferredWork:
     """Output that lands only at ``wait()`` (see ``SimulatedCommunicator._deliver``)."""
 
     def __init__(self, out: torch.Tensor, result: torch.Tensor, pause_s: float) -> None:
-        self._out, self._result, self._pause_s = out, result, pause_s
+        self._out, self._pause_s = out, pause_s
+        self._result: torch.Tensor | None = result
 
     def wait(self) -> None:
         if self._result is None:
