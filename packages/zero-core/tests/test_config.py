@@ -107,3 +107,19 @@ def test_backward_twice_without_step_is_named() -> None:
             engine.backward(engine(torch.ones(1, 3)).sum())
 
     run_simulated(1, body)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_full_state_dict_on_one_rank(stage: int) -> None:
+    def body(comm: object) -> list[str]:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+        engine = zero_core.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      ZeroConfig(stage=stage, param_dtype="bf16"), comm)  # type: ignore[arg-type]  # fmt: skip
+        state = engine.full_state_dict(rank=1)
+        assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
+        return sorted(state)
+
+    everyone = run_simulated(3, body)  # type: ignore[arg-type]
+    assert everyone[0] == everyone[2] == []
+    assert everyone[1] == sorted(torch.nn.Sequential(torch.nn.Linear(3, 2),
+                                                     torch.nn.BatchNorm1d(2)).state_dict())  # fmt: skip
