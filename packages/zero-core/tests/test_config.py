@@ -113,8 +113,9 @@ def test_backward_twice_without_step_is_named() -> None:
 def test_full_state_dict_on_one_rank(stage: int) -> None:
     def body(comm: object) -> list[str]:
         model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-        engine = zero_core.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                      ZeroConfig(stage=stage, param_dtype="bf16"), comm)  # type: ignore[arg-type]  # fmt: skip
+        config = ZeroConfig(stage=stage, param_dtype="bf16")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = zero_core.initialize(model, optimizer, config, comm)  # type: ignore[arg-type]
         state = engine.full_state_dict(rank=1)
         assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
         return sorted(state)
