@@ -1,7 +1,7 @@
 """Every way of running the project.
 
     nox                  lint + tests (what CI runs; no GPU needed)
-    nox -s train         the quick-start training run (a collectives demo until zero-train exists)
+    nox -s train         the quick start: zero-train, a small GPT with ZeRO on 2 local ranks
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec (MPICH from PyPI unless you have one)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
@@ -99,9 +99,12 @@ def tests_nccl(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The quick start: until zero-train exists, a collectives demo on 2 local ranks."""
+    """The quick start: zero-train on the default corpus, 2 local ranks, highest stage.
+
+    Extra arguments go to zero-train: nox -s train -- --stage 1 --steps 100
+    """
     _install(session, "numpy", packages=PACKAGES)
-    session.run("zero-launch", "-n", "2", "python", "-m", "zero_comm.demo", *session.posargs)
+    session.run("zero-train", *session.posargs)
 
 
 @nox.session

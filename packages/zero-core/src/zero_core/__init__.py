@@ -9,7 +9,7 @@
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
-from .config import ZeroConfig
+from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
@@ -18,6 +18,7 @@ from .memory_estimate import ModelStateBytes, model_state_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "AVAILABLE_STAGES",
     "MemoryReport",
     "ModelStateBytes",
     "ZeroConfig",

@@ -1,0 +1,92 @@
+"""Training data: a token stream, and each data-parallel rank's part of every global batch.
+
+Sources (``load_tokens``):
+    None              the default corpus: the Python standard library's source, as bytes
+    a .bin/.u16 file  pre-tokenised uint16 tokens
+    any other file    its bytes (vocabulary 256)
+    a folder          the bytes of its files, sorted by path
+
+A global batch of ``global_batch`` sequences is drawn at offsets that depend only on
+(seed, step); data-parallel rank r of D takes rows [r*B/D, (r+1)*B/D):
+
+    global batch (B = 4, D = 2):  row 0 | row 1 | row 2 | row 3
+                                  rank 0        | rank 1
+
+so ranks read disjoint parts, and the run does not depend on how it was launched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .corpus import default_corpus_bytes
+
+UINT16_SUFFIXES = (".bin", ".u16")
+
+
+def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torch.Tensor:
+    """The token stream (int64) of ``source``; see the module docstring."""
+    if source is None:
+        return default_corpus_bytes(max_bytes).to(torch.int64)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {source}: no such file or folder")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        if not files:
+            raise FileNotFoundError(f"--data {source}: the folder has no files")
+        data = b"".join(p.read_bytes() for p in files)[:max_bytes]
+    elif path.suffix in UINT16_SUFFIXES:
+        raw = bytearray(path.read_bytes())
+        if len(raw) % 2:
+            raise ValueError(f"--data {source}: a uint16 token file must have an even size")
+        return torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
+    else:
+        data = path.read_bytes()[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+class Batch(NamedTuple):
+    inputs: torch.Tensor  # (b, T) tokens
+    targets: torch.Tensor  # (b, T) the next token of each input
+
+
+class BatchSampler:
+    """Deterministic global batches, split across data-parallel ranks."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        *,
+        context: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int = 0,
+    ) -> None:
+        if global_batch % dp_size:
+            raise ValueError(
+                f"global batch {global_batch} does not split over {dp_size} data-parallel ranks; "
+                f"use a multiple of {dp_size}"
+            )
+        if tokens.numel() < context + 2:
+            raise ValueError(f"the data has {tokens.numel()} tokens; need more than {context + 1}")
+        self.tokens = tokens
+        self.context = context
+        self.global_batch = global_batch
+        self.rows = range(
+            dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size
+        )
+        self.seed = seed
+
+    def batch(self, step: int, micro_step: int = 0) -> Batch:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro_step)
+        limit = self.tokens.numel() - self.context - 1
+        offsets = torch.randint(0, limit, (self.global_batch,), generator=generator)
+        mine = offsets[self.rows.start : self.rows.stop]
+        index = mine[:, None] + torch.arange(self.context + 1)  # (b, T + 1)
+        window = self.tokens[index]
+        return Batch(window[:, :-1], window[:, 1:])

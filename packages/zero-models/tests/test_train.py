@@ -1,0 +1,42 @@
+"""zero-train: options are checked before any rank starts, and a short run trains."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zero_models.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stage", "3"], "--stage 3 is not implemented yet; use --stage 2"),
+        (["--data", "/no/such/path"], "--data /no/such/path: no such file"),
+        (["--model", "test", "--heads", "3"], "does not divide into heads=3"),
+        (["--nproc", "0"], "must be at least 1"),
+    ],
+)
+def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:
+    result = run(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "step" not in result.stdout
+
+
+def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
+    result = run("--model", "test", "--steps", "12", "--batch-size", "8", "--lr", "1e-2",
+                 "--warmup", "2", "--out", str(tmp_path / "out"), cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(12))
+    assert records[-1]["loss"] < records[0]["loss"]
+    for expected in ("memory per rank", "communication in the last step", "sample:"):
+        assert expected in result.stdout
