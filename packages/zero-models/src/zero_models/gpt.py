@@ -71,11 +71,13 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.width, config.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)  # 3 x (B, T, C)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # chunk(3) and view(.., heads, -1) rather than C: a tensor-parallel plan may give this
+        # module a slice of the heads (see tp_plan), and the code must not care.
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, c))  # (B, T, C)
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
         return out
 
 

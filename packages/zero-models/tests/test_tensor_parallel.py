@@ -1,0 +1,104 @@
+"""Tensor parallelism against the plain model, for TP degrees 1 to 4 (simulated ranks).
+
+Tolerances: a row-parallel layer sums p partial products across ranks where the plain
+model does one matmul, so float32 results differ by rounding, ~1e-6 relative per layer;
+over 2 blocks and the loss, 1e-5 relative (and 1e-6 absolute near zero) holds with room.
+Where no cross-rank sum is involved (embedding lookup), results are compared exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from zero_comm import Communicator, run_simulated
+from zero_models.gpt import GPT, GPTConfig
+from zero_models.tp_layers import vocab_parallel_cross_entropy
+from zero_models.tp_mappings import gather_last_dim
+from zero_models.tp_plan import make_mesh, tensor_parallel_gpt
+
+CONFIG = GPTConfig(vocab_size=264, context=16, layers=2, heads=12, width=48)
+TOKENS = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(0))
+TARGETS = torch.roll(TOKENS, -1, dims=1)
+
+
+def reference() -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    model = GPT(CONFIG, seed=3)
+    logits = model(TOKENS)
+    loss = F.cross_entropy(logits.view(-1, CONFIG.vocab_size), TARGETS.view(-1))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), loss.detach(), grads
+
+
+def shard_of(name: str, full: torch.Tensor, rank: int, p: int) -> torch.Tensor:
+    """The slice of a full (TP = 1) tensor that rank ``rank`` of ``p`` holds."""
+    if name in ("wte.weight", "lm_head.weight"):
+        rows = full.shape[0] // p
+        return full[rank * rows : (rank + 1) * rows]
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+        thirds = full.chunk(3, dim=0)
+        return torch.cat([t.chunk(p, dim=0)[rank] for t in thirds])
+    if name.endswith(("mlp.fc.weight", "mlp.fc.bias")):
+        return full.chunk(p, dim=0)[rank]
+    if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+        return full.chunk(p, dim=1)[rank]
+    return full
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_tp_matches_the_plain_model(p: int) -> None:
+    full_logits, full_loss, full_grads = reference()
+
+    def body(comm: Communicator) -> None:
+        model = tensor_parallel_gpt(GPT(CONFIG, seed=3), comm)
+        plain = GPT(CONFIG, seed=3)
+        for name, param in model.named_parameters():  # TP init = slices of TP = 1 init
+            assert torch.equal(param, shard_of(name, dict(plain.named_parameters())[name],
+                                                  comm.rank, p)), name  # fmt: skip
+        assert torch.equal(model.wte(TOKENS), plain.wte(TOKENS))  # exact: no sum involved
+        logits = model(TOKENS)
+        loss = vocab_parallel_cross_entropy(logits, TARGETS, comm)
+        loss.backward()
+        gathered = gather_last_dim(logits.detach(), comm)
+        torch.testing.assert_close(gathered, full_logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss.detach(), full_loss, rtol=1e-5, atol=1e-6)
+        for name, param in model.named_parameters():
+            expected = shard_of(name, full_grads[name], comm.rank, p)
+            torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+    run_simulated(p, body)
+
+
+def test_sizes_that_do_not_divide_are_named() -> None:
+    def body(comm: Communicator) -> None:
+        with pytest.raises(
+            ValueError, match="heads=12 does not divide over tensor-parallel degree 5"
+        ):
+            tensor_parallel_gpt(GPT(CONFIG), comm)
+
+    run_simulated(5, body)
+
+    def mesh(comm: Communicator) -> None:
+        with pytest.raises(ValueError, match="world size 3 does not divide by tensor-parallel"):
+            make_mesh(comm, 2)
+
+    run_simulated(3, mesh)
+
+
+def test_a_mesh_splits_rows_and_columns() -> None:
+    def body(comm: Communicator) -> tuple[int, int, int, int]:
+        mesh = make_mesh(comm, 2)
+        return mesh.tp.rank, mesh.tp.world_size, mesh.dp.rank, mesh.dp.world_size
+
+    assert run_simulated(4, body) == [(0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
+
+
+def test_the_plain_model_is_untouched_by_building_a_plan() -> None:
+    model = GPT(CONFIG, seed=3)
+    before = copy.deepcopy(model.state_dict())
+    run_simulated(1, lambda comm: tensor_parallel_gpt(copy.deepcopy(model), comm))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
