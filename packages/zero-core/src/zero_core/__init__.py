@@ -14,12 +14,14 @@ from .engine import ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
 from .memory_estimate import ModelStateBytes, model_state_bytes
+from .model_parallel import ModelParallel
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AVAILABLE_STAGES",
     "MemoryReport",
+    "ModelParallel",
     "ModelStateBytes",
     "ZeroConfig",
     "ZeroEngine",

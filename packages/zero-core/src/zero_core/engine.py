@@ -36,6 +36,7 @@ from .config import ZeroConfig
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .loss_scaler import LossScaler, NoLossScaler
 from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
+from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
 
 
@@ -43,8 +44,14 @@ class ZeroEngine(abc.ABC):
     """A model, its optimizer and a communicator, trained as one data-parallel replica."""
 
     def __init__(
-        self, module: nn.Module, groups: ParamGroups, config: ZeroConfig, comm: Communicator
+        self,
+        module: nn.Module,
+        groups: ParamGroups,
+        config: ZeroConfig,
+        comm: Communicator,
+        model_parallel: ModelParallel | None = None,
     ) -> None:
+        self.model_parallel = model_parallel
         self.module = module
         self.config = config
         self.comm = comm
@@ -93,6 +100,10 @@ class ZeroEngine(abc.ABC):
     @abc.abstractmethod
     def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The grad_norm row sums of the whole (all ranks') gradient, in parameter order."""
+
+    @abc.abstractmethod
+    def _param_ranges(self, group: int) -> list[tuple[nn.Parameter, slice]]:
+        """Where each parameter's elements sit in this rank's gradient of ``group``."""
 
     @abc.abstractmethod
     def _any_rank(self, flag: bool) -> bool:
@@ -166,13 +177,16 @@ class ZeroEngine(abc.ABC):
             g.div_(denominator)
         if self.dtype is torch.float16:
             finite = all(bool(torch.isfinite(g).all()) for g in gradients)
-            if self._any_rank(not finite):
+            overflow = self._any_rank(not finite)
+            if self.model_parallel is not None:
+                overflow = self._any_model_parallel_rank(overflow)
+            if overflow:
                 self.loss_scaler.update(overflow=True)
                 self.skipped_steps += 1
                 self.zero_grad()
                 return False
         if self.config.clip_grad_norm is not None:
-            self.last_grad_norm = norm_from_row_sums(self._row_sums(gradients))
+            self.last_grad_norm = norm_from_row_sums(self._global_row_sums(gradients))
             coefficient = clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
             if coefficient is not None:
                 for g in gradients:
@@ -233,6 +247,30 @@ class ZeroEngine(abc.ABC):
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,
         )
+
+    def _global_row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        """Row sums of the whole model's gradient: this data-parallel group's, and, with
+        model parallelism, every model-parallel rank's (see model_parallel.py)."""
+        mp = self.model_parallel
+        if mp is None:
+            return self._row_sums(gradients)
+        counted = []
+        for group, g in enumerate(gradients):
+            masked = g.clone()
+            for param, where in self._param_ranges(group):
+                if not mp.counts_for_norm(param):
+                    masked[where] = 0.0
+            counted.append(masked)
+        rows = self._row_sums(counted)
+        everyone = torch.empty(mp.comm.world_size * rows.numel(), dtype=rows.dtype)
+        mp.comm.all_gather(everyone, rows)
+        return everyone
+
+    def _any_model_parallel_rank(self, flag: bool) -> bool:
+        assert self.model_parallel is not None
+        token = torch.tensor([int(flag)], dtype=torch.int32)
+        self.model_parallel.comm.all_reduce(token, ReduceOp.MAX)
+        return bool(token.item())
 
     def any_rank_int(self, flag: bool) -> bool:
         token = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm.device)

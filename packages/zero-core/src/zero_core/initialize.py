@@ -11,6 +11,7 @@ from zero_comm import Communicator
 
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine, check_model
+from .model_parallel import ModelParallel
 from .optimizer_spec import OptimizerSpec, resolve_param_groups
 from .stage0 import DataParallelEngine
 from .stage1 import Stage1Engine
@@ -26,6 +27,7 @@ def initialize(
     comm: Communicator,
     *,
     optimizer_kwargs: Mapping[str, Any] | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` for ZeRO training on the ranks of ``comm``.
 
@@ -38,6 +40,8 @@ def initialize(
             ``ZeroConfig.from_deepspeed``).
         comm: the data-parallel communicator; ``deterministic=True`` makes every stage
             equal stage 0 bit for bit.
+        model_parallel: with tensor parallelism, the tensor-parallel group and the
+            parameters split over it (for the global gradient norm and float16 overflow).
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config)
@@ -48,4 +52,4 @@ def initialize(
         )
     check_model(model, comm)
     groups = resolve_param_groups(model, optimizer, optimizer_kwargs)
-    return ENGINES[config.stage](model, groups, config, comm)
+    return ENGINES[config.stage](model, groups, config, comm, model_parallel)

@@ -120,6 +120,21 @@ class PartitionedEngine(ZeroEngine):
             start += count
         return torch.cat(ordered)
 
+    def _param_ranges(self, group: int) -> list[tuple[torch.nn.Parameter, slice]]:
+        """Pieces of this rank's shard of ``group`` that belong to each parameter."""
+        layout, params = self.layouts[group], self.groups.params[group]
+        ranges = []
+        for bucket in layout.buckets:
+            mine = bucket.layout.shard_flat_range(self.comm.rank)
+            for i, flat in zip(
+                bucket.param_indices, bucket.layout.param_flat_ranges(), strict=True
+            ):
+                piece = flat.intersect(mine)
+                if piece.size:
+                    local = piece.shift(mine.start - bucket.local_offset)
+                    ranges.append((params[i], slice(local.start, local.stop)))
+        return ranges
+
     def _any_rank(self, flag: bool) -> bool:
         return self.any_rank_int(flag)
 

@@ -97,6 +97,13 @@ class DataParallelEngine(ZeroEngine):
                 start += p.numel()
         return torch.cat(rows) if rows else torch.zeros(0)
 
+    def _param_ranges(self, group: int) -> list[tuple[torch.nn.Parameter, slice]]:
+        ranges, start = [], 0
+        for p in self.groups.params[group]:
+            ranges.append((p, slice(start, start + p.numel())))
+            start += p.numel()
+        return ranges
+
     def _any_rank(self, flag: bool) -> bool:
         return flag  # every rank holds the same reduced gradients
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, cast
 
+from torch import nn
+
 from zero_comm import Communicator
 
 from .gpt import GPT, Block
@@ -74,3 +76,14 @@ def tensor_parallel_gpt(model: GPT, tp: Communicator) -> GPT:
     model.wte = embedding  # type: ignore[assignment]
     model.lm_head = VocabParallelHead(embedding.weight, tp)  # type: ignore[assignment]
     return model
+
+
+def sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a TP plan split across ranks (everything else is replicated)."""
+    sharded = []
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            sharded += list(module.parameters(recurse=False))
+        elif isinstance(module, RowParallelLinear):
+            sharded.append(module.weight)  # its bias is added after the reduce: replicated
+    return sharded
