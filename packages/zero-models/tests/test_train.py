@@ -22,6 +22,8 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         (["--data", "/no/such/path"], "--data /no/such/path: no such file"),
         (["--model", "test", "--heads", "3"], "does not divide into heads=3"),
         (["--nproc", "0"], "must be at least 1"),
+        (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+        (["--nproc", "4", "--tp", "4", "--model", "test"], "heads=2 does not divide over"),
     ],
 )
 def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:
@@ -40,3 +42,12 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"]
     for expected in ("memory per rank", "communication in the last step", "sample:"):
         assert expected in result.stdout
+
+
+def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
+    result = run("--model", "test", "--steps", "4", "--nproc", "4", "--tp", "2",
+                 "--batch-size", "4", "--sample-tokens", "8", "--out", str(tmp_path / "o"),
+                 cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 ranks (2 tensor-parallel x 2 data-parallel)" in result.stdout
+    assert "tensor-parallel layers moved" in result.stdout

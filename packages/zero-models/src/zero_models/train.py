@@ -33,6 +33,9 @@ from zero_comm.launcher_env import detect_launch_env
 
 from .data import BatchSampler, load_tokens
 from .gpt import GPT, PRESETS, GPTConfig
+from .tp_layers import vocab_parallel_cross_entropy
+from .tp_mappings import gather_last_dim
+from .tp_plan import check_tp_degree, make_mesh, sharded_parameters, tensor_parallel_gpt
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
@@ -43,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="JSON file of option values (flags override it)")
     p.add_argument("--stage", type=int, default=HIGHEST_STAGE, help="ZeRO stage (default: highest)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks when run by hand")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides ranks)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "mpi", "auto"))
     p.add_argument("--model", default="small", choices=sorted(PRESETS))
     for name in ("layers", "heads", "width", "context"):
@@ -81,7 +85,17 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
     try:
-        model_config(args)
+        config = model_config(args)
+        if args.tp < 1:
+            raise ValueError(f"--tp {args.tp} must be at least 1")
+        launcher = detect_launch_env()
+        world = args.nproc if launcher.launcher == "none" else launcher.world_size
+        if world % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} does not divide the {world} ranks; use --nproc (or -n) that is "
+                f"a multiple of {args.tp}"
+            )
+        check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -107,14 +121,20 @@ def mib(n: float) -> str:
 
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    comm = zero_comm.init(args.backend, deterministic=True)
-    metrics_comm = comm.split(color=0)  # logging traffic kept out of the engine's stats
+    world = zero_comm.init(args.backend, deterministic=True)
+    metrics_comm = world.split(color=0)  # logging traffic kept out of the engine's stats
+    mesh = make_mesh(world, args.tp)
+    comm = mesh.dp
     config = model_config(args)
     dtype = DTYPES[args.dtype]
     tokens = load_tokens(args.data)
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     model = GPT(config, seed=args.seed)
+    model_parallel = None
+    if args.tp > 1:
+        tensor_parallel_gpt(model, mesh.tp)
+        model_parallel = zero_core.ModelParallel.of(mesh.tp, sharded_parameters(model))
     engine = zero_core.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
@@ -125,6 +145,7 @@ def train(args: argparse.Namespace) -> None:
             clip_grad_norm=args.clip or None,
         ),
         comm,
+        model_parallel=model_parallel,
     )
     sampler = BatchSampler(
         tokens,
@@ -134,12 +155,13 @@ def train(args: argparse.Namespace) -> None:
         dp_size=comm.world_size,
         seed=args.seed,
     )
-    lead = comm.rank == 0
+    lead = world.rank == 0
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
         print(
             f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
-            f"parameters), stage {args.stage}, {comm.world_size} ranks on {comm.backend}, "
+            f"parameters), stage {args.stage}, {world.world_size} ranks ({args.tp} tensor-parallel"
+            f" x {comm.world_size} data-parallel) on {comm.backend}, "
             f"{args.dtype}, {tokens.numel():,} tokens of data",
             flush=True,
         )
@@ -157,7 +179,12 @@ def train(args: argparse.Namespace) -> None:
         for micro in range(args.grad_accum):
             inputs, targets = sampler.batch(step, micro)
             logits = engine(inputs)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            if args.tp > 1:
+                loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
+            else:
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
             engine.backward(loss)
             engine.step()
             total += loss.item() / args.grad_accum
@@ -181,26 +208,29 @@ def train(args: argparse.Namespace) -> None:
                 print(line, flush=True)
     if lead and sys.stdout.isatty():
         print()
-    report(args, engine, metrics_comm, config, history, lead)
+    report(args, engine, metrics_comm, mesh.tp, history, lead)
     if metrics is not None:
         metrics.close()
-    metrics_comm.close()
-    comm.close()
+    for sub_comm in (metrics_comm, mesh.tp, mesh.dp):
+        sub_comm.close()
+    world.close()
 
 
 def report(
     args: argparse.Namespace,
     engine: zero_core.ZeroEngine,
     metrics_comm: zero_comm.Communicator,
-    config: GPTConfig,
+    tp: zero_comm.Communicator,
     history: list[tuple[int, float]],
     lead: bool,
 ) -> None:
     reports = metrics_comm.all_gather_object(engine.memory_report()._asdict())
+    sample = generate(engine.module, tp, args)  # every rank takes part (TP collectives)
     comm = engine.comm
     psi = sum(p.numel() for _, p in engine.trainable_parameters())
     width = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     stage0 = zero_core.model_state_bytes(psi, 1, 0, param_bytes=width, grad_bytes=width).total
+    tp_volume = float(tp.stats.total_volume_elements) / max(1, args.steps)
     if not lead:
         return
     print("\nmemory per rank, MiB (model states; stage 0 would hold"
@@ -219,11 +249,10 @@ def report(
     print(f"\ncommunication in the last step: {float(moved):,.0f} elements per rank; the paper's "
           f"2Ψ(N-1)/N = {float(paper):,.0f} (Ψ = {psi:,}; ratio {ratio:.3f}, the excess is "
           "bucket padding)")  # fmt: skip
-    prompt = torch.tensor([list(b"def ")], dtype=torch.int64)
-    engine.module.eval()
-    sample = engine.module.generate(prompt, args.sample_tokens, seed=args.seed)  # type: ignore[operator]
-    text = bytes(int(t) % 256 for t in sample[0].tolist()).decode("utf-8", errors="replace")
-    print(f"\nsample:\n{text}\n")
+    if args.tp > 1:
+        print(f"tensor-parallel layers moved {tp_volume:,.0f} elements per rank per step "
+              "(forward and backward all-reduces, loss reductions, sampling)")  # fmt: skip
+    print(f"\nsample:\n{sample}\n")
     if history:
         print(f"loss: {history[0][1]:.3f} at step 1 -> {history[-1][1]:.3f} at step {len(history)}")
     try:
@@ -233,6 +262,22 @@ def report(
         print(f"wrote {args.out / 'metrics.jsonl'} and {args.out / 'loss.png'}")
     except ImportError:
         print(f"wrote {args.out / 'metrics.jsonl'}")
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, tp: zero_comm.Communicator, args: argparse.Namespace) -> str:
+    """Sample after "def " with the same generator on every rank; logits gathered over TP."""
+    model.eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.tensor([list(b"def ")], dtype=torch.int64)
+    context = int(model.wpe.num_embeddings)  # type: ignore[union-attr, arg-type]
+    for _ in range(args.sample_tokens):
+        logits = model(tokens[:, -context:])[:, -1, :].float()  # (1, V / tp)
+        logits = gather_last_dim(logits.contiguous(), tp) if tp.world_size > 1 else logits
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    model.train()
+    return bytes(int(t) % 256 for t in tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
