@@ -51,3 +51,15 @@ def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 ranks (2 tensor-parallel x 2 data-parallel)" in result.stdout
     assert "tensor-parallel layers moved" in result.stdout
+
+
+def test_options_from_a_json_config_and_unknown_keys(tmp_path: Path) -> None:
+    from zero_models.train import parse_options
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"steps": 7, "model": "test", "lr": 0.01}))
+    args = parse_options(["--config", str(config), "--steps", "9"])
+    assert (args.steps, args.model, args.lr) == (9, "test", 0.01)  # flags override the file
+    config.write_text(json.dumps({"stepz": 7}))
+    result = run("--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "unknown keys ['stepz']" in result.stderr

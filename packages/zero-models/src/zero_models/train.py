@@ -130,7 +130,7 @@ def train(args: argparse.Namespace) -> None:
     tokens = load_tokens(args.data)
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
-    model = GPT(config, seed=args.seed)
+    model = GPT(config, seed=args.seed).to(world.device)  # built whole, then placed
     model_parallel = None
     if args.tp > 1:
         tensor_parallel_gpt(model, mesh.tp)
@@ -177,7 +177,7 @@ def train(args: argparse.Namespace) -> None:
             group["lr"] = lr
         total = 0.0
         for micro in range(args.grad_accum):
-            inputs, targets = sampler.batch(step, micro)
+            inputs, targets = (t.to(world.device) for t in sampler.batch(step, micro))
             logits = engine(inputs)
             if args.tp > 1:
                 loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
@@ -269,13 +269,15 @@ def generate(model: torch.nn.Module, tp: zero_comm.Communicator, args: argparse.
     """Sample after "def " with the same generator on every rank; logits gathered over TP."""
     model.eval()
     generator = torch.Generator().manual_seed(args.seed)
-    tokens = torch.tensor([list(b"def ")], dtype=torch.int64)
+    device = next(model.parameters()).device
+    tokens = torch.tensor([list(b"def ")], dtype=torch.int64, device=device)
     context = int(model.wpe.num_embeddings)  # type: ignore[union-attr, arg-type]
     for _ in range(args.sample_tokens):
         logits = model(tokens[:, -context:])[:, -1, :].float()  # (1, V / tp)
         logits = gather_last_dim(logits.contiguous(), tp) if tp.world_size > 1 else logits
         probs = torch.softmax(logits / 0.8, dim=-1)
-        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        choice = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+        tokens = torch.cat([tokens, choice], dim=1)
     model.train()
     return bytes(int(t) % 256 for t in tokens[0].tolist()).decode("utf-8", errors="replace")
 
