@@ -51,6 +51,7 @@ class ZeroConfig:
         starts at ``initial_loss_scale``, doubles after ``loss_scale_window`` steps without
         overflow, and halves (not below ``min_loss_scale``) after ``hysteresis`` overflows.
     max_buckets_in_flight: stage 2: reduce-scatters outstanding at once during backward.
+    allow_untested_optimizer: accept an optimizer not known to be elementwise.
     """
 
     stage: int = 2
@@ -64,6 +65,7 @@ class ZeroConfig:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
     max_buckets_in_flight: int = 2
+    allow_untested_optimizer: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
@@ -137,6 +139,8 @@ def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
             name = target[sub]
             if name is not None:
                 out[name] = sub_value
+    if out.get("clip_grad_norm") == 0:
+        out["clip_grad_norm"] = None  # DeepSpeed's default, meaning no clipping
     bf16 = bool(config.get("bf16", {}).get("enabled", False))
     fp16 = bool(config.get("fp16", {}).get("enabled", False))
     if bf16 and fp16:
@@ -146,11 +150,12 @@ def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
         power = config["fp16"].get("initial_scale_power")
         if power is not None:
             out["initial_loss_scale"] = 2.0 ** int(power)
-    elif bf16:
-        out["param_dtype"] = torch.bfloat16
     else:
+        # A disabled fp16 section's settings do not apply.
         for name in ("loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
             out.pop(name, None)
+        if bf16:
+            out["param_dtype"] = torch.bfloat16
     if out.get("bucket_numel") is not None:
         out["bucket_numel"] = int(out["bucket_numel"])
     return out

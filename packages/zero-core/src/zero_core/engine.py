@@ -147,6 +147,8 @@ class ZeroEngine(abc.ABC):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    forward = __call__
+
     @property
     def is_accumulation_boundary(self) -> bool:
         return self.micro_steps == self.config.gradient_accumulation_steps
@@ -169,6 +171,15 @@ class ZeroEngine(abc.ABC):
         """Apply the update if this is an accumulation boundary; True if it was applied
         (False between boundaries, and when float16 overflow skipped it)."""
         if not self.is_accumulation_boundary:
+            if (
+                self.micro_steps == 0
+                and not self._keeps_grad_views
+                and any(p.grad is not None for _, p in self.trainable_parameters())
+            ):
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] gradients are waiting in .grad but the engine "
+                    "saw no backward: call engine.backward(loss), not loss.backward()"
+                )
             return False
         denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
         denominator *= self.loss_scaler.scale

@@ -54,9 +54,11 @@ class BucketReducer:
         self._next = len(slots) - 1
         self._in_flight: deque[tuple[int, Handle, torch.Tensor]] = deque()
         self._first = True
+        self._seen: set[int] = set()
 
     def begin(self, first_micro_step: bool) -> None:
         self._first = first_micro_step
+        self._seen = set()
         self._arrived = [0] * len(self.slots)
         self._next = len(self.slots) - 1
 
@@ -75,10 +77,23 @@ class BucketReducer:
     def grad_ready(self, param: torch.nn.Parameter) -> None:
         """Hook: ``param.grad`` holds this micro-step's gradient; move it into its bucket."""
         index, flat = self.place[id(param)]
+        again = id(param) in self._seen
+        if again and index > self._next:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] a parameter of shape {tuple(param.shape)} received a "
+                "second gradient after its bucket was already reduced (reentrant activation "
+                "checkpointing does this); use checkpoint(..., use_reentrant=False), or stage 1"
+            )
         if param.grad is not None:
-            self._stage(index)[flat.start : flat.stop].copy_(param.grad.reshape(-1))
+            region = self._stage(index)[flat.start : flat.stop]
+            if again:
+                region.add_(param.grad.reshape(-1))
+            else:
+                region.copy_(param.grad.reshape(-1))
             param.grad = None
-        self._arrived[index] += 1
+        if not again:
+            self._seen.add(id(param))
+            self._arrived[index] += 1
         self._launch_ready()
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:

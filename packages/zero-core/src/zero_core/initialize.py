@@ -35,7 +35,9 @@ def initialize(
         model: an ``nn.Module`` on ``comm.device``; rank 0's initial values are broadcast.
         optimizer: an optimizer built over ``model.parameters()`` (its groups and options
             are kept), an optimizer class (with ``optimizer_kwargs``), or a factory
-            ``params -> Optimizer``. It must be elementwise (SGD, Adam, AdamW, ...).
+            ``params -> Optimizer``. It must be elementwise (SGD, Adam, AdamW, ...). The
+            engine builds its own optimizer of that class over its master weights: attach
+            learning-rate schedulers to ``engine.optimizer``, not to the one passed here.
         config: a :class:`ZeroConfig`, or a DeepSpeed-style dict (see
             ``ZeroConfig.from_deepspeed``).
         comm: the data-parallel communicator; ``deterministic=True`` makes every stage
@@ -51,5 +53,7 @@ def initialize(
             "Use stage=2 for partitioned gradients and optimizer states"
         )
     check_model(model, comm)
-    groups = resolve_param_groups(model, optimizer, optimizer_kwargs)
+    groups = resolve_param_groups(
+        model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
+    )
     return ENGINES[config.stage](model, groups, config, comm, model_parallel)

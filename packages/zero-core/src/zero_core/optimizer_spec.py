@@ -23,6 +23,15 @@ from torch import nn
 
 OptimizerSpec = torch.optim.Optimizer | type[torch.optim.Optimizer] | Callable[..., Any]
 
+# Optimizers whose update of an element depends on that element's history alone, so a
+# shard gets the same bits as the whole tensor. Others (Adafactor, LBFGS, ...) are refused
+# unless ZeroConfig(allow_untested_optimizer=True).
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ParamGroups:
@@ -44,7 +53,11 @@ class ParamGroups:
 
 
 def resolve_param_groups(
-    model: nn.Module, optimizer: OptimizerSpec, optimizer_kwargs: Mapping[str, Any] | None
+    model: nn.Module,
+    optimizer: OptimizerSpec,
+    optimizer_kwargs: Mapping[str, Any] | None,
+    *,
+    allow_untested: bool = False,
 ) -> ParamGroups:
     trainable = [p for p in model.parameters() if p.requires_grad]
     instance: Any
@@ -62,6 +75,13 @@ def resolve_param_groups(
     else:
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, its class, or a factory; got {optimizer!r}"
+        )
+    if type(instance) not in ELEMENTWISE and not allow_untested:
+        raise TypeError(
+            f"{type(instance).__name__} is not a known elementwise optimizer, so its update on "
+            "a shard may differ from the update on the whole tensor; use one of "
+            f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or set "
+            "ZeroConfig(allow_untested_optimizer=True) if you know it is elementwise"
         )
     names = {id(p): name for name, p in model.named_parameters()}
     seen: set[int] = set()
@@ -90,7 +110,8 @@ def resolve_param_groups(
             "requires_grad=False"
         )
     # Some optimizers (Adagrad) create state at construction; only stepped state is lost.
-    if any(float(s.get("step", 0)) > 0 for s in instance.state.values()):
+    # Adagrad builds state with step 0 at construction; any other state means it has stepped.
+    if any(float(s.get("step", 1)) > 0 for s in instance.state.values() if s):
         raise ValueError(
             "the optimizer has already taken steps; its state would be dropped. Pass a fresh "
             "optimizer (load a checkpoint to resume)"

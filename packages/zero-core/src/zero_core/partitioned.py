@@ -31,6 +31,7 @@ class PartitionedEngine(ZeroEngine):
             for params in self.groups.params
         ]
         self.param_buckets: list[list[torch.Tensor]] = []
+        self._param_views: dict[int, torch.Tensor] = {}
         masters: list[torch.Tensor] = []
         for params, layout in zip(self.groups.params, self.layouts, strict=True):
             buckets = [torch.zeros(b.layout.padded_numel, dtype=self.dtype) for b in layout.buckets]
@@ -39,6 +40,7 @@ class PartitionedEngine(ZeroEngine):
                 full32[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
                 buckets[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
                 p.data = buckets[k][flat.start : flat.stop].view(p.shape)
+                self._param_views[id(p)] = p.data
             master = torch.zeros(layout.shard_numel)
             for bucket, values in zip(layout.buckets, full32, strict=True):
                 mine = bucket.layout.shard_flat_range(rank)
@@ -162,6 +164,19 @@ class PartitionedEngine(ZeroEngine):
                     finish_oldest()
         while in_flight:
             finish_oldest()
+        self._check_parameter_storage()
+
+    def _check_parameter_storage(self) -> None:
+        """The parameters must still live in the buckets the all-gather writes into."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for _, p in self.trainable_parameters():
+            if p.data_ptr() != self._param_views[id(p)].data_ptr():
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] parameter {names.get(id(p), '?')} no longer uses "
+                    "the engine's storage: its .data was replaced after initialize (for "
+                    "example by module.to() or .half()), so updates would not reach it. Change "
+                    "the model before zero_core.initialize"
+                )
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         values = {}

@@ -47,7 +47,11 @@ class DataParallelEngine(ZeroEngine):
         accumulate = self.config.gradient_accumulation_steps > 1
         self._accumulated = [torch.zeros_like(g) for g in self._grads] if accumulate else None
         return [
-            torch.nn.Parameter(torch.cat([initial[id(p)].reshape(-1) for p in params]))
+            torch.nn.Parameter(
+                torch.cat([initial[id(p)].reshape(-1) for p in params])
+                if params
+                else torch.zeros(0)
+            )
             for params in self.groups.params
         ]
 

@@ -17,7 +17,11 @@ plus communication buffers from the communicator's pool, bounded by the configur
 each of at most ``max_buckets_in_flight + 1`` buckets being reduced, the bucket's staging
 copy, the reduce-scatter's receive rows (one more bucket) and its output slice, each
 rounded up to a power of two. A parameter larger than ``bucket_numel`` is a bucket of its
-own, so the bound is in terms of max(bucket_numel, largest parameter).
+own, so the bound is in terms of max(bucket_numel, largest parameter). The bound holds
+when backward completes buckets in reverse registration order (the usual case): buckets
+are reduced strictly last-first, so a bucket that completes early (layers used in another
+order than registered, or a parameter with no gradient on this rank) keeps its staging
+copy until its turn, at worst every bucket until the end of backward.
 Unlike DeepSpeed's stage 2 there is no extra float32 gradient partition: the float32
 gradient exists only inside step().
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N.
@@ -25,6 +29,7 @@ Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -44,8 +49,16 @@ class Stage2Engine(PartitionedEngine):
 
     def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         masters = super()._build(initial)
+        # A weak reference: the model's parameters must not keep a deleted engine alive.
+        engine = weakref.ref(self)
+
+        def on_gradient(param: torch.Tensor) -> None:
+            alive = engine()
+            if alive is not None:
+                alive._on_gradient(param)
+
         self._hooks: list[Any] = [
-            p.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(on_gradient)  # type: ignore[no-untyped-call]
             for _, p in self.trainable_parameters()
         ]
         self._in_backward = False
