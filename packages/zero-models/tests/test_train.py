@@ -63,3 +63,20 @@ def test_options_from_a_json_config_and_unknown_keys(tmp_path: Path) -> None:
     config.write_text(json.dumps({"stepz": 7}))
     result = run("--config", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "unknown keys ['stepz']" in result.stderr
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_the_launchers_ranks_are_used(tmp_path: Path) -> None:
+    from zero_comm.testing import find_mpiexec
+
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec: pip install mpich mpi4py (nox -s tests_mpi does)")
+    result = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "zero_models.train",
+         "--backend", "mpi", "--model", "test", "--steps", "3", "--sample-tokens", "4",
+         "--out", str(tmp_path / "o")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 ranks (1 tensor-parallel x 2 data-parallel) on mpi" in result.stdout
