@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,12 +182,15 @@ def agree(comm: Communicator, error: str) -> None:
         raise AssertionError("; ".join(f"rank {r}: {e}" for r, e in failed.items()))
 
 
-def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int:
-    """Hypothesis over :func:`collective_cases` on real ranks; returns the examples run.
+def run_property_in_step(
+    comm: Communicator, strategy: Any, check: Callable[[Any], None], max_examples: int
+) -> int:
+    """Hypothesis over ``strategy`` on real ranks, all in step; returns the examples run.
 
     Every rank draws the same examples (derandomized, no database, no health checks that
-    depend on timing), checks that rank 0 drew the same case, and all ranks agree on each
-    example's outcome, so failures and shrinking stay in step across ranks.
+    depend on timing), checks that rank 0 drew the same one, and all ranks agree on each
+    example's outcome (``check`` raising AssertionError on any rank fails it on all), so
+    failures and shrinking stay in step across ranks.
     """
     from hypothesis import HealthCheck, given, settings
 
@@ -199,18 +203,25 @@ def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int
         deadline=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(collective_cases())
-    def prop(case: CollectiveCase) -> None:
+    @given(strategy)
+    def prop(example: Any) -> None:
         nonlocal count
         count += 1
-        differs = comm.broadcast_object(case, 0) != case
-        agree(comm, f"drew {case}, which differs from rank 0's case" if differs else "")
+        differs = comm.broadcast_object(example, 0) != example
+        agree(comm, f"drew {example}, which differs from rank 0's example" if differs else "")
         error = ""
         try:
-            check_case(comm, case)
+            check(example)
         except AssertionError as exc:
             error = str(exc)
         agree(comm, error)
 
     prop()
     return count
+
+
+def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int:
+    """:func:`check_case` over :func:`collective_cases` on real ranks, all in step."""
+    return run_property_in_step(
+        comm, collective_cases(), lambda case: check_case(comm, case), max_examples
+    )
