@@ -60,6 +60,11 @@ def test_tp_matches_the_plain_model(p: int) -> None:
             assert torch.equal(param, shard_of(name, dict(plain.named_parameters())[name],
                                                   comm.rank, p)), name  # fmt: skip
         assert torch.equal(model.wte(TOKENS), plain.wte(TOKENS))  # exact: no sum involved
+        h = plain.blocks[0].ln_1(plain.wte(TOKENS) + plain.wpe(torch.arange(16)))
+        column = model.blocks[0].attn.qkv(h)  # this rank's heads of q, k, v: no sum either
+        whole = plain.blocks[0].attn.qkv(h)
+        assert torch.equal(column, shard_of("attn.qkv.bias", whole.transpose(0, -1), comm.rank, p)
+                           .transpose(0, -1))  # fmt: skip
         logits = model(TOKENS)
         loss = vocab_parallel_cross_entropy(logits, TARGETS, comm)
         loss.backward()
