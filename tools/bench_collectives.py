@@ -50,6 +50,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from provenance import git_head, sources_digest
+
+import zero_comm
 
 Variant = tuple[Callable[[], None], Callable[[], None]]  # (untimed prepare, timed call)
 Measure = Callable[[dict[str, Any]], "float | None"]
@@ -169,7 +172,6 @@ def all_reduce_variants(
 
 
 def reduce_scatter_variants(comm: Any, b: Buffers) -> dict[str, Variant]:
-    import zero_comm
 
     def nothing() -> None:
         return None
@@ -212,7 +214,6 @@ PRIMITIVES = (
 
 def verify(comm: Any, numel: int) -> dict[str, Any]:
     """Which primitives each timed variant calls, and whether ordered results are exact."""
-    import zero_comm
 
     n, rank = comm.world_size, comm.rank
     inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(7 + r)) for r in range(n)]
@@ -305,10 +306,11 @@ def verify(comm: Any, numel: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- main
 def run_rank(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    import zero_comm
 
     started = time.perf_counter()
-    sources = _sources_digest()  # the zero_comm this process imported (editable installs move)
+    sources = sources_digest(
+        zero_comm
+    )  # the zero_comm this process imported (editable installs move)
     comm = zero_comm.init(args.backend, deterministic=False)
     n, rank = comm.world_size, comm.rank
 
@@ -379,8 +381,8 @@ def run_rank(args: argparse.Namespace) -> None:
             "python": platform.python_version(),
             "mpi": _mpi_version() if comm.backend == "mpi" else None,
             "zero_comm_sources": sources,
-            "zero_comm_sources_changed_during_run": _sources_digest() != sources,
-            "git_head": _git_head(),
+            "zero_comm_sources_changed_during_run": sources_digest(zero_comm) != sources,
+            "git_head": git_head(),
             "wall_s": time.perf_counter() - started,
             "verification": checked,
             "results": results,
@@ -392,33 +394,6 @@ def run_rank(args: argparse.Namespace) -> None:
                 json.dump(report, f, indent=1)
             say(f"[bench] wrote {args.json}")
     comm.close()
-
-
-def _sources_digest() -> str:
-    """sha256 (first 12 hex digits) of the zero_comm package's .py files."""
-    import hashlib
-    import pathlib
-
-    import zero_comm
-
-    package = pathlib.Path(zero_comm.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def _git_head() -> str | None:
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
 
 
 def _mpi_version() -> str:

@@ -42,10 +42,8 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import hashlib
 import json
 import os
-import pathlib
 import platform
 import resource
 import statistics
@@ -54,6 +52,7 @@ import time
 from typing import Any
 
 import torch
+from provenance import git_head, sources_digest
 from torch import nn
 
 import zero_comm
@@ -127,30 +126,6 @@ def memory_mib(report: Any) -> dict[str, float]:
     return out
 
 
-def sources_digest() -> str:
-    """sha256 (first 12 hex digits) of the .py files of zero_core and zero_comm."""
-    digest = hashlib.sha256()
-    for module in (zero_core, zero_comm):
-        assert module.__file__ is not None
-        package = pathlib.Path(module.__file__).parent
-        for path in sorted(package.rglob("*.py")):
-            digest.update(f"{module.__name__}/{path.relative_to(package).as_posix()}".encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def git_head() -> str | None:
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
 def batches(count: int, batch: int, width: int, rank: int, seed: int, dtype: torch.dtype) -> Any:
     """This rank's input of every step: different on every rank, the same for every stage."""
     out = []
@@ -178,7 +153,7 @@ def parameter_diff(
 def run_rank(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
-    sources = sources_digest()
+    sources = sources_digest(zero_core, zero_comm)
     modes = {"true": [True], "false": [False], "both": [True, False]}[args.deterministic]
     worlds = {det: zero_comm.init("gloo", deterministic=det) for det in modes}
     world = worlds[modes[0]]
@@ -283,7 +258,7 @@ def run_rank(args: argparse.Namespace) -> None:
 
     samples = [slowest(world, case.samples) for case in cases]
     faults = world.all_gather_object([case.faults for case in cases])
-    changed = sources_digest() != sources
+    changed = sources_digest(zero_core, zero_comm) != sources
     for comm in subgroups:
         comm.close()
     if rank == 0:
