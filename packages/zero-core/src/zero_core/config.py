@@ -52,6 +52,10 @@ class ZeroConfig:
         overflow, and halves (not below ``min_loss_scale``) after ``hysteresis`` overflows.
     max_buckets_in_flight: stage 2: reduce-scatters outstanding at once during backward.
     allow_untested_optimizer: accept an optimizer not known to be elementwise.
+    nonfinite: what a NaN or Inf in the reduced gradients does (float16 always skips and
+        backs the loss scale off): "skip" the step on every rank, or "raise" a
+        FloatingPointError naming the first parameter (in model order) that went non-finite.
+        Either way a NaN never reaches the parameters.
     """
 
     stage: int = 2
@@ -66,16 +70,31 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     max_buckets_in_flight: int = 2
     allow_untested_optimizer: bool = False
+    nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
-        if self.stage not in (0, 1, 2, 3):
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (
+            0, 1, 2, 3,
+        ):  # fmt: skip
             raise ValueError(f"stage={self.stage!r}: ZeRO stages are 0, 1, 2 and 3")
         for name in ("bucket_numel", "gradient_accumulation_steps", "loss_scale_window",
                      "hysteresis", "max_buckets_in_flight"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
+                raise ValueError(f"{name}={value!r} must be a number")
+        if self.clip_grad_norm is not None and not isinstance(self.clip_grad_norm, int | float):
+            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a number or None")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
+        if not isinstance(self.allow_untested_optimizer, bool):
+            raise ValueError(
+                f"allow_untested_optimizer={self.allow_untested_optimizer!r} must be a bool"
+            )
         if self.clip_grad_norm is not None and not (
             math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0
         ):
@@ -116,6 +135,8 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
 
 
 def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a DeepSpeed config must be a dict, got {type(config).__name__}")
     out: dict[str, Any] = {}
     for key, value in config.items():
         if key not in DEEPSPEED_KEYS:
@@ -141,21 +162,24 @@ def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
                 out[name] = sub_value
     if out.get("clip_grad_norm") == 0:
         out["clip_grad_norm"] = None  # DeepSpeed's default, meaning no clipping
-    bf16 = bool(config.get("bf16", {}).get("enabled", False))
-    fp16 = bool(config.get("fp16", {}).get("enabled", False))
+    bf16 = config.get("bf16", {}).get("enabled", False) is True
+    fp16 = config.get("fp16", {}).get("enabled", False) is True
     if bf16 and fp16:
         raise ValueError("bf16.enabled and fp16.enabled are both true; enable one of them")
     if fp16:
         out["param_dtype"] = torch.float16
         power = config["fp16"].get("initial_scale_power")
         if power is not None:
-            out["initial_loss_scale"] = 2.0 ** int(power)
+            if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power < 128:
+                raise ValueError(f"fp16.initial_scale_power={power!r} must be an integer 0-127")
+            out["initial_loss_scale"] = 2.0**power
     else:
         # A disabled fp16 section's settings do not apply.
         for name in ("loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale"):
             out.pop(name, None)
         if bf16:
             out["param_dtype"] = torch.bfloat16
-    if out.get("bucket_numel") is not None:
-        out["bucket_numel"] = int(out["bucket_numel"])
+    size = out.get("bucket_numel")
+    if isinstance(size, float) and size.is_integer():
+        out["bucket_numel"] = int(size)  # DeepSpeed configs write 5e8
     return out

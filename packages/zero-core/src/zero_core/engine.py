@@ -169,7 +169,7 @@ class ZeroEngine(abc.ABC):
 
     def step(self) -> bool:
         """Apply the update if this is an accumulation boundary; True if it was applied
-        (False between boundaries, and when float16 overflow skipped it)."""
+        (False between boundaries, and when a NaN/Inf gradient on any rank skipped it)."""
         if not self.is_accumulation_boundary:
             if (
                 self.micro_steps == 0
@@ -186,16 +186,17 @@ class ZeroEngine(abc.ABC):
         gradients = self._float32_gradients()
         for g in gradients:
             g.div_(denominator)
-        if self.dtype is torch.float16:
-            finite = all(bool(torch.isfinite(g).all()) for g in gradients)
-            overflow = self._any_rank(not finite)
-            if self.model_parallel is not None:
-                overflow = self._any_model_parallel_rank(overflow)
-            if overflow:
-                self.loss_scaler.update(overflow=True)
-                self.skipped_steps += 1
-                self.zero_grad()
-                return False
+        finite = all(bool(torch.isfinite(g).all()) for g in gradients)
+        overflow = self._any_rank(not finite)
+        if self.model_parallel is not None:
+            overflow = self._any_model_parallel_rank(overflow)
+        if overflow:
+            if self.dtype is not torch.float16 and self.config.nonfinite == "raise":
+                raise FloatingPointError(self._first_nonfinite(gradients))
+            self.loss_scaler.update(overflow=True)  # a no-op unless float16
+            self.skipped_steps += 1
+            self.zero_grad()
+            return False
         if self.config.clip_grad_norm is not None:
             self.last_grad_norm = norm_from_row_sums(self._global_row_sums(gradients))
             coefficient = clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
@@ -257,6 +258,25 @@ class ZeroEngine(abc.ABC):
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,
+        )
+
+    def _first_nonfinite(self, gradients: list[torch.Tensor]) -> str:
+        """Collective: the message naming the first parameter, in model order, whose reduced
+        gradient is not finite on any rank (the same message on every rank)."""
+        order = {id(p): i for i, p in enumerate(self.module.parameters())}
+        first = len(order)
+        for group, g in enumerate(gradients):
+            for param, where in self._param_ranges(group):
+                if not bool(torch.isfinite(g[where]).all()):
+                    first = min(first, order[id(param)])
+        token = torch.tensor([first], dtype=torch.int64)
+        self.comm.all_reduce(token, ReduceOp.MIN)
+        names = [name for name, _ in self.module.named_parameters()]
+        name = names[int(token.item())] if token.item() < len(names) else "?"
+        return (
+            f"[rank {self.comm.rank}] the gradient of parameter {name} is NaN or Inf after "
+            f"step {self.global_steps}; no update was applied (ZeroConfig(nonfinite='skip') "
+            "skips such steps instead)"
         )
 
     def _global_row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
