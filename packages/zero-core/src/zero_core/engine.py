@@ -24,7 +24,7 @@ which collectives move them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -320,10 +320,3 @@ def check_model(module: nn.Module, comm: Communicator) -> None:
             )
         if p.requires_grad and not p.is_floating_point():
             raise TypeError(f"[rank {comm.rank}] parameter {name} is {p.dtype}: not trainable")
-
-
-def describe(groups: ParamGroups) -> Mapping[str, Any]:
-    return {
-        "optimizer": groups.optimizer_class.__name__,
-        "groups": [len(p) for p in groups.params],
-    }
