@@ -309,6 +309,17 @@ class ZeroEngine(abc.ABC):
         return bool(token.item())
 
 
+def restore_grad_view(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the engine's flat-buffer ``view`` again (stages 0 and 1 keep
+    gradients as views that autograd fills in place): zeros if backward gave it no
+    gradient, a copy if something replaced the view."""
+    if param.grad is None:
+        view.zero_()
+    elif param.grad.data_ptr() != view.data_ptr():
+        view.copy_(param.grad.reshape(-1))
+    param.grad = view.view(param.shape)
+
+
 def check_model(module: nn.Module, comm: Communicator) -> None:
     """Reject what the engine cannot train, naming the parameter and the fix."""
     for name, p in module.named_parameters():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .engine import ZeroEngine
+from .engine import ZeroEngine, restore_grad_view
 from .grad_norm import param_row_sums
 
 
@@ -58,12 +58,7 @@ class DataParallelEngine(ZeroEngine):
     def _reduce_gradients(self, first_micro_step: bool) -> None:
         for params, flat in zip(self.groups.params, self._grads, strict=True):
             for p in params:
-                view = self._views[id(p)]
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad.reshape(-1))  # backward replaced the view
-                p.grad = view.view(p.shape)
+                restore_grad_view(p, self._views[id(p)])
             for start, stop in self._chunks(params):
                 self.comm.all_reduce(flat[start:stop])
         if self._accumulated is not None:
@@ -93,12 +88,11 @@ class DataParallelEngine(ZeroEngine):
         return [g.to(torch.float32, copy=True) for g in self._reduced()]
 
     def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        rows = []
-        for params, g in zip(self.groups.params, gradients, strict=True):
-            start = 0
-            for p in params:
-                rows.append(param_row_sums(g[start : start + p.numel()]))
-                start += p.numel()
+        rows = [
+            param_row_sums(g[where])
+            for group, g in enumerate(gradients)
+            for _, where in self._param_ranges(group)
+        ]
         return torch.cat(rows) if rows else torch.zeros(0)
 
     def _param_ranges(self, group: int) -> list[tuple[torch.nn.Parameter, slice]]:
@@ -112,11 +106,8 @@ class DataParallelEngine(ZeroEngine):
         return flag  # every rank holds the same reduced gradients
 
     def _publish_parameters(self) -> None:
-        for params, master in zip(self.groups.params, self.masters, strict=True):
-            start = 0
-            for p in params:
-                p.data.copy_(master.detach()[start : start + p.numel()].view_as(p))
-                start += p.numel()
+        for p, value in self._master_views():
+            p.data.copy_(value)
 
     def _clear_gradients(self) -> None:
         for buffers in (self._grads, self._accumulated or []):
@@ -124,13 +115,15 @@ class DataParallelEngine(ZeroEngine):
                 flat.zero_()
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
-        values = {}
-        for params, master in zip(self.groups.params, self.masters, strict=True):
-            start = 0
-            for p in params:
-                values[id(p)] = master.detach()[start : start + p.numel()].view(p.shape)
-                start += p.numel()
-        return values
+        return {id(p): value for p, value in self._master_views()}
+
+    def _master_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Each trainable parameter with its view of the full float32 master weights."""
+        return [
+            (p, master.detach()[where].view(p.shape))
+            for group, master in enumerate(self.masters)
+            for p, where in self._param_ranges(group)
+        ]
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
         return [*self._grads, *(self._accumulated or [])]

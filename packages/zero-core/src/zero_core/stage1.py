@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .engine import restore_grad_view
 from .partitioned import PartitionedEngine
 
 
@@ -60,12 +61,7 @@ class Stage1Engine(PartitionedEngine):
 
     def _collect_gradients(self) -> None:
         for _, p in self.trainable_parameters():
-            view = self._grad_views[id(p)]
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad.reshape(-1))  # backward replaced the view; bring it back
-            p.grad = view.view(p.shape)
+            restore_grad_view(p, self._grad_views[id(p)])
             self.reducer.mark_ready(p)
 
     def _reduce_gradients(self, first_micro_step: bool) -> None:
