@@ -42,6 +42,8 @@ class ParityCase:
     accumulation: int = 1
     clip: float | None = None
     bucket_numel: int = 1 << 20
+    persistence_threshold: int = 0  # stage 3: parameters this small stay whole
+    prefetch_numel: int = 1 << 20  # stage 3
     steps: int = 2
     seed: int = 0
 
@@ -118,6 +120,8 @@ def build_engine(case: ParityCase, comm: Communicator, stage: int) -> zero_core.
         bucket_numel=case.bucket_numel,
         gradient_accumulation_steps=case.accumulation,
         clip_grad_norm=case.clip,
+        persistence_threshold=case.persistence_threshold,
+        prefetch_numel=case.prefetch_numel,
     )
     return zero_core.initialize(model, optimizer_class(groups, **options), config, comm)
 
@@ -159,9 +163,11 @@ def assert_same_states(
             )
 
 
-def stages_equal_stage0(comm: Communicator, case: ParityCase) -> None:
+def stages_equal_stage0(
+    comm: Communicator, case: ParityCase, stages: tuple[int, ...] = (1, 2, 3)
+) -> None:
     reference = train(case, comm, 0)
-    for stage in (1, 2):
+    for stage in stages:
         assert_same_states(reference, train(case, comm, stage), f"stage {stage}")
 
 
@@ -185,6 +191,8 @@ def parity_cases() -> Any:
             accumulation=draw(st.sampled_from([1, 1, 2, 3])),
             clip=draw(st.sampled_from([None, None, 0.05, 1e3])),
             bucket_numel=draw(st.sampled_from([1, 64, 300, 5000, 1 << 20])),
+            persistence_threshold=draw(st.sampled_from([0, 0, 20, 200])),
+            prefetch_numel=draw(st.sampled_from([0, 100, 1 << 20])),
             steps=2,
             seed=draw(st.integers(0, 10_000)),
         )

@@ -62,14 +62,14 @@ def test_deepspeed_keys_we_do_not_support_are_rejected_by_name(config: dict, mes
         ZeroConfig.from_deepspeed(config)
 
 
-def test_stage_3_is_a_clear_error_not_a_fallback() -> None:
-    def body(comm: zero_core.ZeroEngine) -> None:
-        model = torch.nn.Linear(2, 2)
-        with pytest.raises(NotImplementedError, match="stage 3 is not implemented"):
-            zero_core.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                 ZeroConfig(stage=3), comm)  # type: ignore[arg-type]  # fmt: skip
-
-    run_simulated(1, body)  # type: ignore[arg-type]
+def test_deepspeed_stage_3_keys_map_to_the_config() -> None:
+    config = ZeroConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 1e9,
+        "stage3_param_persistence_threshold": 1e5}})  # fmt: skip
+    assert (config.stage, config.prefetch_numel, config.max_live_numel) == (3, 5 * 10**7, 10**9)
+    assert config.persistence_threshold == 10**5
+    with pytest.raises(ValueError, match="prefetch_numel=-1 must be an integer >= 0"):
+        ZeroConfig(prefetch_numel=-1)
 
 
 def test_optimizer_forms_and_their_errors() -> None:

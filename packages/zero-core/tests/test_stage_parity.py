@@ -1,5 +1,8 @@
 """Every stage equals stage 0 bit for bit (hypothesis, simulated world of 1-4 ranks).
 
+Stage 3 draws its persistence threshold (0: every parameter partitioned) and prefetch size
+(0: none) with the rest of the case.
+
 Assertions are ``torch.equal``: no tolerance. World size 3 is always drawn among the others
 (at N = 2 a sum of two terms has one order, so N = 2 alone would prove nothing).
 """
@@ -17,11 +20,12 @@ from zero_comm import Communicator, run_simulated
 
 @settings(max_examples=60, deadline=None)
 @given(case=parity_cases(), world_size=st.sampled_from([3, 3, 1, 2, 4]), deferred=st.booleans())
-def test_stages_1_and_2_equal_stage_0_bit_for_bit(
+def test_stages_1_2_and_3_equal_stage_0_bit_for_bit(
     case: ParityCase, world_size: int, deferred: bool
 ) -> None:
     """With ``deferred``, asynchronous collectives deliver their results only at wait(),
-    after a random pause: a missing wait() in an engine shows up as a mismatch."""
+    after a random pause: a missing wait() in an engine (a prefetched stage 3 gather used
+    before it completed, say) shows up as a mismatch."""
     run_simulated(world_size, lambda comm: stages_equal_stage0(comm, case), defer_outputs=deferred)
 
 
@@ -57,7 +61,7 @@ def test_training_moves_the_parameters() -> None:
     assert not torch.equal(states[0]["layers.0.weight"], states[1]["layers.0.weight"])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tied_frozen_and_grouped_parameters_survive_in_the_state_dict(stage: int) -> None:
     case = ParityCase(widths=(6, 6), vocab=11, tie=True, freeze_first=True, two_groups=True)
     state = run_simulated(3, lambda comm: train(case, comm, stage))[0][-1]

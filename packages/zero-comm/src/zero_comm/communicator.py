@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import pickle
+import zlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -56,6 +57,17 @@ _COLLECTIVE_CODE = {
 }  # fmt: skip
 _INVALID = -1  # a rank whose own arguments were bad sends this as its collective code
 _CODE_COLLECTIVE = {code: name for name, code in _COLLECTIVE_CODE.items()}
+# Labels travel as a 32-bit code; every label a process has used is remembered here so an
+# error can print another rank's label (ranks label the same things with the same strings).
+_LABELS: dict[int, str] = {}
+
+
+def _label_code(label: str) -> int:
+    if not label:
+        return 0
+    code = zlib.crc32(label.encode()) + 1
+    _LABELS[code] = label
+    return code
 
 
 class Work(Protocol):
@@ -279,11 +291,14 @@ class Communicator(abc.ABC):
             if handle is until:
                 return
 
-    def _enter(self, name: str, describe: Callable[[], tuple[int, int, int, int]]) -> None:
+    def _enter(
+        self, name: str, describe: Callable[[], tuple[int, int, int, int]], label: str = ""
+    ) -> None:
         """Start a collective: finish queued phases, validate, and agree with every rank.
 
         ``describe`` validates this rank's arguments (raising TypeError/ValueError) and
-        returns (dtype code, numel, op, root). With ``check_consistency`` a rank whose own
+        returns (dtype code, numel, op, root). ``label`` (what the caller moves, e.g. a
+        module's name) is compared too. With ``check_consistency`` a rank whose own
         arguments are bad still joins the agreement, so it raises its error while every
         other rank raises :class:`CollectiveMismatchError` naming it, instead of waiting.
         """
@@ -292,9 +307,9 @@ class Communicator(abc.ABC):
         self._sequence += 1
         error: Exception | None = None
         try:
-            row = [_COLLECTIVE_CODE[name], *describe()]
+            row = [_COLLECTIVE_CODE[name], *describe(), _label_code(label)]
         except (TypeError, ValueError) as exc:
-            error, row = exc, [_INVALID, 0, 0, 0, 0]
+            error, row = exc, [_INVALID, 0, 0, 0, 0, 0]
         if not self.check_consistency or self.world_size == 1:
             if error is not None:
                 raise error
@@ -322,7 +337,7 @@ class Communicator(abc.ABC):
             self._err(
                 f"{name} #{self._sequence}: ranks disagree on the collective: {seen}. Every "
                 "rank must call the same collectives in the same order, with the same numel, "
-                "dtype, op and root."
+                "dtype, op, root and label."
             )
         )
 
@@ -346,9 +361,17 @@ class Communicator(abc.ABC):
 
     # --------------------------------------------------------------- collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        label: str = "",
     ) -> Handle | None:
-        """Reduce ``tensor`` elementwise across ranks, in place, on every rank."""
+        """Reduce ``tensor`` elementwise across ranks, in place, on every rank.
+
+        ``label`` (every collective takes one) names what is moved, for the consistency
+        check: ranks passing different labels get a CollectiveMismatchError naming them."""
         name = "all_reduce"
 
         def describe() -> tuple[int, int, int, int]:
@@ -356,7 +379,7 @@ class Communicator(abc.ABC):
             self._check_op(name, op, tensor.dtype)
             return _DTYPE_CODE[tensor.dtype], tensor.numel(), op.value, -1
 
-        self._enter(name, describe)
+        self._enter(name, describe, label)
         self.stats.record(name, tensor.numel(), tensor.element_size())
         flat = tensor.view(-1)
         if self.world_size == 1 or flat.numel() == 0:
@@ -375,6 +398,7 @@ class Communicator(abc.ABC):
         op: ReduceOp = ReduceOp.SUM,
         *,
         async_op: bool = False,
+        label: str = "",
     ) -> Handle | None:
         """``output`` on rank r = reduction over ranks of chunk r of ``input``.
 
@@ -387,7 +411,7 @@ class Communicator(abc.ABC):
             self._check_op(name, op, input.dtype)
             return _DTYPE_CODE[input.dtype], input.numel(), op.value, -1
 
-        self._enter(name, describe)
+        self._enter(name, describe, label)
         self.stats.record(name, input.numel(), input.element_size())
         out, inp = output.view(-1), input.view(-1)
         if self.world_size == 1 or out.numel() == 0:
@@ -408,7 +432,7 @@ class Communicator(abc.ABC):
         return self._complete(Handle(self, name, work, finish), async_op)
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
         """``output`` = concatenation of every rank's ``input``, in rank order."""
         name = "all_gather"
@@ -417,7 +441,7 @@ class Communicator(abc.ABC):
             self._check_pair(name, output, input, self.world_size, 1)
             return _DTYPE_CODE[input.dtype], input.numel(), -1, -1
 
-        self._enter(name, describe)
+        self._enter(name, describe, label)
         self.stats.record(name, output.numel(), output.element_size())
         out, inp = output.view(-1), input.view(-1)
         if self.world_size == 1 or inp.numel() == 0:
@@ -425,7 +449,9 @@ class Communicator(abc.ABC):
             return self._complete(Handle(self, name, CompletedWork()), async_op)
         return self._complete(Handle(self, name, self._all_gather(out, inp)), async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, async_op: bool = False, label: str = ""
+    ) -> Handle | None:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
         name = "broadcast"
 
@@ -434,7 +460,7 @@ class Communicator(abc.ABC):
             self._check_src(name, src)
             return _DTYPE_CODE[tensor.dtype], tensor.numel(), -1, src
 
-        self._enter(name, describe)
+        self._enter(name, describe, label)
         self.stats.record(name, tensor.numel(), tensor.element_size())
         if self.world_size == 1 or tensor.numel() == 0:
             return self._complete(Handle(self, name, CompletedWork()), async_op)
@@ -543,7 +569,7 @@ def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def _describe_call(row: list[int]) -> str:
-    collective, dtype_code, numel, op, root = row
+    collective, dtype_code, numel, op, root, label = row
     name = _CODE_COLLECTIVE.get(collective, f"collective#{collective}")
     parts = []
     if 0 <= dtype_code < len(SUPPORTED_DTYPES):
@@ -552,4 +578,6 @@ def _describe_call(row: list[int]) -> str:
         parts.append(ReduceOp(op).name)
     if root >= 0:
         parts.append(f"src={root}")
+    if label:
+        parts.append(repr(_LABELS.get(label, f"label#{label:x}")))
     return f"{name}({', '.join(parts)})"

@@ -21,7 +21,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }  # fmt: skip
-AVAILABLE_STAGES = (0, 1, 2)
+AVAILABLE_STAGES = (0, 1, 2, 3)
 
 
 def _dtype(value: torch.dtype | str) -> torch.dtype:
@@ -39,7 +39,8 @@ def _dtype(value: torch.dtype | str) -> torch.dtype:
 class ZeroConfig:
     """Settings of one engine.
 
-    stage: 0 (plain data parallelism), 1 (partition optimizer states), 2 (+ gradients).
+    stage: 0 (plain data parallelism), 1 (partition optimizer states), 2 (+ gradients),
+        3 (+ parameters, gathered module by module just in time).
     param_dtype: dtype of the compute parameters and gradients; the master weights and
         optimizer states are float32 whenever this is bfloat16 or float16.
     bucket_numel: elements per gradient bucket (reduce-scatter) and parameter all-gather;
@@ -51,6 +52,13 @@ class ZeroConfig:
         starts at ``initial_loss_scale``, doubles after ``loss_scale_window`` steps without
         overflow, and halves (not below ``min_loss_scale``) after ``hysteresis`` overflows.
     max_buckets_in_flight: stage 2: reduce-scatters outstanding at once during backward.
+    prefetch_numel: stage 3: parameter elements gathered ahead of use (in the order recorded
+        on the first step); 0 turns prefetching off.
+    max_live_numel: stage 3: prefetching never makes more parameter elements gathered at
+        once than this (the modules running now are always gathered, whatever their size).
+    persistence_threshold: stage 3: parameters of at most this many elements (biases, norm
+        weights) stay gathered on every rank; their gradients and optimizer states are
+        still partitioned. 0 partitions every parameter.
     allow_untested_optimizer: accept an optimizer not known to be elementwise.
     nonfinite: what a NaN or Inf in the reduced gradients does (float16 always skips and
         backs the loss scale off): "skip" the step on every rank, or "raise" a
@@ -69,6 +77,9 @@ class ZeroConfig:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
     max_buckets_in_flight: int = 2
+    prefetch_numel: int = 2**24
+    max_live_numel: int = 2**28
+    persistence_threshold: int = 2**14
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"
 
@@ -87,6 +98,10 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
                 raise ValueError(f"{name}={value!r} must be a number")
+        for name in ("prefetch_numel", "max_live_numel", "persistence_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0")
         if self.clip_grad_norm is not None and not isinstance(self.clip_grad_norm, int | float):
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a number or None")
         if self.nonfinite not in ("skip", "raise"):
@@ -119,7 +134,13 @@ class ZeroConfig:
 
 
 DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
-    "zero_optimization": {"stage": "stage", "reduce_bucket_size": "bucket_numel"},
+    "zero_optimization": {
+        "stage": "stage",
+        "reduce_bucket_size": "bucket_numel",
+        "stage3_prefetch_bucket_size": "prefetch_numel",
+        "stage3_max_live_parameters": "max_live_numel",
+        "stage3_param_persistence_threshold": "persistence_threshold",
+    },
     "bf16": {"enabled": None},
     "fp16": {
         "enabled": None,
@@ -179,7 +200,8 @@ def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
             out.pop(name, None)
         if bf16:
             out["param_dtype"] = torch.bfloat16
-    size = out.get("bucket_numel")
-    if isinstance(size, float) and size.is_integer():
-        out["bucket_numel"] = int(size)  # DeepSpeed configs write 5e8
+    for name in ("bucket_numel", "prefetch_numel", "max_live_numel", "persistence_threshold"):
+        size = out.get(name)
+        if isinstance(size, float) and size.is_integer():
+            out[name] = int(size)  # DeepSpeed configs write 5e8
     return out

@@ -34,6 +34,7 @@ from zero_comm import Communicator, ReduceOp
 
 from .config import ZeroConfig
 from .grad_norm import clip_coefficient, norm_from_row_sums
+from .init_values import InitValues, materialise, named_init_values
 from .loss_scaler import LossScaler, NoLossScaler
 from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
 from .model_parallel import ModelParallel
@@ -50,8 +51,10 @@ class ZeroEngine(abc.ABC):
         config: ZeroConfig,
         comm: Communicator,
         model_parallel: ModelParallel | None = None,
+        init_values: InitValues | None = None,
     ) -> None:
         self.model_parallel = model_parallel
+        self._init_values = init_values
         self.module = module
         self.config = config
         self.comm = comm
@@ -72,8 +75,9 @@ class ZeroEngine(abc.ABC):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        initial = self._broadcast_initial_state()
-        module.to(self.dtype)
+        initial = self._take_initial_state()
+        self._init_values = None  # consumed; do not keep the caller's tensors alive
+        self._cast_module()
         self.masters = self._build(initial)
         self.optimizer = groups.build(self.masters)
 
@@ -131,8 +135,12 @@ class ZeroEngine(abc.ABC):
             for p in params:
                 yield g, p
 
-    def _broadcast_initial_state(self) -> dict[int, torch.Tensor]:
-        """Rank 0's parameters and buffers on every rank; float32 copies of the trainables."""
+    def _take_initial_state(self) -> dict[int, torch.Tensor]:
+        """Rank 0's parameters and buffers on every rank (after ``init_values``, if given,
+        filled them in); float32 copies of the trainables."""
+        if self._init_values is not None:
+            for _, tensor, value in named_init_values(self.module, self._init_values):
+                materialise(tensor, value, self.comm.device)
         for tensor in list(self.module.parameters()) + list(self.module.buffers()):
             data = tensor.data
             if not data.is_contiguous():
@@ -142,6 +150,10 @@ class ZeroEngine(abc.ABC):
         return {
             id(p): p.detach().to(torch.float32, copy=True) for _, p in self.trainable_parameters()
         }
+
+    def _cast_module(self) -> None:
+        """Parameters and floating buffers to the compute dtype."""
+        self.module.to(self.dtype)
 
     # ----------------------------------------------------------- training step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -320,10 +332,16 @@ def restore_grad_view(param: nn.Parameter, view: torch.Tensor) -> None:
     param.grad = view.view(param.shape)
 
 
-def check_model(module: nn.Module, comm: Communicator) -> None:
-    """Reject what the engine cannot train, naming the parameter and the fix."""
+def check_model(module: nn.Module, comm: Communicator, *, values_given: bool = False) -> None:
+    """Reject what the engine cannot train, naming the parameter and the fix. With
+    ``values_given`` (init_values), parameters may be on the meta device."""
     for name, p in module.named_parameters():
-        if p.device.type != comm.device.type:
+        if p.is_meta and not values_given:
+            raise ValueError(
+                f"[rank {comm.rank}] parameter {name} is on the meta device: pass its values "
+                "with initialize(..., init_values=...) (for example GPT.initial_values(seed))"
+            )
+        if p.device.type != comm.device.type and not p.is_meta:
             raise ValueError(
                 f"[rank {comm.rank}] parameter {name} is on {p.device}, but the {comm.backend} "
                 f"communicator works on {comm.device}; move the model with "

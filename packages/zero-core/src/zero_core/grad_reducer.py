@@ -1,8 +1,9 @@
 """Reduce-scatter gradient buckets, in one order on every rank, overlapped with backward.
 
 A bucket is *complete* when every parameter in it has its gradient for this micro-step.
-Buckets are launched strictly in the canonical order, last bucket first (the order backward
-usually completes them), over all parameter groups:
+Buckets are launched strictly in one canonical order: by default last bucket first (the
+order backward usually completes them), over all parameter groups; stage 3 passes its own
+(fetch units in reverse registration order):
 
     complete:  b5  b4  b2  b3  b1  b0      (the order hooks happen to fire)
     launched:  b5  b4  .   b3+b2  b1  b0   (b2 waits for b3: same order on every rank)
@@ -40,9 +41,22 @@ class BucketReducer:
     """Collects gradients into buckets and reduce-scatters them in canonical order."""
 
     def __init__(
-        self, comm: Communicator, slots: list[BucketSlot], dtype: torch.dtype, max_in_flight: int
+        self,
+        comm: Communicator,
+        slots: list[BucketSlot],
+        dtype: torch.dtype,
+        max_in_flight: int,
+        launch_order: list[int] | None = None,
+        labels: list[str] | None = None,
     ) -> None:
+        """``launch_order``: slot indices in the order their reduce-scatters are issued
+        (default: last slot first); ``labels``: each slot's label for the communicator's
+        consistency check."""
         self.comm = comm
+        self.launch_order = launch_order or list(range(len(slots) - 1, -1, -1))
+        if sorted(self.launch_order) != list(range(len(slots))):
+            raise ValueError(f"launch_order {launch_order} must list each of {len(slots)} slots")
+        self.labels = labels or [""] * len(slots)
         self.slots = slots
         self.dtype = dtype
         self.max_in_flight = max_in_flight
@@ -51,16 +65,17 @@ class BucketReducer:
         }
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
         self._arrived = [0] * len(slots)
-        self._next = len(slots) - 1
+        self._next = 0  # position in launch_order of the next bucket to launch
         self._in_flight: deque[tuple[int, Handle, torch.Tensor]] = deque()
         self._first = True
         self._seen: set[int] = set()
+        self._position = {index: at for at, index in enumerate(self.launch_order)}
 
     def begin(self, first_micro_step: bool) -> None:
         self._first = first_micro_step
         self._seen = set()
         self._arrived = [0] * len(self.slots)
-        self._next = len(self.slots) - 1
+        self._next = 0
 
     def _stage(self, index: int) -> torch.Tensor:
         staging = self._staging[index]
@@ -78,7 +93,7 @@ class BucketReducer:
         """Hook: ``param.grad`` holds this micro-step's gradient; move it into its bucket."""
         index, flat = self.place[id(param)]
         again = id(param) in self._seen
-        if again and index > self._next:
+        if again and self._position[index] < self._next:
             raise RuntimeError(
                 f"[rank {self.comm.rank}] a parameter of shape {tuple(param.shape)} received a "
                 "second gradient after its bucket was already reduced (reentrant activation "
@@ -105,14 +120,17 @@ class BucketReducer:
         return self._arrived[index] >= len(self.slots[index].params)
 
     def _launch_ready(self) -> None:
-        while self._next >= 0 and self._complete(self._next):
-            self._launch(self._next)
-            self._next -= 1
+        order = self.launch_order
+        while self._next < len(order) and self._complete(order[self._next]):
+            self._launch(order[self._next])
+            self._next += 1
 
     def _launch(self, index: int) -> None:
         slot = self.slots[index]
         out = self.comm.buffers.take(slot.slice_numel, self.dtype)
-        handle = self.comm.reduce_scatter(out, self._stage(index), async_op=True)
+        handle = self.comm.reduce_scatter(
+            out, self._stage(index), async_op=True, label=self.labels[index]
+        )
         assert handle is not None
         self._in_flight.append((index, handle, out))
         while len(self._in_flight) > self.max_in_flight:

@@ -1,7 +1,8 @@
 """The buckets of one parameter group, and what each rank owns of each bucket.
 
 Parameters are packed in order into buckets of about ``bucket_numel`` elements (a parameter
-never splits across buckets; one larger than ``bucket_numel`` gets a bucket of its own).
+never splits across buckets; one larger than ``bucket_numel`` gets a bucket of its own);
+stage 3 also keeps each bucket within one fetch unit (``tags``).
 Every parameter starts at a multiple of BLOCK (see grad_norm), and each bucket is a
 :class:`FlatLayout` padded to N equal shards. Rank r owns the r-th shard of every bucket;
 its *local shard* is those pieces one after another:
@@ -44,24 +45,49 @@ class GroupLayout:
     buckets: tuple[Bucket, ...]
 
     @classmethod
-    def build(cls, numels: Sequence[int], world_size: int, bucket_numel: int) -> GroupLayout:
-        groups: list[list[int]] = []
-        filled = 0
+    def build(
+        cls,
+        numels: Sequence[int],
+        world_size: int,
+        bucket_numel: int,
+        tags: Sequence[object] | None = None,
+    ) -> GroupLayout:
+        """Pack parameters into buckets of about ``bucket_numel`` elements. With ``tags``
+        (one per parameter; stage 3 uses the fetch unit), a bucket holds parameters of
+        one tag only, in parameter order; otherwise it holds consecutive parameters."""
+        members: dict[object, list[list[int]]] = {}
+        filled: dict[object, int] = {}
+        order: list[list[int]] = []
         for index, numel in enumerate(numels):
-            start = round_up(filled, BLOCK)
-            if groups and groups[-1] and start + numel > bucket_numel:
-                groups.append([])
+            tag = tags[index] if tags is not None else None
+            runs = members.setdefault(tag, [])
+            start = round_up(filled.get(tag, 0), BLOCK)
+            if not runs or (runs[-1] and start + numel > bucket_numel):
+                runs.append([])
+                order.append(runs[-1])
                 start = 0
-            if not groups:
-                groups.append([])
-            groups[-1].append(index)
-            filled = start + numel
+            runs[-1].append(index)
+            filled[tag] = start + numel
+        return cls.of_buckets(numels, world_size, order)
+
+    @classmethod
+    def of_buckets(
+        cls, numels: Sequence[int], world_size: int, members: Sequence[Sequence[int]]
+    ) -> GroupLayout:
+        """Buckets holding exactly ``members`` (indices into ``numels``; every parameter in
+        one bucket), in that order."""
+        placed = sorted(i for bucket in members for i in bucket)
+        if placed != list(range(len(numels))):
+            raise ValueError(f"bucket members {members} must hold each of {len(numels)} once")
         buckets, offset = [], 0
-        for members in groups:
+        for bucket_members in members:
             layout = FlatLayout.of(
-                [numels[i] for i in members], world_size, alignment=BLOCK, param_alignment=BLOCK
+                [numels[i] for i in bucket_members],
+                world_size,
+                alignment=BLOCK,
+                param_alignment=BLOCK,
             )
-            buckets.append(Bucket(tuple(members), layout, offset))
+            buckets.append(Bucket(tuple(bucket_members), layout, offset))
             offset += layout.shard_numel
         return cls(tuple(numels), world_size, tuple(buckets))
 
@@ -84,3 +110,23 @@ class GroupLayout:
             ):
                 places[position] = (k, flat)
         return places
+
+    def row_keys(self, rank: int) -> list[tuple[int, int]]:
+        """For each BLOCK row of rank ``rank``'s local shard: (parameter index, row within
+        the parameter), or (len(numels), 0) for a row of padding. Sorting rows by these
+        keys lists them in parameter order, whatever the bucketing (see grad_norm)."""
+        keys: list[tuple[int, int]] = []
+        padding = (len(self.numels), 0)
+        for bucket in self.buckets:
+            mine = bucket.layout.shard_flat_range(rank)
+            row_keys = [padding] * (mine.size // BLOCK)
+            for index, flat in zip(
+                bucket.param_indices, bucket.layout.param_flat_ranges(), strict=True
+            ):
+                piece = flat.intersect(mine)
+                if not piece.size:
+                    continue
+                for row in range(piece.start // BLOCK, -(-piece.stop // BLOCK)):
+                    row_keys[row - mine.start // BLOCK] = (index, row - flat.start // BLOCK)
+            keys += row_keys
+        return keys

@@ -9,15 +9,19 @@ from torch import nn
 
 from zero_comm import Communicator
 
-from .config import AVAILABLE_STAGES, ZeroConfig
+from .config import ZeroConfig
 from .engine import ZeroEngine, check_model
+from .init_values import InitValues
 from .model_parallel import ModelParallel
 from .optimizer_spec import OptimizerSpec, resolve_param_groups
 from .stage0 import DataParallelEngine
 from .stage1 import Stage1Engine
 from .stage2 import Stage2Engine
+from .stage3 import Stage3Engine
 
-ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallelEngine, 1: Stage1Engine, 2: Stage2Engine}
+ENGINES: dict[int, type[ZeroEngine]] = {
+    0: DataParallelEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine,
+}  # fmt: skip
 
 
 def initialize(
@@ -28,6 +32,7 @@ def initialize(
     *,
     optimizer_kwargs: Mapping[str, Any] | None = None,
     model_parallel: ModelParallel | None = None,
+    init_values: InitValues | None = None,
 ) -> ZeroEngine:
     """Wrap ``model`` for ZeRO training on the ranks of ``comm``.
 
@@ -44,16 +49,15 @@ def initialize(
             equal stage 0 bit for bit.
         model_parallel: with tensor parallelism, the tensor-parallel group and the
             parameters split over it (for the global gradient norm and float16 overflow).
+        init_values: ``(name, tensor)`` pairs (or a state dict) that give the parameters
+            their initial values, for a model built on the meta device: stage 3 shards
+            each one as it arrives, so no rank holds the whole model. Rank 0's values are
+            broadcast, as with a model built whole.
     """
     if not isinstance(config, ZeroConfig):
         config = ZeroConfig.from_deepspeed(config)
-    if config.stage not in AVAILABLE_STAGES:
-        raise NotImplementedError(
-            f"ZeRO stage {config.stage} is not implemented yet; stages {AVAILABLE_STAGES} are. "
-            "Use stage=2 for partitioned gradients and optimizer states"
-        )
-    check_model(model, comm)
+    check_model(model, comm, values_given=init_values is not None)
     groups = resolve_param_groups(
         model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
     )
-    return ENGINES[config.stage](model, groups, config, comm, model_parallel)
+    return ENGINES[config.stage](model, groups, config, comm, model_parallel, init_values)

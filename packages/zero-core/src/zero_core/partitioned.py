@@ -16,7 +16,7 @@ import torch
 from zero_comm import Handle
 
 from .engine import ZeroEngine
-from .grad_norm import BLOCK, row_sums_of_squares
+from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot
 from .group_layout import GroupLayout
 
@@ -49,6 +49,13 @@ class PartitionedEngine(ZeroEngine):
                 ]
             self.param_buckets.append(buckets)
             masters.append(torch.nn.Parameter(master))
+        self._build_reducer()
+        return masters
+
+    def _build_reducer(
+        self, launch_order: list[int] | None = None, labels: list[str] | None = None
+    ) -> None:
+        """The gradient buckets, in (group, bucket) order, with this stage's targets."""
         slots = []
         targets = self._gradient_targets()
         for g, (params, layout) in enumerate(zip(self.groups.params, self.layouts, strict=True)):
@@ -65,9 +72,8 @@ class PartitionedEngine(ZeroEngine):
                     )
                 )
         self.reducer = BucketReducer(
-            self.comm, slots, self.dtype, self.config.max_buckets_in_flight
+            self.comm, slots, self.dtype, self.config.max_buckets_in_flight, launch_order, labels
         )
-        return masters
 
     # --------------------------------------------------------- stage policy hooks
     def _gradient_targets(self) -> list[list[torch.Tensor]]:
@@ -103,24 +109,28 @@ class PartitionedEngine(ZeroEngine):
         ]
 
     def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        size = self.comm.world_size
-        mine, counts = [], []
-        for layout, g in zip(self.layouts, gradients, strict=True):
-            for bucket in layout.buckets:
-                local = g[bucket.local_offset : bucket.local_offset + bucket.slice_numel]
-                mine.append(row_sums_of_squares(local))
-                counts.append(bucket.slice_numel // BLOCK)
-        if not mine:
+        """Every rank's BLOCK rows, gathered, then listed in parameter order (the order
+        stage 0 uses) whatever the bucketing."""
+        local = [row_sums_of_squares(g) for g in gradients if g.numel()]
+        if not local:
             return torch.zeros(0)
-        local_rows = torch.cat(mine)
-        everyone = torch.empty(size * local_rows.numel())
+        local_rows = torch.cat(local)
+        everyone = torch.empty(self.comm.world_size * local_rows.numel())
         self.comm.all_gather(everyone, local_rows)
-        table = everyone.view(size, -1)
-        ordered, start = [], 0
-        for count in counts:  # bucket by bucket, ranks in order: the flat order of rows
-            ordered.append(table[:, start : start + count].reshape(-1))
-            start += count
-        return torch.cat(ordered)
+        return everyone[self._canonical_row_order()]
+
+    def _canonical_row_order(self) -> torch.Tensor:
+        order = getattr(self, "_row_order", None)
+        if order is None:
+            keys = [
+                (group, *key)
+                for rank in range(self.comm.world_size)
+                for group, layout in enumerate(self.layouts)
+                for key in layout.row_keys(rank)
+            ]
+            order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__))
+            self._row_order = order
+        return order
 
     def _param_ranges(self, group: int) -> list[tuple[torch.nn.Parameter, slice]]:
         """Pieces of this rank's shard of ``group`` that belong to each parameter."""

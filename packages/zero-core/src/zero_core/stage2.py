@@ -49,6 +49,11 @@ class Stage2Engine(PartitionedEngine):
 
     def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         masters = super()._build(initial)
+        self._register_gradient_hooks()
+        return masters
+
+    def _register_gradient_hooks(self) -> None:
+        """Hand each gradient to the reducer as soon as autograd has accumulated it."""
         # A weak reference: the model's parameters must not keep a deleted engine alive.
         engine = weakref.ref(self)
 
@@ -62,7 +67,6 @@ class Stage2Engine(PartitionedEngine):
             for _, p in self.trainable_parameters()
         ]
         self._in_backward = False
-        return masters
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if self._in_backward:
