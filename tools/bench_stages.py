@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Time one training step of ZeRO stages 0, 1 and 2, side by side, on the same model.
+"""Time one training step of ZeRO stages 0 to 3, side by side, on the same model.
 
     zero-launch -n 2 python tools/bench_stages.py --json bench/stages-fp32.json
     zero-launch -n 2 python tools/bench_stages.py --dtype bf16 --json bench/stages-bf16.json
     zero-launch -n 2 python tools/bench_stages.py --deterministic both   # + native reductions
+    zero-launch -n 2 python tools/bench_stages.py --stages 0 2 3 3-noprefetch
 
 The model is an MLP of ``--layers`` Linear(width, width) layers with GELU between them
 (5 x 2048 x 2048 + biases: 20.98M parameters), built once with a fixed seed; every engine
@@ -30,8 +31,8 @@ After timing, one more (untimed) step per engine takes ``memory_report()`` just 
 ``backward`` (when gradients are held: stage 0 frees its reduced gradients in ``step``)
 and again after ``step``. The communication volume per step is the engine communicator's
 ``stats`` over the timed rounds divided by their number (the ring convention of
-zero_comm.stats: 2 Ψ (N-1)/N for stages 0-2 on paper). The barrier and the consistency
-check's small all-gathers are not counted there.
+zero_comm.stats: 2 Ψ (N-1)/N for stages 0-2 on paper, 3 Ψ (N-1)/N for stage 3). The
+barrier and the consistency check's small all-gathers are not counted there.
 
 Finally every engine's ``full_state_dict`` is compared with stage 0's of the same mode:
 with ``deterministic=True`` the engine promises bit-identical parameters.
@@ -84,8 +85,9 @@ def build_mlp(layers: int, width: int, seed: int) -> nn.Sequential:
 class Case:
     """One engine under test: a stage and a communicator mode."""
 
-    def __init__(self, stage: int, deterministic: bool, engine: zero_core.ZeroEngine) -> None:
-        self.stage = stage
+    def __init__(self, variant: str, deterministic: bool, engine: zero_core.ZeroEngine) -> None:
+        self.variant = variant  # "2", "3", "3-noprefetch"
+        self.stage = int(variant.split("-")[0])
         self.deterministic = deterministic
         self.engine = engine
         self.samples: list[list[float]] = []  # per timed step: forward, backward, step
@@ -99,7 +101,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"stage {self.stage} {self.mode}"
+        return f"stage {self.variant} {self.mode}"
 
     def step(self, x: torch.Tensor) -> list[float]:
         """One training step; the seconds of its forward, backward and step parts."""
@@ -179,16 +181,19 @@ def run_rank(args: argparse.Namespace) -> None:
     subgroups: list[zero_comm.Communicator] = []
     built = time.perf_counter()
     for det in modes:
-        for stage in args.stages:
+        for variant in args.stages:
             comm = worlds[det].split(color=0)
             subgroups.append(comm)
             model = copy.deepcopy(base)
             config = zero_core.ZeroConfig(
-                stage=stage, param_dtype=dtype, bucket_numel=args.bucket_numel
+                stage=int(variant.split("-")[0]),
+                param_dtype=dtype,
+                bucket_numel=args.bucket_numel,
+                prefetch_numel=0 if variant.endswith("-noprefetch") else args.prefetch_numel,
             )
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             engine = zero_core.initialize(model, optimizer, config, comm)
-            cases.append(Case(stage, det, engine))
+            cases.append(Case(variant, det, engine))
     del base
     say(f"[bench] built {len(cases)} engines in {time.perf_counter() - built:.1f} s")
 
@@ -284,6 +289,7 @@ def run_rank(args: argparse.Namespace) -> None:
             results.append(
                 {
                     "stage": case.stage,
+                    "variant": case.variant,
                     "deterministic": case.deterministic,
                     "median_step_s": statistics.median(totals),
                     "min_step_s": min(totals),
@@ -378,7 +384,7 @@ def markdown(report: dict[str, Any]) -> str:
         else:
             same = f"no (max abs diff {agreement['max_abs_diff']:.2e})"
         out.append(
-            f"| {r['stage']} | {'deterministic' if r['deterministic'] else 'native'} "
+            f"| {r['variant']} | {'deterministic' if r['deterministic'] else 'native'} "
             f"| {r['median_step_s'] * 1e3:.0f} | {'-' if ratio is None else f'{ratio:.2f}'} "
             f"| {phases['forward'] * 1e3:.1f} | {phases['backward'] * 1e3:.0f} "
             f"| {phases['step'] * 1e3:.0f} "
@@ -401,14 +407,14 @@ def markdown(report: dict[str, Any]) -> str:
                 text += f" ({after[name]:.1f})"
             cells.append(text)
         out.append(
-            f"| {r['stage']} | {'deterministic' if r['deterministic'] else 'native'} | "
+            f"| {r['variant']} | {'deterministic' if r['deterministic'] else 'native'} | "
             + " | ".join(cells)
             + " |"
         )
     paper = report["paper_volume_bytes_per_step"] / MIB
     out += [
         f"\n### Communication per step (comm.stats, ring convention; paper 2Ψ(N-1)/N = "
-        f"{paper:.1f} MiB)\n",
+        f"{paper:.1f} MiB, 3Ψ(N-1)/N at stage 3)\n",
         "| stage | reductions | collective: calls, MiB | total MiB | / paper |",
         "|---|---|---|---:|---:|",
     ]
@@ -420,8 +426,8 @@ def markdown(report: dict[str, Any]) -> str:
             for op, entry in ops.items()
         )
         out.append(
-            f"| {r['stage']} | {'deterministic' if r['deterministic'] else 'native'} "
-            f"| {listed} | {total:.1f} | {total / paper:.3f} |"
+            f"| {r['variant']} | {'deterministic' if r['deterministic'] else 'native'} "
+            f"| {listed} | {total:.1f} | {total / (paper * (1.5 if r['stage'] == 3 else 1)):.3f} |"
         )
     return "\n".join(out)
 
@@ -435,7 +441,14 @@ def main() -> None:
         default="true",
         help="the communicator's mode; 'both' builds every stage twice and interleaves all",
     )
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["0", "1", "2", "3"],
+        choices=["0", "1", "2", "3", "3-noprefetch"],
+        help="engines to compare; 3-noprefetch is stage 3 with prefetch_numel=0",
+    )
+    parser.add_argument("--prefetch-numel", type=int, default=zero_core.ZeroConfig().prefetch_numel)
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="rows per rank")

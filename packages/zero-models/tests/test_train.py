@@ -18,7 +18,7 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--stage", "3"], "--stage 3 is not implemented yet; use --stage 2"),
+        (["--stage", "4"], "--stage 4: ZeRO stages are 0-3"),
         (["--data", "/no/such/path"], "--data /no/such/path: no such file"),
         (["--model", "test", "--heads", "3"], "does not divide into heads=3"),
         (["--nproc", "0"], "must be at least 1"),

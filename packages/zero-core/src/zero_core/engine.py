@@ -79,7 +79,10 @@ class ZeroEngine(abc.ABC):
         self._init_values = None  # consumed; do not keep the caller's tensors alive
         self._cast_module()
         self.masters = self._build(initial)
-        self.optimizer = groups.build(self.masters)
+        self.master_pieces = self._master_pieces()
+        self.optimizer = groups.build(
+            [[piece for piece, _ in pieces] for pieces in self.master_pieces]
+        )
 
     # ----------------------------------------------------------- stage policy
     @abc.abstractmethod
@@ -87,6 +90,12 @@ class ZeroEngine(abc.ABC):
         """Lay out parameters and gradients; return the float32 master tensor of each group.
 
         ``initial`` maps id(parameter) to its float32 value, identical on every rank."""
+
+    def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
+        """Per group, the tensors the optimizer steps and where each sits in the group's
+        master: here the whole master. Partitioned stages cut it at bucket boundaries so
+        the optimizer's temporaries are bounded by the bucket size, not the model."""
+        return [[(master, slice(0, master.numel()))] for master in self.masters]
 
     def _before_backward(self, first_micro_step: bool) -> None:
         """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
@@ -198,7 +207,7 @@ class ZeroEngine(abc.ABC):
         gradients = self._float32_gradients()
         for g in gradients:
             g.div_(denominator)
-        finite = all(bool(torch.isfinite(g).all()) for g in gradients)
+        finite = all(all_finite(g, self.config.bucket_numel) for g in gradients)
         overflow = self._any_rank(not finite)
         if self.model_parallel is not None:
             overflow = self._any_model_parallel_rank(overflow)
@@ -215,11 +224,13 @@ class ZeroEngine(abc.ABC):
             if coefficient is not None:
                 for g in gradients:
                     g.mul_(coefficient)
-        for master, g in zip(self.masters, gradients, strict=True):
-            master.grad = g
+        for pieces, g in zip(self.master_pieces, gradients, strict=True):
+            for piece, where in pieces:
+                piece.grad = g[where]
         self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
+        for pieces in self.master_pieces:
+            for piece, _ in pieces:
+                piece.grad = None
         self._publish_parameters()
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1
@@ -319,6 +330,15 @@ class ZeroEngine(abc.ABC):
         token = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm.device)
         self.comm.all_reduce(token, ReduceOp.MAX)
         return bool(token.item())
+
+
+def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
+    """Whether every element is finite, checked ``chunk_numel`` elements at a time: the
+    check's temporaries (isfinite makes an absolute value and masks of the whole input)
+    stay within a bucket instead of growing with the model."""
+    flat = tensor.reshape(-1)
+    parts = torch.split(flat, chunk_numel)
+    return all(bool(torch.isfinite(part).all()) for part in parts)
 
 
 def restore_grad_view(param: nn.Parameter, view: torch.Tensor) -> None:

@@ -42,9 +42,11 @@ class ParamGroups:
     optimizer_class: type[torch.optim.Optimizer]
     defaults: dict[str, Any]
 
-    def build(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """The optimizer over ``tensors`` (one per group), with each group's options."""
-        groups = [{"params": [t], **opts} for t, opts in zip(tensors, self.options, strict=True)]
+    def build(self, tensors: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
+        """The optimizer over ``tensors`` (a list per group), with each group's options."""
+        groups = [
+            {"params": list(ts), **opts} for ts, opts in zip(tensors, self.options, strict=True)
+        ]
         # Each group carries every option; the constructor takes the defaults it names
         # (some optimizers keep defaults their constructor does not accept).
         accepted = inspect.signature(self.optimizer_class.__init__).parameters

@@ -52,6 +52,18 @@ class PartitionedEngine(ZeroEngine):
         self._build_reducer()
         return masters
 
+    def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
+        """One optimizer tensor per bucket slice: aliases of the master (the optimizer's
+        in-place updates land in it), so its temporaries stay within a bucket's slice."""
+        pieces = super()._master_pieces()
+        for g, (layout, master) in enumerate(zip(self.layouts, self.masters, strict=True)):
+            if len(layout.buckets) > 1:
+                pieces[g] = []
+                for bucket in layout.buckets:
+                    where = slice(bucket.local_offset, bucket.local_offset + bucket.slice_numel)
+                    pieces[g].append((torch.nn.Parameter(master.detach()[where]), where))
+        return pieces
+
     def _build_reducer(
         self, launch_order: list[int] | None = None, labels: list[str] | None = None
     ) -> None:

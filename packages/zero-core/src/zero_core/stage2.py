@@ -87,6 +87,13 @@ class Stage2Engine(PartitionedEngine):
         finally:
             self._in_backward = False
 
+    def _float32_gradients(self) -> list[torch.Tensor]:
+        """The gradient shards themselves when they are float32 (step() scales them in
+        place and clears them after), else one float32 copy of each."""
+        return [
+            shard if shard.dtype == torch.float32 else shard.float() for shard in self.grad_shards
+        ]
+
     def _clear_gradients(self) -> None:
         for shard in self.grad_shards:
             shard.zero_()

@@ -168,7 +168,7 @@ class Stage3Engine(Stage2Engine):
                     placed.append((p, position, self._place(p)[2]))
             units.append(
                 GatherUnit(
-                    plan.names[index],
+                    f"parameters of {plan.names[index]}",
                     fulls,
                     shards,
                     placed,

@@ -17,3 +17,72 @@ def parity_suite(comm: Communicator, examples: int) -> int:
     return run_property_in_step(
         comm, parity_cases(), lambda case: stages_equal_stage0(comm, case), examples
     )
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[str, int]:
+    """Bytes: resident memory before the model existed, the peak during one training step
+    (VmHWM, reset just before it), and what the engine says it holds.
+
+    The model is built on the meta device and its values streamed in (init_values), so a
+    stage 3 rank never holds it whole."""
+    import torch
+    from torch import nn
+
+    import zero_core
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    small = nn.Linear(4, 4)  # load every code path once, so that "before" includes it
+    warm = zero_core.initialize(small, torch.optim.Adam(small.parameters()),
+                                zero_core.ZeroConfig(stage=3), comm)  # fmt: skip
+    warm.backward(warm(torch.ones(1, 4)).sum())
+    warm.step()
+    before = _rss_kib("VmRSS") * 1024
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    values = (
+        (name, torch.randn(p.shape, generator=generator) * 0.02)
+        for name, p in model.named_parameters()
+    )
+    engine = zero_core.initialize(
+        model, torch.optim.Adam(model.parameters(), lr=1e-3),
+        zero_core.ZeroConfig(stage=3, persistence_threshold=0, prefetch_numel=0), comm,
+        init_values=values,
+    )  # fmt: skip
+    x = torch.randn(8, width, generator=generator)
+    for _ in range(2):  # the first step creates the optimizer states
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    ready = _rss_kib("VmRSS") * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    peak = _rss_kib("VmHWM") * 1024
+    report = engine.memory_report()
+    return {
+        "before": before,
+        "peak": peak,
+        "ready": ready,
+        "largest_bucket": 4
+        * max(
+            b.layout.padded_numel
+            for layout in engine.layouts  # type: ignore[attr-defined]
+            for b in layout.buckets
+        ),
+        "bucket_numel": engine.config.bucket_numel,
+        # (2 + 2 + K)Ψ/N: shards only, whatever happens to be gathered right now
+        "model_states": sum(shard.numel() * 4 for shard in engine.param_shards)  # type: ignore[attr-defined]
+        + report.gradients
+        + report.master_weights
+        + report.optimizer_states,
+        "comm_buffers": report.comm_buffers,
+        "working_set": engine.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
+        "whole_model": sum(p.numel() for p in model.parameters()) * 4,
+    }

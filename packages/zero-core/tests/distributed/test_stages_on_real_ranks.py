@@ -23,3 +23,37 @@ def test_stages_equal_stage_0_on_three_real_ranks(backend: str, launcher: str) -
     reports = run_on_ranks(stage_bodies.parity_suite, 3, backend=backend, launcher=launcher,
                            kwargs={"examples": 15}, timeout=300)  # fmt: skip
     assert [r["value"] for r in reports] == [15, 15, 15]
+
+
+@pytest.mark.gloo
+def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measured on 2 real ranks: resident memory at the peak of a training step, above
+    what the process held before the model existed, stays under
+
+        (2 + 2 + K)Ψ/N model states (shards: parameters, gradients, master, Adam)
+          + communication buffers
+          + the working set the configuration allows: with prefetch off, two layers
+            (backward reaches a layer before the previous one's gradients are all in)
+          + 2 x bucket_numel float32 elements (the finite check's chunk and its masks)
+          + 24 MiB (autograd, gloo, allocator)
+
+    (activations of this MLP are a few KiB). The model has 32 Linear(1024, 1024) layers
+    (33.6M parameters, 128 MiB in float32): a rank that kept layers gathered, or held the
+    whole model during set-up, would exceed the bound. glibc is told to return large
+    blocks to the system at once (MALLOC_MMAP_THRESHOLD_), so resident memory follows what
+    is allocated."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    reports = run_on_ranks(stage_bodies.peak_memory_of_a_step, 2, backend="gloo",
+                           launcher="spawn", kwargs={"layers": 32, "width": 1024},
+                           timeout=300)  # fmt: skip
+    mib = 2**20
+    for report in reports:
+        m = report["value"]
+        working_set = 2 * m["largest_bucket"]
+        bound = (m["model_states"] + m["comm_buffers"] + working_set
+                 + 2 * 4 * m["bucket_numel"] + 24 * mib)  # fmt: skip
+        assert m["peak"] - m["before"] <= bound, {k: v / mib for k, v in m.items()}
+        assert m["working_set"] <= working_set
+        assert bound < m["model_states"] + m["whole_model"]  # holding it all would not fit

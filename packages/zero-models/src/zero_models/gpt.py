@@ -12,6 +12,7 @@ biases 0, from an explicit generator so a seed gives the same model on every pro
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,20 +118,31 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
-        self.reset_parameters(seed)
+        if not self.wte.weight.is_meta:  # on the meta device: see initial_values
+            self.reset_parameters(seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
+        for (_, p), (_, value) in zip(
+            self.named_parameters(), self.initial_values(seed), strict=True
+        ):
+            p.copy_(value)
+
+    def initial_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, float32 CPU value) of every parameter, made one at a time: the values
+        ``GPT(config, seed=seed)`` starts from. A model built on the meta device takes
+        them through ``zero_core.initialize(..., init_values=model.initial_values(seed))``
+        and, at stage 3, never exists whole on any rank."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         for name, p in self.named_parameters():
             if name.endswith("bias"):
-                p.zero_()
+                yield name, torch.zeros(p.shape)
             elif ".ln_" in name or name.startswith("ln_f"):
-                p.fill_(1.0)
+                yield name, torch.ones(p.shape)
             else:
                 std = residual_std if name.endswith("proj.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+                yield name, torch.randn(p.shape, generator=generator) * std
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _, t = tokens.shape

@@ -1,0 +1,238 @@
+"""Stage 3 beyond the parity suite: prefetching, order changes, divergent ranks, the
+working set, user access to partitioned parameters, activation checkpointing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from parity import ParityCase, build_engine, loss_of, micro_batch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zero_core
+from zero_comm import CollectiveMismatchError, Communicator, run_simulated
+from zero_comm.simulated import SimulatedRankError
+
+
+class Branchy(nn.Module):
+    """Modules used in an order set by ``order``, one used twice, a parent with its own
+    parameter, and an optional checkpointed block."""
+
+    def __init__(self, width: int = 8, use_checkpoint: bool = False) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1)
+        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
+        self.scale = nn.Parameter(torch.ones(width))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.4)
+        self.order = "abc"
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.order:
+            layer = getattr(self, name)
+            if self.use_checkpoint and name == "b":
+                x = torch.tanh(checkpoint(layer, x, use_reentrant=False))
+            else:
+                x = torch.tanh(layer(x))
+        return self.b(x) * self.scale  # b is used twice; scale belongs to the root
+
+
+def branchy_engine(comm: Communicator, stage: int, **config: Any) -> zero_core.ZeroEngine:
+    model = Branchy(use_checkpoint=config.pop("use_checkpoint", False))
+    return zero_core.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.05),
+        zero_core.ZeroConfig(stage=stage, persistence_threshold=0, **config),
+        comm,
+    )
+
+
+def train_branchy(
+    comm: Communicator, stage: int, orders: list[str], **config: Any
+) -> list[dict[str, torch.Tensor]]:
+    engine = branchy_engine(comm, stage, **config)
+    states = []
+    for step, order in enumerate(orders):
+        engine.module.order = order
+        generator = torch.Generator().manual_seed(step * 10 + comm.rank)
+        x = torch.randn(4, 8, generator=generator)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        states.append(engine.full_state_dict())
+    return states
+
+
+def assert_equal_states(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    for sa, sb in zip(a, b, strict=True):
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_a_change_of_module_order_is_detected_and_results_stay_exact() -> None:
+    """Step 3 runs the modules in another order: the gatherer notices (no silent
+    mis-prefetch), and every step still equals stage 0 bit for bit."""
+    orders = ["abc", "abc", "cab", "cab"]
+
+    def body(comm: Communicator) -> int:
+        reference = train_branchy(comm, 0, orders)
+        engine_states = train_branchy(comm, 3, orders)
+        assert_equal_states(reference, engine_states)
+        engine = branchy_engine(comm, 3)
+        for order in orders:
+            engine.module.order = order
+            engine.backward(engine(torch.ones(2, 8)).sum())
+            engine.step()
+        return engine.gatherer.order_changes  # type: ignore[attr-defined,no-any-return]
+
+    changes = run_simulated(3, body, defer_outputs=True)
+    assert changes[0] >= 1 and len(set(changes)) == 1
+
+
+def test_activation_checkpointing_recomputes_with_gathered_parameters() -> None:
+    def body(comm: Communicator) -> None:
+        orders = ["abc"] * 3
+        assert_equal_states(
+            train_branchy(comm, 0, orders, use_checkpoint=True),
+            train_branchy(comm, 3, orders, use_checkpoint=True),
+        )
+
+    run_simulated(3, body)
+
+
+@pytest.mark.parametrize(
+    ("orders", "where"),
+    [(["abc", "acb"], "'parameters of b'"), (["abc", "ac"], "'parameters of b'")],
+    ids=["different-order", "one-rank-skips-a-module"],
+)
+def test_ranks_that_run_different_modules_get_an_error_naming_module_and_ranks(
+    orders: list[str], where: str
+) -> None:
+    def body(comm: Communicator) -> None:
+        engine = branchy_engine(comm, 3)
+        engine.module.order = orders[comm.rank]
+        engine.backward(engine(torch.ones(2, 8)).sum())
+
+    with pytest.raises(SimulatedRankError) as failure:
+        run_simulated(2, body, timeout=20)
+    cause = failure.value.__cause__
+    assert isinstance(cause, CollectiveMismatchError), cause
+    message = str(cause)
+    assert "rank 0: all_gather" in message and "rank 1: all_gather" in message, message
+    assert where in message, message
+
+
+def gathers_when_layer_starts(comm: Communicator, prefetch_numel: int) -> list[int]:
+    """all_gather calls already issued when layers[2]'s forward starts, per step."""
+    case = ParityCase(widths=(16, 16, 16, 16, 16), persistence_threshold=0,
+                      prefetch_numel=prefetch_numel)  # fmt: skip
+    engine = build_engine(case, comm, 3)
+    seen: list[int] = []
+    layer = engine.module.layers[2]  # type: ignore[index]
+    layer.register_forward_pre_hook(lambda *_: seen.append(comm.stats["all_gather"].calls))
+    for step in range(3):
+        comm.stats.reset()
+        x, target = micro_batch(case, step * comm.world_size + comm.rank)
+        engine.backward(loss_of(case, engine(x), target))
+        engine.step()
+    return seen
+
+
+def test_prefetch_gathers_the_next_modules_ahead_after_the_first_step() -> None:
+    """Step 1 records the order and gathers on demand (3 gathers when layer 2 starts);
+    later steps have issued all four layers' gathers by then. With prefetch off, never."""
+    on = run_simulated(2, lambda comm: gathers_when_layer_starts(comm, 1 << 20))[0]
+    off = run_simulated(2, lambda comm: gathers_when_layer_starts(comm, 0))[0]
+    assert off == [3, 3, 3]
+    assert on == [3, 4, 4]
+
+
+def test_the_working_set_is_bounded_by_the_configuration() -> None:
+    """Without prefetching at most two layers are gathered at once (backward reaches the
+    next layer before the previous one's gradients are all in); with prefetching, at most
+    max_live_numel elements beyond the running modules."""
+    widths = (64, 64, 64, 64, 64, 64)
+    unit = 4352  # weight 4096 + bias 64 -> 128 (BLOCK), bucket padded to 2 x 128 x 17
+
+    def peak(comm: Communicator, prefetch: int, max_live: int) -> int:
+        case = ParityCase(widths=widths, persistence_threshold=0)
+        engine = build_engine(case, comm, 3)
+        engine.gatherer.prefetch_numel = prefetch  # type: ignore[attr-defined]
+        engine.gatherer.max_live_numel = max_live  # type: ignore[attr-defined]
+        for step in range(3):
+            x, target = micro_batch(case, step * 2 + comm.rank)
+            engine.backward(loss_of(case, engine(x), target))
+            engine.step()
+        return engine.gatherer.peak_live_numel  # type: ignore[attr-defined,no-any-return]
+
+    assert run_simulated(2, lambda comm: peak(comm, 0, 1 << 30))[0] <= 2 * unit
+    assert run_simulated(2, lambda comm: peak(comm, 1 << 30, 3 * unit))[0] <= 3 * unit + unit
+    everything = run_simulated(2, lambda comm: peak(comm, 1 << 30, 1 << 30))[0]
+    assert everything == (len(widths) - 1) * unit  # the bound above is what limited it
+
+
+def test_partitioned_parameters_keep_their_logical_shape_and_can_be_gathered() -> None:
+    def body(comm: Communicator) -> None:
+        engine = branchy_engine(comm, 3)
+        model = engine.module
+        weight = model.a.weight  # type: ignore[union-attr]
+        assert weight.shape == (8, 8) and weight.numel() == 64
+        assert torch.isnan(weight).all()  # released: a placeholder, not stale values
+        expected = engine.full_state_dict()["a.weight"]
+        with engine.gathered_parameters([weight]):  # type: ignore[attr-defined]
+            assert torch.equal(weight, expected)
+            weight.data.zero_()  # discarded: modify=False
+        with engine.gathered_parameters([weight]):  # type: ignore[attr-defined]
+            assert torch.equal(weight, expected)
+        with engine.gathered_parameters([weight], modify=True, modifier_rank=1):  # type: ignore[attr-defined]
+            weight.data.fill_(float(comm.rank + 1))  # rank 1's values win
+        assert torch.equal(engine.full_state_dict()["a.weight"], torch.full((8, 8), 2.0))
+        engine.backward(engine(torch.ones(2, 8)).sum())
+        engine.step()  # the written-back values train on
+        assert not torch.equal(engine.full_state_dict()["a.weight"], torch.full((8, 8), 2.0))
+
+    run_simulated(3, body)
+
+
+def test_a_model_bigger_than_its_shards_is_built_from_the_meta_device() -> None:
+    """A model built on the meta device gets its values from init_values, one tensor at
+    a time, and equals the same model built whole (every stage)."""
+
+    def body(comm: Communicator) -> None:
+        whole = Branchy()
+        values = {name: p.detach().clone() for name, p in whole.named_parameters()}
+        for stage in (0, 2, 3):
+            with torch.device("meta"):
+                model = Branchy()
+            engine = zero_core.initialize(
+                model, torch.optim.SGD(model.parameters(), lr=0.1),
+                zero_core.ZeroConfig(stage=stage, persistence_threshold=0), comm,
+                init_values=iter(values.items()),
+            )  # fmt: skip
+            state = engine.full_state_dict()
+            assert all(torch.equal(state[k], v) for k, v in values.items()), stage
+
+    run_simulated(2, body)
+
+
+def test_init_values_errors_name_the_tensor() -> None:
+    def body(comm: Communicator) -> None:
+        with torch.device("meta"):
+            model = Branchy()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = zero_core.ZeroConfig(stage=3)
+        with pytest.raises(ValueError, match="parameter scale is on the meta device"):
+            zero_core.initialize(model, optimizer, config, comm)
+        with pytest.raises(ValueError, match=r"init_values\['a.weight'\] has shape \(2,\)"):
+            zero_core.initialize(model, optimizer, config, comm,
+                                 init_values=[("a.weight", torch.zeros(2))])  # fmt: skip
+        with pytest.raises(ValueError, match="'nope', which is not a parameter"):
+            zero_core.initialize(model, optimizer, config, comm,
+                                 init_values=[("nope", torch.zeros(2))])  # fmt: skip
+        with pytest.raises(ValueError, match=r"gave them no value: scale, a\.weight"):
+            zero_core.initialize(model, optimizer, config, comm, init_values=[])
+
+    run_simulated(1, body)
