@@ -174,23 +174,36 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
     assert everything == (len(widths) - 1) * unit  # the bound above is what limited it
 
 
-def test_partitioned_parameters_keep_their_logical_shape_and_can_be_gathered() -> None:
+def test_partitioned_parameters_keep_their_logical_shape() -> None:
     def body(comm: Communicator) -> None:
-        engine = branchy_engine(comm, 3)
-        model = engine.module
-        weight = model.a.weight  # type: ignore[union-attr]
+        weight = branchy_engine(comm, 3).module.a.weight  # type: ignore[union-attr]
         assert weight.shape == (8, 8) and weight.numel() == 64
         assert torch.isnan(weight).all()  # released: a placeholder, not stale values
-        expected = engine.full_state_dict()["a.weight"]
-        with engine.gathered_parameters([weight]):  # type: ignore[attr-defined]
-            assert torch.equal(weight, expected)
-            weight.data.zero_()  # discarded: modify=False
-        with engine.gathered_parameters([weight]):  # type: ignore[attr-defined]
-            assert torch.equal(weight, expected)
-        with engine.gathered_parameters([weight], modify=True, modifier_rank=1):  # type: ignore[attr-defined]
+
+    run_simulated(2, body)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_parameters_read_and_modify_at_every_stage(stage: int, dtype: torch.dtype) -> None:
+    """Read inside the block; modify with a modifier rank; only the named parameter's
+    master values change (in bfloat16 the others keep their float32 bits)."""
+
+    def body(comm: Communicator) -> None:
+        engine = branchy_engine(comm, stage, param_dtype=dtype)
+        model = engine.module
+        weight = model.a.weight  # type: ignore[union-attr]
+        before = engine.full_state_dict()
+        with engine.gathered_parameters([weight]):
+            assert torch.equal(weight.float(), before["a.weight"].to(dtype).float())
+        with engine.gathered_parameters([weight], modify=True, modifier_rank=1):
             weight.data.fill_(float(comm.rank + 1))  # rank 1's values win
-        assert torch.equal(engine.full_state_dict()["a.weight"], torch.full((8, 8), 2.0))
-        engine.backward(engine(torch.ones(2, 8)).sum())
+        after = engine.full_state_dict()
+        assert torch.equal(after["a.weight"], torch.full((8, 8), 2.0))
+        assert all(torch.equal(after[k], before[k]) for k in before if k != "a.weight")
+        with engine.gathered_parameters():  # every parameter, e.g. to print or save
+            assert torch.equal(model.a.bias.float(), before["a.bias"].to(dtype).float())  # type: ignore[union-attr]
+        engine.backward(engine(torch.ones(2, 8, dtype=dtype)).float().sum())
         engine.step()  # the written-back values train on
         assert not torch.equal(engine.full_state_dict()["a.weight"], torch.full((8, 8), 2.0))
 

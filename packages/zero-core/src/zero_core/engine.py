@@ -24,7 +24,8 @@ which collectives move them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -246,6 +247,53 @@ class ZeroEngine(abc.ABC):
         self._clear_gradients()
 
     _keeps_grad_views = False
+
+    # ------------------------------------------------------------ user access
+    @contextmanager
+    def gathered_parameters(
+        self,
+        params: Sequence[nn.Parameter] | None = None,
+        *,
+        modify: bool = False,
+        modifier_rank: int | None = None,
+    ) -> Iterator[None]:
+        """Collective: the whole values of ``params`` (default: every trainable parameter)
+        in the compute dtype, on every rank, inside the block; for reading or, with
+        ``modify``, for changing. Stage 3 gathers them for the block; the other stages
+        hold them whole anyway, so the same code runs at every stage.
+
+            with engine.gathered_parameters([model.lm_head.weight], modify=True):
+                model.lm_head.weight.zero_()
+
+        With ``modify``, each rank writes its part of those parameters (and nothing else:
+        the float32 master values of the others are untouched) back into the master
+        weights on exit; with ``modifier_rank``, that rank's values are broadcast first.
+        Without ``modify`` the values are for reading: changes are not kept (stage 3
+        drops them on exit, the others at the next step)."""
+        trainable = {id(p) for _, p in self.trainable_parameters()}
+        wanted = [p for _, p in self.trainable_parameters()] if params is None else params
+        wanted = [p for p in wanted if id(p) in trainable]
+        self._gather_for_user(wanted)
+        try:
+            yield
+            if modify:
+                if modifier_rank is not None:
+                    for p in wanted:
+                        self.comm.broadcast(p.data, src=modifier_rank)
+                self._write_back({id(p) for p in wanted})
+        finally:
+            self._release_for_user(wanted)
+
+    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
+        return None
+
+    def _release_for_user(self, params: list[nn.Parameter]) -> None:
+        return None
+
+    @abc.abstractmethod
+    def _write_back(self, wanted: set[int]) -> None:
+        """Copy the compute values of the parameters whose ids are in ``wanted`` into
+        this rank's part of the master weights."""
 
     # ---------------------------------------------------------------- reports
     @property

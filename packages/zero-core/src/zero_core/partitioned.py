@@ -10,6 +10,7 @@ holds its slice of every bucket, one after another.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -199,6 +200,29 @@ class PartitionedEngine(ZeroEngine):
                     "example by module.to() or .half()), so updates would not reach it. Change "
                     "the model before zero_core.initialize"
                 )
+
+    def _write_back(self, wanted: set[int]) -> None:
+        self._write_pieces_back(wanted, lambda g, k: self.param_buckets[g][k])
+
+    def _write_pieces_back(
+        self, wanted: set[int], full_bucket: Callable[[int, int], torch.Tensor]
+    ) -> None:
+        """For each wanted parameter, the part in this rank's shard: from the full bucket
+        (compute dtype) into the float32 master, one parameter piece at a time."""
+        rank = self.comm.rank
+        for g, (params, layout, master) in enumerate(
+            zip(self.groups.params, self.layouts, self.masters, strict=True)
+        ):
+            for k, bucket in enumerate(layout.buckets):
+                mine = bucket.layout.shard_flat_range(rank)
+                for i, flat in zip(
+                    bucket.param_indices, bucket.layout.param_flat_ranges(), strict=True
+                ):
+                    piece = flat.intersect(mine)
+                    if id(params[i]) in wanted and piece.size:
+                        local = piece.shift(mine.start - bucket.local_offset)
+                        values = full_bucket(g, k)[piece.start : piece.stop]
+                        master.detach()[local.start : local.stop] = values
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         values = {}

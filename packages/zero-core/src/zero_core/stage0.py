@@ -117,6 +117,11 @@ class DataParallelEngine(ZeroEngine):
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         return {id(p): value for p, value in self._master_views()}
 
+    def _write_back(self, wanted: set[int]) -> None:
+        for p, value in self._master_views():
+            if id(p) in wanted:
+                value.copy_(p.detach())
+
     def _master_views(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Each trainable parameter with its view of the full float32 master weights."""
         return [

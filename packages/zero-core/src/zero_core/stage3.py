@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -302,62 +301,37 @@ class Stage3Engine(Stage2Engine):
             self.gatherer.regather(self.plan.persistent)
 
     # ------------------------------------------------------------ user access
-    @contextmanager
-    def gathered_parameters(
-        self,
-        params: Sequence[nn.Parameter] | None = None,
-        *,
-        modify: bool = False,
-        modifier_rank: int | None = None,
-    ) -> Iterator[None]:
-        """Collective: the whole values of ``params`` (default: every parameter) inside
-        the block, on every rank, for reading or, with ``modify``, for changing.
+    def _user_units(self, params: list[nn.Parameter]) -> list[int]:
+        return sorted({self.plan.param_unit[id(p)] for p in params})
 
-            with engine.gathered_parameters([model.lm_head.weight], modify=True):
-                model.lm_head.weight.zero_()
+    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
+        self.gatherer.enter(self._user_units(params))
 
-        On exit with ``modify``, each rank writes its slice of the values back into its
-        master weights and compute shard; with ``modifier_rank`` that rank's values are
-        first broadcast to every rank (changes made elsewhere are dropped). Without
-        ``modify``, changes are discarded."""
-        wanted = [p for _, p in self.trainable_parameters()] if params is None else params
-        owned = self.plan.param_unit
-        units = sorted({owned[id(p)] for p in wanted if id(p) in owned})
-        self.gatherer.enter(units)
-        try:
-            yield
-            if modify:
-                for unit in units:
-                    self._write_back(unit, modifier_rank)
-        finally:
-            self.gatherer.leave(units, free=True)
+    def _release_for_user(self, params: list[nn.Parameter]) -> None:
+        self.gatherer.leave(self._user_units(params), free=True)
 
-    def _trainable_ids(self) -> set[int]:
-        return set(self.plan.param_unit)
+    def _write_back(self, wanted: set[int]) -> None:
+        """The wanted parameters' pieces into the master and the compute shard."""
+        self._write_pieces_back(wanted, self._full_bucket)
+        for shard, master in zip(self.param_shards, self.masters, strict=True):
+            shard.copy_(master.detach())
 
-    def _write_back(self, index: int, modifier_rank: int | None) -> None:
-        unit = self.gatherer.units[index]
-        for k, full in enumerate(unit.fulls):
-            if modifier_rank is not None:
-                self.comm.broadcast(full, src=modifier_rank, label=unit.label)
-            group, bucket = self._unit_bucket(unit, k)
-            layout = self.layouts[group].buckets[bucket]
-            mine = layout.layout.shard_flat_range(self.comm.rank)
-            start = layout.local_offset
-            values = full[mine.start : mine.stop]
-            self.param_shards[group][start : start + layout.slice_numel] = values
-            self.masters[group].detach()[start : start + layout.slice_numel] = values
-
-    def _unit_bucket(self, unit: GatherUnit, k: int) -> tuple[int, int]:
-        p = next(p for p, position, _ in unit.params if position == k)
-        group, bucket, _ = self._place(p)
-        return group, bucket
+    def _full_bucket(self, group: int, bucket: int) -> torch.Tensor:
+        """The gathered full buffer of bucket ``bucket`` of ``group``."""
+        if not hasattr(self, "_bucket_units"):
+            self._bucket_units = {
+                self._place(p)[:2]: (unit, k)
+                for unit in self.gatherer.units
+                for p, k, _ in unit.params
+            }
+        unit, k = self._bucket_units[(group, bucket)]
+        return unit.fulls[k]
 
     # --------------------------------------------------------------- reports
     def memory_report(self) -> MemoryReport:
         """As the other stages; ``parameters`` counts the compute shards, the persistent
         unit, the units gathered now and the frozen parameters."""
-        trainable = self._trainable_ids()
+        trainable = set(self.plan.param_unit)
         fulls = [full for unit in self.gatherer.units for full in unit.fulls]
         frozen = [p for p in self.module.parameters() if id(p) not in trainable]
         return MemoryReport(
