@@ -249,3 +249,25 @@ def test_init_values_errors_name_the_tensor() -> None:
             zero_core.initialize(model, optimizer, config, comm, init_values=[])
 
     run_simulated(1, body)
+
+
+def test_memory_report_counts_persistent_parameters_whole() -> None:
+    """Parameters of at most persistence_threshold elements stay gathered: the report's
+    parameters are the (2-byte) compute shards plus those, whole, and nothing else once
+    a step is over."""
+    case = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
+                      persistence_threshold=200)  # fmt: skip
+
+    def body(comm: Communicator) -> tuple[int, int, int]:
+        engine = build_engine(case, comm, 3)
+        x, target = micro_batch(case, comm.rank)
+        engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), target))
+        engine.step()
+        shard = sum(layout.shard_numel for layout in engine.layouts)  # type: ignore[attr-defined]
+        plan = engine.plan  # type: ignore[attr-defined]
+        persistent = engine.gatherer.units[plan.persistent]  # type: ignore[attr-defined]
+        assert sorted(p.numel() for p, _, _ in persistent.params) == [5, 129]
+        return engine.memory_report().parameters, shard, persistent.numel
+
+    for parameters, shard, persistent in run_simulated(3, body):
+        assert parameters == 2 * shard + 2 * persistent

@@ -56,6 +56,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         zero_core.ZeroConfig(stage=3, persistence_threshold=0, prefetch_numel=0), comm,
         init_values=values,
     )  # fmt: skip
+    built = _rss_kib("VmHWM") * 1024  # the peak so far: set-up included
     x = torch.randn(8, width, generator=generator)
     for _ in range(2):  # the first step creates the optimizer states
         engine.backward(engine(x).square().mean())
@@ -69,6 +70,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
     return {
         "before": before,
         "peak": peak,
+        "built": built,
         "ready": ready,
         "largest_bucket": 4
         * max(
@@ -82,6 +84,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         + report.gradients
         + report.master_weights
         + report.optimizer_states,
+        "optimizer_states": report.optimizer_states,
         "comm_buffers": report.comm_buffers,
         "working_set": engine.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
         "whole_model": sum(p.numel() for p in model.parameters()) * 4,

@@ -57,3 +57,9 @@ def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
         assert m["peak"] - m["before"] <= bound, {k: v / mib for k, v in m.items()}
         assert m["working_set"] <= working_set
         assert bound < m["model_states"] + m["whole_model"]  # holding it all would not fit
+        # Set-up (built on the meta device, values streamed in) peaked below the model
+        # states of the first step plus one layer's value in float32 and its broadcast copy.
+        layer = 4 * 1024 * 1024
+        set_up = m["model_states"] - m["optimizer_states"] + 2 * layer + 24 * mib
+        assert m["built"] - m["before"] <= set_up, {k: v / mib for k, v in m.items()}
+        assert set_up < m["model_states"] + m["whole_model"]
