@@ -79,7 +79,7 @@ class ZeroConfig:
     max_buckets_in_flight: int = 2
     prefetch_numel: int = 2**24
     max_live_numel: int = 2**28
-    persistence_threshold: int = 2**14
+    persistence_threshold: int = 2**12
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"
 
