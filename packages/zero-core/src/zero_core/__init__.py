@@ -1,4 +1,4 @@
-"""zero_core: ZeRO stages 0-2 written against zero_comm's Communicator.
+"""zero_core: ZeRO stages 0-3 written against zero_comm's Communicator.
 
     import zero_comm, zero_core
     comm = zero_comm.init(deterministic=True)
@@ -9,17 +9,20 @@
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
+from .checkpoint import CheckpointError
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
 from .memory_estimate import ModelStateBytes, model_state_bytes
 from .model_parallel import ModelParallel
+from .safetensors_file import read_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AVAILABLE_STAGES",
+    "CheckpointError",
     "MemoryReport",
     "ModelParallel",
     "ModelStateBytes",
@@ -28,4 +31,5 @@ __all__ = [
     "__version__",
     "initialize",
     "model_state_bytes",
+    "read_state_dict",
 ]

@@ -24,6 +24,7 @@ which collectives move them.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from torch import nn
 from zero_comm import Communicator, ReduceOp
 
 from .config import ZeroConfig
+from .flat_layout import Range
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .init_values import InitValues, materialise, named_init_values
 from .loss_scaler import LossScaler, NoLossScaler
@@ -247,6 +249,30 @@ class ZeroEngine(abc.ABC):
         self._clear_gradients()
 
     _keeps_grad_views = False
+
+    # ------------------------------------------------------------ checkpoints
+    _replicated_master = False  # stage 0: every rank holds the same master and states
+
+    @abc.abstractmethod
+    def _shard_pieces(self, group: int) -> list[tuple[int, Range, int]]:
+        """The parameter pieces in this rank's master of ``group``: (parameter index in
+        the group, element range of that parameter, offset in the master)."""
+
+    def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        """Collective: write a sharded checkpoint to directory ``path``, atomically (see
+        zero_core.checkpoint). ``extra`` (JSON values, e.g. the data position) comes back
+        from :meth:`load`. Call it after ``step()``."""
+        from .checkpoint import save
+
+        save(self, path, extra)
+
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Collective: restore the state saved at ``path`` by any world size and stage;
+        returns the ``extra`` given to :meth:`save`. Raises CheckpointError naming the
+        file for a missing, corrupt or mismatched checkpoint."""
+        from .checkpoint import load
+
+        return load(self, path)
 
     # ------------------------------------------------------------ user access
     @contextmanager

@@ -17,6 +17,7 @@ import torch
 from zero_comm import Handle
 
 from .engine import ZeroEngine
+from .flat_layout import Range
 from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot
 from .group_layout import GroupLayout
@@ -200,6 +201,15 @@ class PartitionedEngine(ZeroEngine):
                     "example by module.to() or .half()), so updates would not reach it. Change "
                     "the model before zero_core.initialize"
                 )
+
+    def _shard_pieces(self, group: int) -> list[tuple[int, Range, int]]:
+        pieces = []
+        for bucket in self.layouts[group].buckets:
+            for piece in bucket.layout.shard_pieces(self.comm.rank):
+                index = bucket.param_indices[piece.param_index]
+                offset = bucket.local_offset + piece.local_range.start
+                pieces.append((index, piece.param_range, offset))
+        return pieces
 
     def _write_back(self, wanted: set[int]) -> None:
         self._write_pieces_back(wanted, lambda g, k: self.param_buckets[g][k])

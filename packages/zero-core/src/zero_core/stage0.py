@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .engine import ZeroEngine, restore_grad_view
+from .flat_layout import Range
 from .grad_norm import param_row_sums
 
 
@@ -116,6 +117,14 @@ class DataParallelEngine(ZeroEngine):
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         return {id(p): value for p, value in self._master_views()}
+
+    _replicated_master = True
+
+    def _shard_pieces(self, group: int) -> list[tuple[int, Range, int]]:
+        return [
+            (i, Range(0, p.numel()), where.start or 0)
+            for i, (p, where) in enumerate(self._param_ranges(group))
+        ]
 
     def _write_back(self, wanted: set[int]) -> None:
         for p, value in self._master_views():

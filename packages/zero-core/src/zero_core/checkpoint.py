@@ -1,0 +1,384 @@
+"""Sharded checkpoints: each rank writes its shard, any world size and stage reads them.
+
+    CKPT/
+      index.json                 layout, optimizer scalars, loss scaler, steps, checksums
+      rank-00000.safetensors     master.G, state.G.KEY (this rank's part of group G);
+      rank-00001.safetensors     rng.cpu; rank 0 also whole.NAME (frozen params, buffers)
+
+Every sharded tensor of group G on rank r (its float32 master and each optimizer state of
+the same size) holds the same *pieces*, listed in the index as
+
+    [parameter index in G, first element, end element, offset in the rank's tensor]
+
+so a loader with another world size or stage works out, for each piece it needs, which
+saved ranks hold it and reads just those byte ranges (safetensors_file). Stage 0 ranks
+all hold the same state, so only rank 0 writes a shard.
+
+Atomic: shards and index go to ``CKPT.saving/`` (each file through a temporary name and
+fsync), and only then is the directory renamed into place (an existing ``CKPT`` is moved to
+``CKPT.old`` first and deleted after). A process killed at any moment leaves either the
+previous checkpoint at ``CKPT`` or, inside the rename window, at ``CKPT.old``, which
+:func:`load` falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .flat_layout import Range
+from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_file
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+FORMAT = "zero-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this engine: missing, incomplete, corrupt,
+    or saved from another model; the message names the file and what is wrong."""
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------ save
+def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any] | None) -> None:
+    """Collective: write ``engine``'s state to directory ``path`` (see the module doc)."""
+    comm, final = engine.comm, Path(path)
+    if engine.micro_steps:
+        raise RuntimeError(
+            f"[rank {comm.rank}] save() after {engine.micro_steps} backward calls without "
+            "step(): save at an accumulation boundary, after step()"
+        )
+    staging = final.with_name(final.name + ".saving")
+    if comm.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    comm.barrier()
+    tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
+    writes_master = comm.rank == 0 or not engine._replicated_master
+    if writes_master:
+        for g, master in enumerate(engine.masters):
+            tensors.append((f"master.{g}", master.detach()))
+            for key, value in _sharded_states(engine, g).items():
+                tensors.append((f"state.{g}.{key}", value))
+    if comm.rank == 0:
+        tensors += [(f"whole.{name}", t) for name, t in _whole_tensors(engine).items()]
+    written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
+    pieces = [_pieces_json(engine, g) for g in range(len(engine.masters))]
+    everyone = comm.all_gather_object(
+        {"file": written.to_json(), "pieces": pieces if writes_master else None}
+    )
+    if comm.rank == 0:
+        index = _index(engine, everyone, extra)
+        text = json.dumps(index, indent=1).encode()
+        partial = staging / (INDEX + ".partial")
+        with partial.open("wb") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, staging / INDEX)
+        _fsync_dir(staging)
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staging, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _param_names(engine: ZeroEngine) -> dict[int, str]:
+    return {id(p): name for name, p in engine.module.named_parameters()}
+
+
+def _whole_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers, by state-dict name (every rank holds them whole)."""
+    trainable = {id(p) for _, p in engine.trainable_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        if id(p) not in trainable:
+            out[name] = p.detach()
+    for name, b in engine.module.named_buffers():
+        out[name] = b.detach()
+    return out
+
+
+def _pieces_json(engine: ZeroEngine, group: int) -> list[list[int]]:
+    return [[i, r.start, r.stop, offset] for i, r, offset in engine._shard_pieces(group)]
+
+
+def _sharded_states(engine: ZeroEngine, group: int) -> dict[str, torch.Tensor]:
+    """Each optimizer state as large as its tensor, concatenated over the group's pieces
+    (so it lines up with the group's master)."""
+    pieces = engine.master_pieces[group]
+    states = [engine.optimizer.state.get(piece, {}) for piece, _ in pieces]
+    keys = [
+        key
+        for key, value in states[0].items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    ] if states else []  # fmt: skip
+    return {key: torch.cat([state[key].detach().reshape(-1) for state in states]) for key in keys}
+
+
+def _scalar_states(engine: ZeroEngine, group: int) -> dict[str, Any]:
+    """Optimizer states that are numbers or 0-d tensors (Adam's step): equal on every
+    piece of the group, saved once."""
+    out: dict[str, Any] = {}
+    for piece, _ in engine.master_pieces[group]:
+        for key, value in engine.optimizer.state.get(piece, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                continue
+            if isinstance(value, torch.Tensor):
+                entry = {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+            else:
+                entry = {"value": value}
+            if out.setdefault(key, entry) != entry:
+                raise RuntimeError(f"optimizer state {key!r} differs within group {group}")
+    return out
+
+
+def _aliases(engine: ZeroEngine) -> dict[str, str]:
+    """Second names of tied parameters -> the first (state_dict lists both)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, list | tuple):
+        items = [_json_safe(v) for v in value]
+        return None if any(i is _UNSAFE for i in items) else items
+    return _UNSAFE
+
+
+_UNSAFE = object()
+
+
+def _index(engine: ZeroEngine, everyone: list[Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    names = _param_names(engine)
+    groups = []
+    for g, params in enumerate(engine.groups.params):
+        options = {
+            key: _json_safe(value)
+            for key, value in engine.optimizer.param_groups[g].items()
+            if key != "params" and _json_safe(value) is not _UNSAFE
+        }
+        groups.append(
+            {
+                "params": [[names[id(p)], list(p.shape)] for p in params],
+                "options": options,
+                "scalar_states": _scalar_states(engine, g),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": engine.comm.world_size,
+        "stage": engine.config.stage,
+        "param_dtype": str(engine.dtype).removeprefix("torch."),
+        "optimizer": type(engine.optimizer).__name__,
+        "groups": groups,
+        "aliases": _aliases(engine),
+        "ranks": everyone,
+        "engine": {
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "loss_scaler": dict(vars(engine.loss_scaler)),
+        },
+        "extra": extra or {},
+    }
+
+
+# ------------------------------------------------------------------------------ load
+def load(engine: ZeroEngine, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Collective: restore ``engine`` from the checkpoint at ``path``, whatever world size
+    and stage saved it; returns the ``extra`` dict given to save. Each rank reads only the
+    byte ranges of the pieces it holds."""
+    folder = _complete_checkpoint(Path(path))
+    index = _read_index(folder)
+    _check_compatible(engine, index, folder)
+    files: dict[int, TensorFile] = {}
+
+    def file_of(rank: int) -> TensorFile:
+        if rank not in files:
+            expected = WrittenFile.from_json(index["ranks"][rank]["file"])
+            files[rank] = TensorFile(folder / shard_name(rank), expected)
+        return files[rank]
+
+    try:
+        for g, master in enumerate(engine.masters):
+            saved = _saved_pieces(index, g)
+            with torch.no_grad():
+                flat = master.detach().view(-1)
+                _fill(flat, engine._shard_pieces(g), saved, file_of, f"master.{g}")
+            _load_optimizer_group(engine, index, g, saved, file_of)
+        whole = _whole_tensors(engine)
+        for name, tensor in whole.items():
+            value = file_of(0).read(f"whole.{name}")
+            with torch.no_grad():
+                tensor.copy_(value)
+        if index["world_size"] == engine.comm.world_size:
+            torch.set_rng_state(file_of(engine.comm.rank).read("rng.cpu"))
+    except CorruptFileError as exc:
+        raise CheckpointError(f"checkpoint {folder}: {exc}") from exc
+    state = index["engine"]
+    engine.global_steps = int(state["global_steps"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    for key, value in state["loss_scaler"].items():
+        setattr(engine.loss_scaler, key, value)
+    engine.zero_grad()
+    engine._publish_parameters()
+    return dict(index["extra"])
+
+
+def _complete_checkpoint(folder: Path) -> Path:
+    """``folder`` if it holds an index; ``folder.old`` if a save was killed while
+    swapping the two; else a CheckpointError saying what is there."""
+    if (folder / INDEX).exists():
+        return folder
+    old = folder.with_name(folder.name + ".old")
+    if (old / INDEX).exists():
+        return old
+    staging = folder.with_name(folder.name + ".saving")
+    hint = f" ({staging} is an unfinished save)" if staging.exists() else ""
+    raise CheckpointError(f"no checkpoint at {folder}: {folder / INDEX} does not exist{hint}")
+
+
+def _read_index(folder: Path) -> dict[str, Any]:
+    try:
+        index: dict[str, Any] = json.loads((folder / INDEX).read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{folder / INDEX}: not valid JSON ({exc})") from exc
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(
+            f"{folder / INDEX}: format {index.get('format')!r} version {index.get('version')!r}"
+            f" is not {FORMAT!r} version {VERSION}"
+        )
+    return index
+
+
+def _check_compatible(engine: ZeroEngine, index: dict[str, Any], folder: Path) -> None:
+    """Same parameters (names, shapes) in the same optimizer groups, same optimizer."""
+    names = _param_names(engine)
+    mine = [[[names[id(p)], list(p.shape)] for p in params] for params in engine.groups.params]
+    theirs = [group["params"] for group in index["groups"]]
+    if len(mine) != len(theirs):
+        raise CheckpointError(
+            f"checkpoint {folder} has {len(theirs)} optimizer groups; this engine has "
+            f"{len(mine)}: it was saved from another model or optimizer set-up"
+        )
+    for g, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if a == b:
+            continue
+        for i in range(max(len(a), len(b))):
+            here = a[i] if i < len(a) else None
+            there = b[i] if i < len(b) else None
+            if here != there:
+                raise CheckpointError(
+                    f"checkpoint {folder} is of another model: group {g} parameter {i} is "
+                    f"{_describe(there)} there and {_describe(here)} here"
+                )
+    optimizer = type(engine.optimizer).__name__
+    if index["optimizer"] != optimizer:
+        raise CheckpointError(
+            f"checkpoint {folder} holds {index['optimizer']} states; this engine uses "
+            f"{optimizer}: build the engine with {index['optimizer']} to resume"
+        )
+
+
+def _describe(entry: list[Any] | None) -> str:
+    return "missing" if entry is None else f"{entry[0]} {tuple(entry[1])}"
+
+
+Saved = dict[int, list[tuple[int, int, int, int]]]  # param -> (rank, start, stop, offset)
+
+
+def _saved_pieces(index: dict[str, Any], group: int) -> Saved:
+    saved: Saved = {}
+    for rank, entry in enumerate(index["ranks"]):
+        if entry["pieces"] is None:
+            continue
+        for i, start, stop, offset in entry["pieces"][group]:
+            saved.setdefault(i, []).append((rank, start, stop, offset))
+    return saved
+
+
+def _fill(
+    target: torch.Tensor,
+    needed: list[tuple[int, Range, int]],
+    saved: Saved,
+    file_of: Callable[[int], TensorFile],
+    name: str,
+) -> None:
+    """Copy into ``target`` (flat) each needed piece (param, range, offset in target)
+    from the saved pieces that overlap it."""
+    for i, wanted, offset in needed:
+        covered = 0
+        for rank, start, stop, at in saved.get(i, []):
+            lo, hi = max(start, wanted.start), min(stop, wanted.stop)
+            if lo >= hi:
+                continue
+            values = file_of(rank).read(name, at + lo - start, at + hi - start)
+            target[offset + lo - wanted.start : offset + hi - wanted.start] = values
+            covered += hi - lo
+        if covered != wanted.size:
+            raise CheckpointError(f"{name}: parameter {i} elements {wanted} are not all saved")
+
+
+def _load_optimizer_group(
+    engine: ZeroEngine, index: dict[str, Any], group: int, saved: Saved,
+    file_of: Callable[[int], TensorFile],
+) -> None:  # fmt: skip
+    """Rebuild the optimizer state of every piece of ``group`` from the saved shards."""
+    entry = index["groups"][group]
+    first = next((r for r, e in enumerate(index["ranks"]) if e["pieces"] is not None), 0)
+    prefix = f"state.{group}."
+    keys = [n[len(prefix) :] for n in file_of(first).names if n.startswith(prefix)]
+    master = engine.masters[group]
+    buffers = {}
+    for key in keys:
+        buffers[key] = torch.zeros(master.numel(), dtype=file_of(first).entry(prefix + key)[0])
+        _fill(buffers[key], engine._shard_pieces(group), saved, file_of, prefix + key)
+    scalars = entry["scalar_states"]
+    for piece, where in engine.master_pieces[group]:
+        state: dict[str, Any] = {key: buf[where].view_as(piece) for key, buf in buffers.items()}
+        for key, scalar in scalars.items():
+            value = scalar["value"]
+            if "dtype" in scalar:
+                value = torch.tensor(value, dtype=getattr(torch, scalar["dtype"]))
+            state[key] = value
+        if state:
+            engine.optimizer.state[piece] = state
+    for key, value in entry["options"].items():
+        current = engine.optimizer.param_groups[group].get(key)
+        engine.optimizer.param_groups[group][key] = (
+            tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+        )

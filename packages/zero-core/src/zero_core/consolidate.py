@@ -1,0 +1,122 @@
+"""``zero-consolidate CKPT OUT``: a sharded checkpoint to one plain safetensors state dict.
+
+    zero-consolidate runs/zero-train/checkpoint model.safetensors [--dtype bf16]
+    model.load_state_dict(dict(zero_core.read_state_dict("model.safetensors")))
+
+Streams parameter by parameter: each full value is assembled from the byte ranges of the
+shards that hold its pieces, written, and dropped, so memory is bounded by the largest
+tensor, not the model. Works for checkpoints of any world size and stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from .checkpoint import (
+    CheckpointError,
+    _complete_checkpoint,
+    _fill,
+    _read_index,
+    _saved_pieces,
+    shard_name,
+)  # fmt: skip
+from .flat_layout import Range
+from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_stream
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class SavedModel:
+    """The logical contents of a checkpoint: full parameters (float32 masters, or any
+    sharded optimizer state) and whole tensors, read one at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.folder = _complete_checkpoint(Path(path))
+        self.index = _read_index(self.folder)
+        self._files: dict[int, TensorFile] = {}
+
+    def file_of(self, rank: int) -> TensorFile:
+        if rank not in self._files:
+            expected = WrittenFile.from_json(self.index["ranks"][rank]["file"])
+            self._files[rank] = TensorFile(self.folder / shard_name(rank), expected)
+        return self._files[rank]
+
+    def parameters(self) -> list[tuple[int, int, str, list[int]]]:
+        """(group, index in group, name, shape) of every trainable parameter."""
+        return [
+            (g, i, name, shape)
+            for g, group in enumerate(self.index["groups"])
+            for i, (name, shape) in enumerate(group["params"])
+        ]
+
+    def whole_names(self) -> list[str]:
+        return [n.removeprefix("whole.") for n in self.file_of(0).names if n.startswith("whole.")]
+
+    def parameter(self, group: int, index: int, what: str = "master") -> torch.Tensor:
+        """Parameter ``index`` of ``group``, full: its float32 master, or with ``what`` an
+        optimizer state key (``exp_avg``), from every shard holding a piece of it."""
+        shape = self.parameters_of(group)[index][3]
+        numel = math.prod(shape)
+        tensor_name = f"master.{group}" if what == "master" else f"state.{group}.{what}"
+        value = torch.empty(numel)
+        try:
+            _fill(value, [(index, Range(0, numel), 0)], _saved_pieces(self.index, group),
+                  self.file_of, tensor_name)  # fmt: skip
+        except CorruptFileError as exc:
+            raise CheckpointError(f"checkpoint {self.folder}: {exc}") from exc
+        return value.view(shape)
+
+    def parameters_of(self, group: int) -> list[tuple[int, int, str, list[int]]]:
+        return [entry for entry in self.parameters() if entry[0] == group]
+
+    def state_dict(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) like ``model.state_dict()``: trainable parameters (tied ones
+        under each name), then frozen parameters and buffers; one tensor at a time."""
+        by_name = {name: (g, i) for g, i, name, _ in self.parameters()}
+        for name, (g, i) in by_name.items():
+            yield name, self.parameter(g, i).to(dtype)
+        for alias, name in self.index.get("aliases", {}).items():
+            g, i = by_name[name]
+            yield alias, self.parameter(g, i).to(dtype)
+        for name in self.whole_names():
+            value = self.file_of(0).read(f"whole.{name}")
+            yield name, value.to(dtype) if value.is_floating_point() else value
+
+    def specs(self, dtype: torch.dtype) -> list[tuple[str, torch.dtype, list[int]]]:
+        """What :meth:`state_dict` yields, without reading any value."""
+        shapes = {name: shape for _, _, name, shape in self.parameters()}
+        out = [(name, dtype, shape) for name, shape in shapes.items()]
+        out += [(alias, dtype, shapes[name]) for alias, name in self.index["aliases"].items()]
+        for name in self.whole_names():
+            saved_dtype, shape, _, _ = self.file_of(0).entry(f"whole.{name}")
+            out.append((name, dtype if saved_dtype.is_floating_point else saved_dtype, shape))
+        return out
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, dtype: torch.dtype) -> int:
+    """Write the checkpoint's full model to ``out`` (safetensors); returns its bytes."""
+    saved = SavedModel(checkpoint)
+    written = write_stream(Path(out), saved.specs(dtype), (t for _, t in saved.state_dict(dtype)),
+                           {"format": "pt", "source": str(saved.folder)})  # fmt: skip
+    return written.bytes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zero-consolidate", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a directory written by engine.save()")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    args = parser.parse_args(argv)
+    try:
+        size = consolidate(args.checkpoint, args.out, DTYPES[args.dtype])
+    except CheckpointError as exc:
+        print(f"zero-consolidate: {exc}", file=sys.stderr)
+        return 2
+    print(f"zero-consolidate: wrote {args.out} ({size / 2**20:.1f} MiB, {args.dtype})")
+    return 0

@@ -1,0 +1,221 @@
+"""Safetensors files, written as a stream and read by byte range, with block checksums.
+
+The format (https://huggingface.co/docs/safetensors): 8 bytes little-endian header length,
+a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{...}}``, then the tensors' bytes. Any safetensors reader loads our files; we add, outside
+the file, a CRC-32 of every ``block_bytes`` of the data section, so a reader of a byte
+range checks just the blocks it touches:
+
+    | len | header JSON (space-padded to 8) | data: block 0 | block 1 | ... | last |
+                                            ^ data_start     crc[0]   crc[1]
+
+Nothing here knows about ZeRO.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPE_NAMES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+NAME_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+BLOCK_BYTES = 1 << 20
+
+
+class CorruptFileError(ValueError):
+    """A file's bytes are not what its index says: truncated, changed or not ours."""
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What a reader needs to trust a file: its size and each block's CRC-32."""
+
+    bytes: int
+    block_bytes: int
+    crc32: list[int]
+
+    def to_json(self) -> dict[str, object]:
+        return {"bytes": self.bytes, "block_bytes": self.block_bytes, "crc32": self.crc32}
+
+    @classmethod
+    def from_json(cls, value: dict[str, object]) -> WrittenFile:
+        crcs: Any = value["crc32"]
+        size: Any = value["bytes"]
+        block: Any = value["block_bytes"]
+        return cls(int(size), int(block), [int(c) for c in crcs])
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if not flat.numel():
+        return memoryview(b"")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array)
+
+
+def write_file(
+    path: Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> WrittenFile:
+    """Write ``tensors`` to ``path`` (see :func:`write_stream`)."""
+    items = list(tensors)
+    specs = [(name, t.dtype, list(t.shape)) for name, t in items]
+    return write_stream(path, specs, (t for _, t in items), metadata, block_bytes)
+
+
+def write_stream(
+    path: Path,
+    specs: list[tuple[str, torch.dtype, list[int]]],
+    values: Iterable[torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> WrittenFile:
+    """Write tensors described by ``specs`` (name, dtype, shape), their values coming one
+    at a time from ``values`` (memory: one tensor), through a temporary name, fsync,
+    rename. Returns the size and block checksums."""
+    header: dict[str, object] = {"__metadata__": metadata or {}}
+    offset = 0
+    for name, dtype, shape in specs:
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    crcs: list[int] = []
+    carry = bytearray()  # the start of a block that the next tensor completes
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for (name, dtype, shape), tensor in zip(specs, values, strict=True):
+            if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+                raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"declared {dtype} {tuple(shape)}")  # fmt: skip
+            data = _raw_bytes(tensor)
+            out.write(data)
+            if carry:
+                need = block_bytes - len(carry)
+                carry += data[:need]
+                data = data[need:]
+                if len(carry) == block_bytes:
+                    crcs.append(zlib.crc32(carry))
+                    carry = bytearray()
+            whole = len(data) // block_bytes * block_bytes
+            crcs += [zlib.crc32(data[at : at + block_bytes]) for at in range(0, whole, block_bytes)]
+            carry += data[whole:]
+        if carry:
+            crcs.append(zlib.crc32(carry))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)
+    return WrittenFile(8 + len(text) + offset, block_bytes, crcs)
+
+
+class TensorFile:
+    """Reads tensors, or element ranges of them, from one safetensors file; checks the
+    size and the CRC of every block it reads against ``expected`` when given."""
+
+    def __init__(self, path: Path, expected: WrittenFile | None = None) -> None:
+        self.path = path
+        self.expected = expected
+        if not path.exists():
+            raise CorruptFileError(f"{path}: missing")
+        size = path.stat().st_size
+        if expected is not None and size != expected.bytes:
+            raise CorruptFileError(
+                f"{path}: {size} bytes, but the index says {expected.bytes} (truncated or "
+                "replaced after saving)"
+            )
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptFileError(f"{path}: too short to be a safetensors file")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise CorruptFileError(f"{path}: header length {length} exceeds the file")
+            try:
+                self.header = json.loads(f.read(length))
+            except ValueError as exc:
+                raise CorruptFileError(f"{path}: unreadable header ({exc})") from exc
+        self.data_start = 8 + length
+        self.metadata: dict[str, str] = self.header.pop("__metadata__", {}) or {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def entry(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
+        if name not in self.header:
+            raise CorruptFileError(f"{self.path}: has no tensor {name!r}")
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        return NAME_DTYPES[info["dtype"]], list(info["shape"]), int(begin), int(end)
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements [start, stop) of tensor ``name``, flat (the whole tensor, shaped,
+        when no range is given)."""
+        dtype, shape, begin, end = self.entry(name)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        count = (end - begin) // itemsize
+        whole = stop is None and start == 0
+        stop = count if stop is None else stop
+        if not 0 <= start <= stop <= count:
+            raise CorruptFileError(f"{self.path}: {name}[{start}:{stop}] is outside 0..{count}")
+        raw = self._read_bytes(begin + start * itemsize, begin + stop * itemsize)
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(shape) if whole else flat
+
+    def _read_bytes(self, first: int, last: int) -> bytearray:
+        """Data-section bytes [first, last), verified block by block."""
+        if first == last:
+            return bytearray()
+        expected = self.expected
+        lo, hi = first, last
+        if expected is not None:
+            lo = first // expected.block_bytes * expected.block_bytes
+            hi = min(-(-last // expected.block_bytes) * expected.block_bytes,
+                     expected.bytes - self.data_start)  # fmt: skip
+        with self.path.open("rb") as f:
+            f.seek(self.data_start + lo)
+            span = bytearray(f.read(hi - lo))
+        if len(span) != hi - lo:
+            raise CorruptFileError(f"{self.path}: ends inside its data (truncated)")
+        if expected is not None:
+            size = expected.block_bytes
+            for k, at in enumerate(range(0, len(span), size)):
+                block = (lo // size) + k
+                if zlib.crc32(span[at : at + size]) != expected.crc32[block]:
+                    raise CorruptFileError(
+                        f"{self.path}: block {block} (bytes {lo + at}..{lo + at + size} of "
+                        "the data) fails its checksum: the file was changed after saving"
+                    )
+        return span[first - lo : last - lo]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, one at a time, in file order (memory: the largest tensor)."""
+        for name in sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0]):
+            yield name, self.read(name)
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a safetensors file, one tensor in memory at a time: for
+    ``zero_core.initialize(..., init_values=read_state_dict("model.safetensors"))``."""
+    yield from TensorFile(Path(path)).tensors()
