@@ -225,8 +225,8 @@ def test_consolidated_checkpoint_loads_into_the_plain_model(tmp_path: Path) -> N
 
 def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     """A real process trains and saves after every step; it is killed (SIGKILL) at
-    random moments, mostly while writing. Each time, the checkpoint it leaves loads and
-    holds exactly the state of a run of the number of steps it records."""
+    random moments, every other time just after a save began. Each time, the checkpoint
+    it leaves loads and holds exactly the state of a run of the steps it records."""
     import os
     import random
     import signal
@@ -243,17 +243,23 @@ def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: 
     }
     rng = random.Random(7)
     mid_save = 0
-    for trial in range(4):
+    for trial in range(6):
         folder = tmp_path / f"trial{trial}"
+        staging = folder.with_name(folder.name + ".saving")
         process = subprocess.Popen([sys.executable, str(here / "checkpoint_saver.py"), str(folder)],
                                    env=env)  # fmt: skip
         deadline = time.monotonic() + 120
         while not (folder / "index.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(0.01)
+        if trial % 2:  # aim inside a save: wait for the next one to start
+            while not staging.exists() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0.0, 0.05))
+        else:
+            time.sleep(rng.uniform(0.0, 1.0))
         process.send_signal(signal.SIGKILL)
         process.wait()
-        mid_save += any(folder.parent.glob(f"{folder.name}.saving"))
+        mid_save += staging.exists()
 
         def body(comm: Communicator, folder: Path = folder) -> tuple[int, dict[str, torch.Tensor]]:
             engine = build_engine(CASE, comm, 2)

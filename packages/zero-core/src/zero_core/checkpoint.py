@@ -91,8 +91,8 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
         os.replace(partial, staging / INDEX)
         _fsync_dir(staging)
         old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
+        if final.exists():  # else CKPT.old may be the only complete checkpoint: keep it
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(staging, final)
         _fsync_dir(final.parent)
