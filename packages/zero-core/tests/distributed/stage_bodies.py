@@ -89,3 +89,25 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         "working_set": engine.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
         "whole_model": sum(p.numel() for p in model.parameters()) * 4,
     }
+
+
+def resume_is_exact(comm: Communicator, folder: str) -> int:
+    """At every stage: save after 2 steps, continue 2; a fresh engine loads the file and
+    continues 2: the same parameters and losses, bit for bit. Returns the stages run."""
+    import torch
+    from parity import build_engine, normalised
+    from test_checkpoint import CASE, run_steps
+
+    case = normalised(CASE)
+    for stage in (0, 1, 2, 3):
+        path = Path(folder) / f"stage{stage}"
+        straight = build_engine(case, comm, stage)
+        run_steps(straight, case, comm, 0, 2)
+        straight.save(path)
+        losses = run_steps(straight, case, comm, 2, 2)
+        resumed = build_engine(case, comm, stage)
+        resumed.load(path)
+        assert run_steps(resumed, case, comm, 2, 2) == losses, stage
+        a, b = straight.full_state_dict(), resumed.full_state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), stage
+    return 4

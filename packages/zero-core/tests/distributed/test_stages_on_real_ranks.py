@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import stage_bodies
 
@@ -63,3 +65,22 @@ def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
         set_up = m["model_states"] - m["optimizer_states"] + 2 * layer + 24 * mib
         assert m["built"] - m["before"] <= set_up, {k: v / mib for k, v in m.items()}
         assert set_up < m["model_states"] + m["whole_model"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "launcher"),
+    [
+        pytest.param("gloo", "spawn", marks=pytest.mark.gloo, id="gloo"),
+        pytest.param(
+            "mpi", "mpiexec", id="mpi",
+            marks=[pytest.mark.mpi,
+                   pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")],
+        ),
+    ],
+)  # fmt: skip
+def test_resume_from_a_checkpoint_is_exact_on_real_ranks(
+    backend: str, launcher: str, tmp_path: Path
+) -> None:
+    reports = run_on_ranks(stage_bodies.resume_is_exact, 3, backend=backend, launcher=launcher,
+                           kwargs={"folder": str(tmp_path)}, timeout=300)  # fmt: skip
+    assert [r["value"] for r in reports] == [4, 4, 4]

@@ -2,6 +2,7 @@
 
     zero-train                              # 2 local ranks, gloo, highest stage, small GPT
     zero-train --nproc 4 --stage 1 --steps 500 --dtype bf16
+    zero-train --save-every 100; zero-train --resume runs/zero-train/checkpoint --nproc 4
     mpirun -n 4 zero-train --backend mpi    # any launcher zero_comm.init understands
 
 Run by hand (no launcher variables) it checks the options, then starts ``--nproc`` local
@@ -62,6 +63,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="text file, folder, or .bin/.u16 uint16 tokens")
     p.add_argument("--out", type=Path, default=Path("runs/zero-train"))
     p.add_argument("--sample-tokens", type=int, default=200)
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint to OUT/checkpoint every N steps and at the end",
+    )
+    p.add_argument("--resume", type=Path, help="continue from this checkpoint (any stage, ranks)")
     return p
 
 
@@ -82,6 +90,13 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--nproc, --steps, --grad-accum and --batch-size must be at least 1")
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
+    if args.save_every < 0:
+        p.error(f"--save-every {args.save_every} must be 0 (never) or a number of steps")
+    if args.resume is not None and not any(
+        (folder / "index.json").exists()
+        for folder in (args.resume, args.resume.with_name(args.resume.name + ".old"))
+    ):
+        p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
     try:
         config = model_config(args)
         if args.tp < 1:
@@ -162,8 +177,13 @@ def train(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     lead = world.rank == 0
+    first_step = 0
+    if args.resume is not None:
+        first_step = int(engine.load(args.resume).get("step", 0))
     if lead:
         args.out.mkdir(parents=True, exist_ok=True)
+        if args.resume is not None:
+            print(f"zero-train: resumed from {args.resume} at step {first_step}", flush=True)
         print(
             f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
             f"parameters), stage {args.stage}, {world.world_size} ranks ({args.tp} tensor-parallel"
@@ -171,11 +191,11 @@ def train(args: argparse.Namespace) -> None:
             f"{args.dtype}, {tokens.numel():,} tokens of data",
             flush=True,
         )
-    metrics = (args.out / "metrics.jsonl").open("w") if lead else None
+    metrics = (args.out / "metrics.jsonl").open("a" if first_step else "w") if lead else None
     history: list[tuple[int, float]] = []
     start = time.perf_counter()
     tokens_per_step = args.batch_size * args.grad_accum * config.context
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         if step == args.steps - 1:
             comm.stats.reset()  # the last step's traffic is what gets reported
         lr = learning_rate(step, args)
@@ -196,11 +216,15 @@ def train(args: argparse.Namespace) -> None:
             total += loss.item() / args.grad_accum
         mean = torch.tensor([total])
         metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            # The step to start from, and the seed: the data order and the learning rate
+            # are functions of those, so a resumed run continues bit for bit.
+            engine.save(args.out / "checkpoint", extra={"step": step + 1, "seed": args.seed})
         elapsed = time.perf_counter() - start
         if lead and metrics is not None:
-            rate = tokens_per_step * (step + 1) / elapsed
+            rate = tokens_per_step * (step + 1 - first_step) / elapsed
             history.append((step, float(mean.item())))
-            record = {"step": step, "loss": round(mean.item(), 5), "lr": lr,
+            record = {"step": step, "loss": mean.item(), "lr": lr,
                       "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2)}  # fmt: skip
             metrics.write(json.dumps(record) + "\n")
             memory = engine.memory_report().total
