@@ -120,3 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"zero-consolidate: wrote {args.out} ({size / 2**20:.1f} MiB, {args.dtype})")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
