@@ -24,7 +24,7 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 # In dependency order: each package needs only those before it.
 PACKAGES = ("zero-comm", "zero-core", "zero-models")
-TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy")
+TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors")
 MPI_DEPS = ("mpi4py>=3.1", "mpich")
 LINT_DEPS = ("ruff", "mypy", "import-linter")
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}

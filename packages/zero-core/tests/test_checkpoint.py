@@ -271,3 +271,57 @@ def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: 
         expected = run_simulated(2, lambda comm, n=steps: train_and_save(comm, None, n))[0]
         assert all(torch.equal(state[k], expected[k]) for k in expected), (trial, steps)
     assert mid_save >= 1  # at least one kill landed inside a save
+
+
+def test_shards_are_plain_safetensors_that_other_readers_load(tmp_path: Path) -> None:
+    """The reference safetensors library reads our shards and gets our values."""
+    from safetensors.torch import load_file
+
+    from zero_core.safetensors_file import TensorFile
+
+    saved_once(tmp_path / "ckpt", stage=3)
+    for shard in sorted((tmp_path / "ckpt").glob("rank-*.safetensors")):
+        theirs = load_file(shard)
+        ours = dict(TensorFile(shard).tensors())
+        assert theirs.keys() == ours.keys() and "master.0" in ours
+        assert all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_each_rank_reads_only_the_byte_ranges_it_holds(tmp_path: Path) -> None:
+    """A one-rank stage 0 checkpoint loaded by 4 ranks at stage 3: each rank reads about
+    a quarter of the masters and states (plus at most one checksum block at each end of
+    each piece), not the whole file."""
+    import threading
+
+    from zero_core import safetensors_file
+
+    case = normalised(ParityCase(widths=(64, 1024, 1024, 64), optimizer="adam",
+                                 persistence_threshold=0, bucket_numel=1 << 16))  # fmt: skip
+
+    def save_body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 0)
+        run_steps(engine, case, comm, 0, 1)
+        engine.save(tmp_path / "ckpt")
+
+    run_simulated(1, save_body)
+    shard_bytes = (tmp_path / "ckpt" / "rank-00000.safetensors").stat().st_size
+    read: dict[int, int] = {}
+    original = safetensors_file.TensorFile._read_bytes
+
+    def counting(self: Any, first: int, last: int) -> bytearray:
+        data = original(self, first, last)
+        key = threading.get_ident()
+        read[key] = read.get(key, 0) + len(data)
+        return data
+
+    def load_body(comm: Communicator) -> None:
+        build_engine(case, comm, 3).load(tmp_path / "ckpt")
+
+    safetensors_file.TensorFile._read_bytes = counting  # type: ignore[method-assign]
+    try:
+        run_simulated(4, load_body)
+    finally:
+        safetensors_file.TensorFile._read_bytes = original  # type: ignore[method-assign]
+    assert len(read) == 4
+    assert all(0.2 * shard_bytes < n < 0.3 * shard_bytes for n in read.values()), (
+        shard_bytes, read)  # fmt: skip

@@ -288,7 +288,8 @@ def report(
               "(forward and backward all-reduces, loss reductions, sampling)")  # fmt: skip
     print(f"\nsample:\n{sample}\n")
     if history:
-        print(f"loss: {history[0][1]:.3f} at step 1 -> {history[-1][1]:.3f} at step {len(history)}")
+        (first, start), (last, end) = history[0], history[-1]
+        print(f"loss: {start:.3f} at step {first + 1} -> {end:.3f} at step {last + 1}")
     try:
         from .loss_plot import write_loss_png
 
