@@ -69,8 +69,8 @@ def tests(session: nox.Session) -> None:
             "found = [p for p in above if u.find_spec(p.replace('-', '_'))]; "
             "sys.exit(f'installed above this layer: {found}' if found else 0)",
         )  # fmt: skip
-        _pytest(session, TEST_DIRS[name], "-m", "not nccl")
-    _pytest(session, CROSS_PACKAGE_TESTS, "-m", "not nccl")
+        _pytest(session, TEST_DIRS[name], "-m", "not nccl and not faults")
+    _pytest(session, CROSS_PACKAGE_TESTS, "-m", "not nccl and not faults")
 
 
 @nox.session
@@ -85,6 +85,14 @@ def tests_mpi(session: nox.Session) -> None:
     """Real-process tests under mpiexec: the mpi backend, and gloo rendezvous over MPI."""
     _install(session, *TEST_DEPS, *MPI_DEPS)
     _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "mpi")
+
+
+@nox.session
+def faults(session: nox.Session) -> None:
+    """Every fault-injection case: a rank SIGKILLed in forward, backward, a collective, the
+    optimizer step and a save, on gloo and under mpiexec; zero-launch and zero-train."""
+    _install(session, *TEST_DEPS, *MPI_DEPS)
+    _pytest(session, f"{CROSS_PACKAGE_TESTS}/test_faults.py")
 
 
 @nox.session

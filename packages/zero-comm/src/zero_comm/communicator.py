@@ -37,6 +37,7 @@ import torch
 from .buffers import BufferPool
 from .errors import CollectiveMismatchError, CommError
 from .ordered import chunk_numel, fold_rows
+from .peers import Peer
 from .reduce_op import ReduceOp
 from .stats import CommStats
 
@@ -163,6 +164,8 @@ class Communicator(abc.ABC):
         self._sequence = 0
         self.closed = False
         self._pending: deque[Handle] = deque()
+        # (host, pid) of every rank, where the backend knows them (see peers.py).
+        self.peers: list[Peer] | None = None
 
     def __repr__(self) -> str:
         return (

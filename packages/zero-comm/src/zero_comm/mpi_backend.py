@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .communicator import Communicator, Work
-from .errors import BackendUnavailableError, CommTimeoutError
+from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
+from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
 
 
@@ -72,12 +73,14 @@ class MPICommunicator(Communicator):
         cls, *, deterministic: bool, check_consistency: bool, timeout: float
     ) -> MPICommunicator:
         mpi = import_mpi()
-        return cls(
+        world = cls(
             mpi.COMM_WORLD.Dup(),
             deterministic=deterministic,
             check_consistency=check_consistency,
             timeout=timeout,
         )
+        world.peers = [Peer(*p) for p in world.mpi_comm.allgather(tuple(this_peer()))]
+        return world
 
     def _bytes(self, tensor: torch.Tensor) -> list[Any]:
         nbytes = tensor.numel() * tensor.element_size()
@@ -97,7 +100,7 @@ class MPICommunicator(Communicator):
         request: Any = work  # an mpi4py Request
         start = time.monotonic()
         polls = 0
-        while not request.Test():
+        while not self._test(request, name):
             polls += 1
             if polls % 16:
                 continue
@@ -106,13 +109,27 @@ class MPICommunicator(Communicator):
                 raise CommTimeoutError(
                     self._err(
                         f"{name}: no answer from the other ranks within {self.timeout}s; a "
-                        "peer is stuck, dead, or called a different collective"
+                        "peer is stuck, dead, or called a different collective."
+                        + describe_dead(self.peers, self.rank)
                     )
                 )
             if waited > 0.01:
                 time.sleep(1e-4)
             elif waited > 0.001:
                 time.sleep(0)
+
+    def _test(self, request: Any, name: str) -> bool:
+        """Whether ``request`` completed; an MPI error (a peer's process failed, where
+        the MPI library reports it instead of ending the job) becomes PeerFailureError."""
+        try:
+            return bool(request.Test())
+        except self._MPI.Exception as exc:
+            raise PeerFailureError(
+                self._err(
+                    f"{name}: MPI reported an error, most likely a dead peer."
+                    f"{describe_dead(self.peers, self.rank)} ({exc})"
+                )
+            ) from exc
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         chunk_bytes = inp.numel() * inp.element_size() // self.world_size
@@ -148,12 +165,14 @@ class MPICommunicator(Communicator):
         return self.mpi_comm.Ibarrier()  # type: ignore[no-any-return]
 
     def _split(self, color: int, key: int) -> Communicator:
-        return MPICommunicator(
+        child = MPICommunicator(
             self.mpi_comm.Split(color, key),
             deterministic=self.deterministic,
             check_consistency=self.check_consistency,
             timeout=self.timeout,
         )
+        child.peers = [Peer(*p) for p in child.mpi_comm.allgather(tuple(this_peer()))]
+        return child
 
     def close(self) -> None:
         if self.closed:

@@ -18,6 +18,7 @@ from torch.distributed import HashStore, PrefixStore, TCPStore  # type: ignore[a
 
 from .errors import BackendUnavailableError, CommTimeoutError
 from .launcher_env import LaunchEnv
+from .peers import Peer, this_peer
 
 _PREFIX = "zero_comm/rendezvous"
 
@@ -95,8 +96,15 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
     return PrefixStore("zero_comm", store)
 
 
+def read_peers(store: Any, world_size: int) -> list[Peer]:
+    """Every rank's (host, pid), as checked in (``store``: what rendezvous_store gave)."""
+    if world_size == 1:
+        return [this_peer()]
+    return [Peer.decode(store.get(f"rendezvous/arrived/{r}").decode()) for r in range(world_size)]
+
+
 def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
-    store.set(f"{_PREFIX}/arrived/{env.rank}", "1")
+    store.set(f"{_PREFIX}/arrived/{env.rank}", this_peer().encode())
     store.add(f"{_PREFIX}/count", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from .communicator import Communicator, Work
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
 from .launcher_env import LaunchEnv
+from .peers import Peer, describe_dead
 from .reduce_op import ReduceOp
-from .rendezvous import rendezvous_store
+from .rendezvous import read_peers, rendezvous_store
 
 _TORCH_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -77,6 +78,7 @@ class TorchCommunicator(Communicator):
             if not dist.is_gloo_available():
                 raise BackendUnavailableError(f"[rank {env.rank}] this torch build has no gloo")
             device = torch.device("cpu")
+        peers: list[Peer] | None = None
         if dist.is_initialized():
             existing = dist.get_backend()
             if existing != backend:
@@ -86,6 +88,7 @@ class TorchCommunicator(Communicator):
                 )
         else:
             store = rendezvous_store(env, timeout)
+            peers = read_peers(store, env.world_size)
             _WorldSession.start(store, env.rank, env.world_size)
             dist.init_process_group(
                 backend,
@@ -94,7 +97,7 @@ class TorchCommunicator(Communicator):
                 world_size=env.world_size,
                 timeout=datetime.timedelta(seconds=timeout),
             )
-        return cls(
+        world = cls(
             dist.group.WORLD,
             backend=backend,
             device=device,
@@ -102,6 +105,8 @@ class TorchCommunicator(Communicator):
             check_consistency=check_consistency,
             timeout=timeout,
         )
+        world.peers = peers
+        return world
 
     def _wait(self, work: Work, name: str) -> None:
         try:
@@ -113,14 +118,16 @@ class TorchCommunicator(Communicator):
                 raise PeerFailureError(
                     self._err(
                         f"{name}: a peer closed its connection, most likely because its process "
-                        f"died; see the launcher's report and that rank's log ({text.strip()})"
+                        f"died.{describe_dead(self.peers, self.rank)} See the launcher's report "
+                        f"and that rank's log ({text.strip()})"
                     )
                 ) from exc
             if any(word in lowered for word in _TIMEOUT_WORDS):
                 raise CommTimeoutError(
                     self._err(
                         f"{name}: no answer from the other ranks within {self.timeout}s; a peer "
-                        f"is stuck, dead, or called a different collective ({text.strip()})"
+                        f"is stuck, dead, or called a different collective."
+                        f"{describe_dead(self.peers, self.rank)} ({text.strip()})"
                     )
                 ) from exc
             raise CommError(self._err(f"{name} failed: {text.strip()}")) from exc
@@ -153,14 +160,15 @@ class TorchCommunicator(Communicator):
         return self.backend == "gloo" and collective == "reduce_scatter"
 
     def _split(self, color: int, key: int) -> Communicator:
-        everyone = self.all_gather_object((color, key, dist.get_global_rank(self.group, self.rank)))
+        peer = None if self.peers is None else self.peers[self.rank]
+        everyone = self.all_gather_object(
+            (color, key, dist.get_global_rank(self.group, self.rank), peer)
+        )
         # Ties on key go by rank in this (parent) group, as MPI_Comm_split does.
-        members = [
-            global_rank
-            for _, _, global_rank in sorted(
-                (k, parent_rank, g) for parent_rank, (c, k, g) in enumerate(everyone) if c == color
-            )
-        ]
+        chosen = sorted(
+            (k, parent, g, p) for parent, (c, k, g, p) in enumerate(everyone) if c == color
+        )
+        members = [global_rank for _, _, global_rank, _ in chosen]
         # Only the members create the group (use_local_synchronization), so splitting a
         # subgroup works without the rest of the world taking part.
         group = dist.new_group(
@@ -170,7 +178,7 @@ class TorchCommunicator(Communicator):
             use_local_synchronization=True,
             sort_ranks=False,
         )
-        return TorchCommunicator(
+        child = TorchCommunicator(
             group,
             backend=self.backend,
             device=self.device,
@@ -178,6 +186,9 @@ class TorchCommunicator(Communicator):
             check_consistency=self.check_consistency,
             timeout=self.timeout,
         )
+        if self.peers is not None:
+            child.peers = [peer for _, _, _, peer in chosen]
+        return child
 
     def close(self) -> None:
         """Collective: every rank of the group must call it.

@@ -80,6 +80,7 @@ class ZeroEngine(abc.ABC):
         self.last_grad_norm: float | None = None
         initial = self._take_initial_state()
         self._init_values = None  # consumed; do not keep the caller's tensors alive
+        self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self._cast_module()
         self.masters = self._build(initial)
         self.master_pieces = self._master_pieces()
@@ -185,11 +186,25 @@ class ZeroEngine(abc.ABC):
                 f"step(); with gradient_accumulation_steps="
                 f"{self.config.gradient_accumulation_steps} call step() after each backward"
             )
+        self._check_requires_grad()
         self._before_backward(first_micro_step=self.micro_steps == 0)
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
         self._reduce_gradients(first_micro_step=self.micro_steps == 0)
         self.micro_steps += 1
+
+    def _check_requires_grad(self) -> None:
+        """The layout was made for the parameters trainable at initialize: a parameter
+        frozen or unfrozen since would be trained wrongly (Adam keeps moving a frozen
+        parameter on a zero gradient), so it is an error."""
+        for (name, p), frozen in zip(self.module.named_parameters(), self._frozen, strict=True):
+            if p.requires_grad == frozen:
+                now = "True" if p.requires_grad else "False"
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] parameter {name} has requires_grad={now} now but "
+                    f"not when zero_core.initialize laid the model out; freeze or unfreeze "
+                    "parameters before initialize (or build a new engine)"
+                )
 
     def step(self) -> bool:
         """Apply the update if this is an accumulation boundary; True if it was applied

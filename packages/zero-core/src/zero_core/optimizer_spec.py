@@ -62,6 +62,11 @@ def resolve_param_groups(
     allow_untested: bool = False,
 ) -> ParamGroups:
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameters (every requires_grad is "
+            "False): unfreeze the parameters to train, or run the model without ZeRO"
+        )
     instance: Any
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         instance = optimizer(trainable, **(optimizer_kwargs or {}))

@@ -41,11 +41,15 @@ def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torc
         data = b"".join(p.read_bytes() for p in files)[:max_bytes]
     elif path.suffix in UINT16_SUFFIXES:
         raw = bytearray(path.read_bytes())
+        if not raw:
+            raise ValueError(f"--data {source}: empty; give a file of uint16 tokens")
         if len(raw) % 2:
             raise ValueError(f"--data {source}: a uint16 token file must have an even size")
         return torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
     else:
         data = path.read_bytes()[:max_bytes]
+    if not data:
+        raise ValueError(f"--data {source}: empty; give a file (or folder) with some text")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
 
 

@@ -1,0 +1,79 @@
+"""Which process each rank is, so that a surviving rank can name the one that died.
+
+At start-up every rank records ``(host, pid)``: gloo and nccl in their rendezvous check-in,
+MPI by an allgather. When a collective fails (a peer closed its connection, or the timeout
+passed), the communicator looks at the ranks on its own host: a pid that no longer exists,
+or a zombie (killed, not yet reaped by its launcher), is a dead rank, and the error names
+it. Ranks on other hosts cannot be checked from here; the error says so.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Peer(NamedTuple):
+    host: str
+    pid: int
+
+    def encode(self) -> str:
+        return f"{self.pid} {self.host}"
+
+    @classmethod
+    def decode(cls, text: str) -> Peer:
+        pid, host = text.split(" ", 1)
+        return cls(host, int(pid))
+
+
+def this_peer() -> Peer:
+    return Peer(socket.gethostname(), os.getpid())
+
+
+def is_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (a zombie is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")
+
+
+def dead_ranks(peers: list[Peer], me: int) -> tuple[list[int], list[int]]:
+    """(ranks on this host whose process is gone, ranks on other hosts: unknown)."""
+    here = peers[me].host
+    dead = [r for r, p in enumerate(peers) if r != me and p.host == here and not is_running(p.pid)]
+    elsewhere = [r for r, p in enumerate(peers) if p.host != here]
+    return dead, elsewhere
+
+
+def describe_dead(peers: list[Peer] | None, me: int, settle_s: float = 1.0) -> str:
+    """A sentence naming the dead ranks, for an error message ("" if none is known).
+
+    A peer's connection closes while its process is still exiting, so a rank that sees
+    no dead peer looks again for up to ``settle_s`` seconds."""
+    if not peers:
+        return ""
+    deadline = time.monotonic() + settle_s
+    dead, elsewhere = dead_ranks(peers, me)
+    while not dead and time.monotonic() < deadline:
+        time.sleep(0.02)
+        dead, elsewhere = dead_ranks(peers, me)
+    parts = []
+    if dead:
+        named = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in dead)
+        parts.append(f"{named} {'is' if len(dead) == 1 else 'are'} dead")
+    if elsewhere:
+        parts.append(f"ranks {elsewhere} on other hosts could not be checked")
+    if not parts:
+        return " Every rank on this host is still running."
+    return " " + "; ".join(parts) + "."

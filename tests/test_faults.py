@@ -1,0 +1,159 @@
+"""A rank killed for real (SIGKILL) in forward, backward, a collective, the optimizer step
+or a checkpoint save: the others stop at once naming it, the launchers exit non-zero
+naming it, and the last complete checkpoint resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_comm import run_simulated
+from zero_comm.launch import free_port, rank_environment
+from zero_comm.testing import find_mpiexec
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from fault_rank import WHERE, expected_state  # noqa: E402
+
+TIMEOUT_S = 10.0
+
+
+def start_ranks(where: str, folder: Path, world_size: int = 3) -> list[subprocess.Popen[str]]:
+    """The ranks of one job, started directly (no launcher to stop the survivors)."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(HERE / "fault_rank.py"), "--where", where,
+               "--folder", str(folder), "--timeout", str(TIMEOUT_S)]  # fmt: skip
+    return [
+        subprocess.Popen(
+            command,
+            env=rank_environment(env, rank, world_size, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+
+
+# The default test run keeps two points (a collective failing mid-backward, and a save);
+# `nox -s faults` runs them all.
+SLOW = pytest.mark.faults
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize(
+    "where", [w if w in ("backward", "save") else pytest.param(w, marks=SLOW) for w in WHERE]
+)
+def test_every_survivor_names_the_killed_rank_and_the_last_checkpoint_resumes(
+    where: str, tmp_path: Path
+) -> None:
+    processes = start_ranks(where, tmp_path)
+    outputs = [p.communicate(timeout=120) for p in processes]
+    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
+    assert processes[1].returncode == -signal.SIGKILL
+    for rank in (0, 2):
+        assert processes[rank].returncode == 3, outputs[rank][1][-2000:]
+        report = json.loads(outputs[rank][0].strip().splitlines()[-1])
+        assert report["error"] in ("PeerFailureError", "CommTimeoutError"), report
+        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
+        assert report["after_kill_s"] < TIMEOUT_S + 2, report
+    # The checkpoint on disk is complete (whatever step it is from) and resumes exactly.
+    resumed = run_simulated(3, lambda comm: expected_state(comm, 6, tmp_path / "ckpt"))[0]
+    straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.gloo
+def test_zero_launch_stops_the_job_naming_the_killed_rank(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "zero_comm.launch", "-n", "3", sys.executable,
+         str(HERE / "fault_rank.py"), "--where", "step", "--folder", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "zero-launch: rank 1 was killed by SIGKILL; stopped ranks [0, 2]" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
+def test_under_mpiexec_the_job_stops_naming_the_killed_process(tmp_path: Path) -> None:
+    """MPICH's mpiexec (hydra) kills the other ranks at once and reports a terminated
+    process by pid: the job ends non-zero within seconds, and the last complete checkpoint
+    resumes exactly. Hydra does not always name the victim's pid (it may report one of
+    the ranks it killed itself), and the survivors die before zero_comm can say more."""
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    started = time.monotonic()
+    result = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "fault_rank.py"),
+         "--backend", "mpi", "--where", "backward", "--folder", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (tmp_path / "killed_at").exists()
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "BAD TERMINATION" in output and "EXIT CODE: 9" in output, output[-2000:]
+    assert time.monotonic() - started < 60
+    resumed = run_simulated(3, lambda comm: expected_state(comm, 6, tmp_path / "ckpt"))[0]
+    straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def rank_pid(out: Path, rank: int) -> int | None:
+    """The pid of zero-train's rank ``rank`` writing to ``out`` (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (str(out).encode() in command and b"zero_models.train" in command
+                and f"RANK={rank}".encode() in environ):  # fmt: skip
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.gloo
+def test_zero_train_stops_naming_a_killed_rank_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    common = [sys.executable, "-m", "zero_models.train", "--model", "test", "--batch-size", "4",
+              "--sample-tokens", "4"]  # fmt: skip
+    run = subprocess.Popen([*common, "--steps", "100000", "--save-every", "2", "--out", "a"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "a/checkpoint/index.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victim = rank_pid(tmp_path / "a", 1) or rank_pid(Path("a"), 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode != 0 and time.monotonic() - killed < 30
+    assert "zero-launch: rank 1 was killed by SIGKILL" in stderr, stderr[-2000:]
+    steps = json.loads((tmp_path / "a/checkpoint/index.json").read_text())["extra"]["step"]
+    resumed = subprocess.run([*common, "--steps", str(steps + 3), "--resume", "a/checkpoint",
+                              "--out", "b"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    straight = subprocess.run([*common, "--steps", str(steps + 3), "--out", "c"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    def losses(out: str) -> list[float]:
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    assert losses("b") == losses("c")[steps:]
