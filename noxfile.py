@@ -96,6 +96,14 @@ def faults(session: nox.Session) -> None:
 
 
 @nox.session
+def soak(session: nox.Session) -> None:
+    """2,000 steps of a small GPT on 4 ranks at stage 3, twice: memory and step time flat,
+    the two runs bit-identical (tools/soak.py; arguments pass through)."""
+    _install(session, "numpy", packages=PACKAGES)
+    session.run("python", "tools/soak.py", *session.posargs)
+
+
+@nox.session
 def tests_nccl(session: nox.Session) -> None:
     """GPU tests on NCCL; skips with the reason where torch sees no CUDA device."""
     _install(session, *TEST_DEPS)

@@ -107,3 +107,39 @@ def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
 def test_resume_from_nothing_stops_before_launching(tmp_path: Path) -> None:
     result = run("--resume", "nowhere", cwd=tmp_path)
     assert result.returncode == 2 and "--resume nowhere: no checkpoint there" in result.stderr
+
+
+def test_a_json_config_of_any_content_is_accepted_or_stops_with_usage(tmp_path: Path) -> None:
+    """Fuzzed --config files (arbitrary JSON, and values of every JSON type for every
+    option) either parse or stop with argparse's usage error (exit 2): never a traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from zero_models.train import parse_options, parser
+
+    keys = [a.dest for a in parser()._actions if a.dest not in ("help", "config")]
+    scalars = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats() | st.text(max_size=8)
+    values = st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+        ),
+        max_leaves=5,
+    )
+    documents = (
+        st.dictionaries(st.sampled_from(keys) | st.text(max_size=6), values, max_size=4) | values
+    )
+    config = tmp_path / "fuzz.json"
+
+    @settings(
+        max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(document=documents)
+    def check(document: object) -> None:
+        config.write_text(json.dumps(document))
+        try:
+            parse_options(["--config", str(config), "--steps", "3"])
+        except SystemExit as stop:
+            assert stop.code == 2
+
+    check()

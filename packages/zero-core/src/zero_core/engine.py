@@ -75,6 +75,7 @@ class ZeroEngine(abc.ABC):
             else NoLossScaler()
         )
         self.micro_steps = 0
+        self.micro_step_label = ""
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
@@ -187,6 +188,11 @@ class ZeroEngine(abc.ABC):
                 f"{self.config.gradient_accumulation_steps} call step() after each backward"
             )
         self._check_requires_grad()
+        # Gradient collectives carry the micro-step in their label, so ranks configured
+        # with different accumulation are named instead of summing mismatched gradients.
+        self.micro_step_label = (
+            f" (micro-step {self.micro_steps + 1} of {self.config.gradient_accumulation_steps})"
+        )
         self._before_backward(first_micro_step=self.micro_steps == 0)
         scale = self.loss_scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]

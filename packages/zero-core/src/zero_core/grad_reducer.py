@@ -68,11 +68,14 @@ class BucketReducer:
         self._next = 0  # position in launch_order of the next bucket to launch
         self._in_flight: deque[tuple[int, Handle, torch.Tensor]] = deque()
         self._first = True
+        self._tag = ""
         self._seen: set[int] = set()
         self._position = {index: at for at, index in enumerate(self.launch_order)}
 
-    def begin(self, first_micro_step: bool) -> None:
+    def begin(self, first_micro_step: bool, tag: str = "") -> None:
+        """Start a micro-step; ``tag`` is appended to every label (the micro-step)."""
         self._first = first_micro_step
+        self._tag = tag
         self._seen = set()
         self._arrived = [0] * len(self.slots)
         self._next = 0
@@ -129,7 +132,7 @@ class BucketReducer:
         slot = self.slots[index]
         out = self.comm.buffers.take(slot.slice_numel, self.dtype)
         handle = self.comm.reduce_scatter(
-            out, self._stage(index), async_op=True, label=self.labels[index]
+            out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
         )
         assert handle is not None
         self._in_flight.append((index, handle, out))

@@ -100,7 +100,7 @@ class PartitionedEngine(ZeroEngine):
 
     # -------------------------------------------------------------- the step
     def _reduce_gradients(self, first_micro_step: bool) -> None:
-        self.reducer.begin(first_micro_step)
+        self.reducer.begin(first_micro_step, self.micro_step_label)
         self._collect_gradients()
         self.reducer.finish()
 

@@ -61,7 +61,7 @@ class DataParallelEngine(ZeroEngine):
             for p in params:
                 restore_grad_view(p, self._views[id(p)])
             for start, stop in self._chunks(params):
-                self.comm.all_reduce(flat[start:stop])
+                self.comm.all_reduce(flat[start:stop], label="gradients" + self.micro_step_label)
         if self._accumulated is not None:
             for total, flat in zip(self._accumulated, self._grads, strict=True):
                 if first_micro_step:

@@ -78,7 +78,7 @@ class Stage2Engine(PartitionedEngine):
         self._in_backward = False
 
     def _before_backward(self, first_micro_step: bool) -> None:
-        self.reducer.begin(first_micro_step)
+        self.reducer.begin(first_micro_step, self.micro_step_label)
         self._in_backward = True
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -73,17 +73,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
+    """The --config JSON file as flags, to go before the command line's (which win):
+    {"steps": 7, "batch_size": 4} -> ["--steps", "7", "--batch-size", "4"]. Each value is
+    then checked by its option like a typed flag; anything else stops with usage."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"--config {path}: cannot read a JSON object from it ({exc})")
+    if not isinstance(values, dict):
+        p.error(f"--config {path}: must hold a JSON object of option values, not {values!r}")
+    options = {a.dest: a for a in p._actions if a.option_strings and a.dest != "help"}
+    unknown = sorted(str(k) for k in set(values) - set(options))
+    if unknown:
+        p.error(f"--config {path}: unknown keys {unknown}")
+    flags: list[str] = []
+    for key, value in values.items():
+        if key == "config" or not isinstance(value, str | int | float) or isinstance(value, bool):
+            p.error(f"--config {path}: {key}={value!r} must be a number or text")
+        flags += [options[key].option_strings[0], str(value)]
+    return flags
+
+
 def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options from --config, then flags; every check that can fail before launching."""
     p = parser()
     args = p.parse_args(argv)
     if args.config is not None:
-        values = json.loads(args.config.read_text())
-        unknown = set(values) - {a.dest for a in p._actions}
-        if unknown:
-            p.error(f"--config {args.config}: unknown keys {sorted(unknown)}")
-        p.set_defaults(**values)
-        args = p.parse_args(argv)
+        args = p.parse_args([*config_flags(p, args.config), *(argv or sys.argv[1:])])
     if args.stage not in (0, 1, 2, 3):
         p.error(f"--stage {args.stage}: ZeRO stages are 0-3")
     if args.nproc < 1 or args.steps < 1 or args.grad_accum < 1 or args.batch_size < 1:
@@ -126,6 +143,17 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
         return float(args.lr * (step + 1) / args.warmup)
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return float(args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))))
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def mib(n: float) -> str:
@@ -196,6 +224,7 @@ def train(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tokens_per_step = args.batch_size * args.grad_accum * config.context
     for step in range(first_step, args.steps):
+        step_start = time.perf_counter()
         if step == args.steps - 1:
             comm.stats.reset()  # the last step's traffic is what gets reported
         lr = learning_rate(step, args)
@@ -216,6 +245,10 @@ def train(args: argparse.Namespace) -> None:
             total += loss.item() / args.grad_accum
         mean = torch.tensor([total])
         metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+        # Every rank's resident memory and step time, for the soak report (tools/soak.py).
+        mine = torch.tensor([resident_mib(), time.perf_counter() - step_start], dtype=torch.float64)
+        per_rank = torch.empty(2 * metrics_comm.world_size, dtype=torch.float64)
+        metrics_comm.all_gather(per_rank, mine)
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             # The step to start from, and the seed: the data order and the learning rate
             # are functions of those, so a resumed run continues bit for bit.
@@ -224,8 +257,11 @@ def train(args: argparse.Namespace) -> None:
         if lead and metrics is not None:
             rate = tokens_per_step * (step + 1 - first_step) / elapsed
             history.append((step, float(mean.item())))
+            table = per_rank.view(-1, 2)
             record = {"step": step, "loss": mean.item(), "lr": lr,
-                      "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2)}  # fmt: skip
+                      "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
+                      "step_s": round(float(table[:, 1].max()), 5),
+                      "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
             metrics.write(json.dumps(record) + "\n")
             memory = engine.memory_report().total
             line = (
