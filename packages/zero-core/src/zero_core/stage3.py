@@ -66,6 +66,11 @@ class Stage3Engine(Stage2Engine):
             )
             for params in self.groups.params
         ]
+        self._places: dict[int, tuple[int, int, Range]] = {
+            id(p): (g, k, flat)
+            for g, (params, layout) in enumerate(zip(self.groups.params, self.layouts, strict=True))
+            for p, (k, flat) in zip(params, layout.param_places(), strict=True)
+        }
         self.param_shards = [
             torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.comm.device)
             for layout in self.layouts
@@ -121,18 +126,7 @@ class Stage3Engine(Stage2Engine):
 
     def _place(self, p: torch.Tensor) -> tuple[int, int, Range]:
         """(group, bucket, flat range in that bucket) of trainable parameter ``p``."""
-        places = getattr(self, "_places", None)
-        if places is None:
-            places = {
-                id(q): (g, *place)
-                for g, (params, layout) in enumerate(
-                    zip(self.groups.params, self.layouts, strict=True)
-                )
-                for q, place in zip(params, layout.param_places(), strict=True)
-            }
-            self._places: dict[int, tuple[int, int, Range]] = places
-        group, bucket, flat = places[id(p)]
-        return group, bucket, flat
+        return self._places[id(p)]
 
     def _whole_tensors(self, trainable: set[int]) -> list[torch.Tensor]:
         frozen = [p for p in self.module.parameters() if id(p) not in trainable]
@@ -175,6 +169,9 @@ class Stage3Engine(Stage2Engine):
                     trainable_count=len(placed),
                 )
             )
+        self._bucket_units = {
+            self._place(p)[:2]: (unit, k) for unit in units for p, k, _ in unit.params
+        }
         self.gatherer = ParameterGatherer(
             self.comm,
             units,
@@ -318,12 +315,6 @@ class Stage3Engine(Stage2Engine):
 
     def _full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         """The gathered full buffer of bucket ``bucket`` of ``group``."""
-        if not hasattr(self, "_bucket_units"):
-            self._bucket_units = {
-                self._place(p)[:2]: (unit, k)
-                for unit in self.gatherer.units
-                for p, k, _ in unit.params
-            }
         unit, k = self._bucket_units[(group, bucket)]
         return unit.fulls[k]
 

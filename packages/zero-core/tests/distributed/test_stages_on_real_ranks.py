@@ -9,8 +9,7 @@ import stage_bodies
 
 from zero_comm.testing import find_mpiexec, run_on_ranks
 
-
-@pytest.mark.parametrize(
+REAL_WORLDS = pytest.mark.parametrize(
     ("backend", "launcher"),
     [
         pytest.param("gloo", "spawn", marks=pytest.mark.gloo, id="gloo"),
@@ -21,6 +20,9 @@ from zero_comm.testing import find_mpiexec, run_on_ranks
         ),
     ],
 )  # fmt: skip
+
+
+@REAL_WORLDS
 def test_stages_equal_stage_0_on_three_real_ranks(backend: str, launcher: str) -> None:
     reports = run_on_ranks(stage_bodies.parity_suite, 3, backend=backend, launcher=launcher,
                            kwargs={"examples": 15}, timeout=300)  # fmt: skip
@@ -67,17 +69,7 @@ def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
         assert set_up < m["model_states"] + m["whole_model"]
 
 
-@pytest.mark.parametrize(
-    ("backend", "launcher"),
-    [
-        pytest.param("gloo", "spawn", marks=pytest.mark.gloo, id="gloo"),
-        pytest.param(
-            "mpi", "mpiexec", id="mpi",
-            marks=[pytest.mark.mpi,
-                   pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")],
-        ),
-    ],
-)  # fmt: skip
+@REAL_WORLDS
 def test_resume_from_a_checkpoint_is_exact_on_real_ranks(
     backend: str, launcher: str, tmp_path: Path
 ) -> None:
