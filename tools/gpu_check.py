@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""GPU check: GPT presets at ZeRO stages 0-3 on one CUDA GPU (world size 1, nccl).
+
+    python tools/gpu_check.py --json gpu-check.json          (tools/gpu_check.sh)
+
+For each preset and stage: build the model (on the meta device at stage 3), train
+``--warmup`` + ``--steps`` steps of AdamW in bfloat16 on random tokens, and report tokens
+per second, model FLOPs utilisation (6Ψ + 12·layers·width·context FLOPs per token, over
+``--peak-tflops``), peak CUDA memory, and the model-state memory zero_core.model_state_bytes
+predicts (activations are not in that estimate yet). Runs stop being started once
+``--budget-s`` has passed; those not started are listed as such, never dropped silently.
+
+Without a CUDA device it fails (exit 1) with the reason: asked to check a GPU, it must not
+pass by skipping. ``--allow-cpu`` runs the same code on gloo/CPU, to test the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+import zero_comm
+import zero_core
+from zero_models.gpt import GPT, PRESETS
+
+PRESET_BATCH = {"test": 4, "tiny": 16, "small": 16, "gpt2": 8, "gpt2-medium": 8, "gpt2-xl": 4}
+
+
+def run_one(
+    preset: str, stage: int, comm: zero_comm.Communicator, args: argparse.Namespace
+) -> dict[str, Any]:
+    config = PRESETS[preset]
+    device = comm.device
+    if stage == 3:
+        with torch.device("meta"):
+            model = GPT(config)
+        init_values = model.initial_values(0)
+    else:
+        model, init_values = GPT(config).to(device), None
+    engine = zero_core.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        zero_core.ZeroConfig(stage=stage, param_dtype=torch.bfloat16),
+        comm,
+        init_values=init_values,
+    )
+    batch = PRESET_BATCH.get(preset, 4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.context + 1), generator=generator)
+    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step() -> float:
+        logits = engine(inputs)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach())
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - started) / args.steps
+    psi = sum(p.numel() for _, p in engine.trainable_parameters())
+    tokens_per_s = batch * config.context / seconds
+    flops_per_token = 6 * psi + 12 * config.layers * config.width * config.context
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    estimate = zero_core.model_state_bytes(psi, 1, stage).total
+    return {
+        "preset": preset,
+        "stage": stage,
+        "parameters": psi,
+        "batch": batch,
+        "step_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token / (args.peak_tflops * 1e12),
+        "peak_memory_gib": peak / 2**30,
+        "model_states_estimate_gib": estimate / 2**30,
+        "last_loss": loss,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["small", "gpt2", "gpt2-medium", "gpt2-xl"])
+    parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16")
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--allow-cpu", action="store_true", help="test this script on CPU/gloo")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(
+            f"gpu_check: FAILED: no CUDA device is visible to torch {torch.__version__} "
+            f"(CUDA build: {torch.version.cuda}); this check needs one GPU",
+            file=sys.stderr,
+        )
+        return 1
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    comm = zero_comm.init("nccl" if torch.cuda.is_available() else "gloo", deterministic=False)
+    started = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    for preset in args.presets:
+        for stage in args.stages:
+            if time.perf_counter() - started > args.budget_s:
+                results.append({"preset": preset, "stage": stage, "not_run": "time budget"})
+                continue
+            results.append(run_one(preset, stage, comm, args))
+            print(json.dumps(results[-1]), flush=True)
+    lines = ["| preset | stage | params | tok/s | MFU | peak GiB | model states est. GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        if "not_run" in r:
+            lines.append(f"| {r['preset']} | {r['stage']} | not run: {r['not_run']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['preset']} | {r['stage']} | {r['parameters'] / 1e6:.1f}M | "
+            f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.2f} | "
+            f"{r['model_states_estimate_gib']:.2f} |"
+        )
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(comm.device), "results": results}, indent=1))
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
