@@ -78,7 +78,8 @@ def test_one_step_moves_what_the_paper_says(stage: int, n: int) -> None:
         assert traffic["all_gather"] == float(Fraction(gathers * (n - 1) * s["padded"], n))
 
 
-def test_stage_2_buffers_are_bounded_by_config_not_model() -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stage_2_and_3_buffers_are_bounded_by_config_not_model(stage: int) -> None:
     """Staging buffers come from the communicator's pool: at most max_buckets_in_flight + 1
     buckets of bucket_numel (rounded to powers of two), for a small and a 10x model, as long
     as no single parameter exceeds bucket_numel (such a parameter is a bucket of its own)."""
@@ -87,7 +88,7 @@ def test_stage_2_buffers_are_bounded_by_config_not_model() -> None:
         case = ParityCase(widths=(16, 64 * scale, 16), dtype="bfloat16", bucket_numel=16384)
 
         def body(comm: Communicator, case: ParityCase = case) -> int:
-            engine = build_engine(case, comm, 2)
+            engine = build_engine(case, comm, stage)
             x, t = micro_batch(case, comm.rank)
             engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
             return engine.memory_report().comm_buffers
