@@ -74,7 +74,7 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
             for key, value in _sharded_states(engine, g).items():
                 tensors.append((f"state.{g}.{key}", value))
     if comm.rank == 0:
-        tensors += [(f"whole.{name}", t) for name, t in _whole_tensors(engine).items()]
+        tensors += [(f"whole.{name}", t) for name, t in engine.whole_tensors().items()]
     written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
     pieces = [_pieces_json(engine, g) for g in range(len(engine.masters))]
     everyone = comm.all_gather_object(
@@ -110,18 +110,6 @@ def _fsync_dir(path: Path) -> None:
 
 def _param_names(engine: ZeroEngine) -> dict[int, str]:
     return {id(p): name for name, p in engine.module.named_parameters()}
-
-
-def _whole_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """Frozen parameters and buffers, by state-dict name (every rank holds them whole)."""
-    trainable = {id(p) for _, p in engine.trainable_parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for name, p in engine.module.named_parameters():
-        if id(p) not in trainable:
-            out[name] = p.detach()
-    for name, b in engine.module.named_buffers():
-        out[name] = b.detach()
-    return out
 
 
 def _pieces_json(engine: ZeroEngine, group: int) -> list[list[int]]:
@@ -240,7 +228,7 @@ def load(engine: ZeroEngine, path: str | os.PathLike[str]) -> dict[str, Any]:
                 flat = master.detach().view(-1)
                 _fill(flat, engine._shard_pieces(g), saved, file_of, f"master.{g}")
             _load_optimizer_group(engine, index, g, saved, file_of)
-        whole = _whole_tensors(engine)
+        whole = engine.whole_tensors()
         for name, tensor in whole.items():
             value = file_of(0).read(f"whole.{name}")
             with torch.no_grad():

@@ -165,6 +165,16 @@ class ZeroEngine(abc.ABC):
             id(p): p.detach().to(torch.float32, copy=True) for _, p in self.trainable_parameters()
         }
 
+    def whole_tensors(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters and buffers by state-dict name: what every rank holds whole
+        at every stage (the trainable parameters are the engine's to lay out)."""
+        trainable = {id(p) for _, p in self.trainable_parameters()}
+        out: dict[str, torch.Tensor] = {
+            name: p for name, p in self.module.named_parameters() if id(p) not in trainable
+        }
+        out.update(self.module.named_buffers())
+        return out
+
     def _cast_module(self) -> None:
         """Parameters and floating buffers to the compute dtype."""
         self.module.to(self.dtype)

@@ -81,9 +81,12 @@ class Stage3Engine(Stage2Engine):
         self._persistent_values: dict[int, torch.Tensor] = {}
         for name, p, value in self._initial_values(trainable):
             self._shard_initial_value(name, p, value)
-        for tensor in self._whole_tensors(trainable):
+        for name, tensor in self.whole_tensors().items():
             if tensor.is_meta:
-                raise ValueError("a frozen parameter or buffer is on the meta device")
+                raise ValueError(
+                    f"[rank {self.comm.rank}] frozen parameter or buffer {name} is on the meta "
+                    "device: give it a value in init_values"
+                )
             data = tensor.data if tensor.data.is_contiguous() else tensor.data.contiguous()
             tensor.data = data
             self.comm.broadcast(data, src=0)
@@ -128,15 +131,10 @@ class Stage3Engine(Stage2Engine):
         """(group, bucket, flat range in that bucket) of trainable parameter ``p``."""
         return self._places[id(p)]
 
-    def _whole_tensors(self, trainable: set[int]) -> list[torch.Tensor]:
-        frozen = [p for p in self.module.parameters() if id(p) not in trainable]
-        return frozen + list(self.module.buffers())
-
     def _cast_module(self) -> None:
         """Frozen parameters and floating buffers to the compute dtype (the trainable ones
         are already placeholders in it)."""
-        trainable = {id(p) for _, p in self.trainable_parameters()}
-        for tensor in self._whole_tensors(trainable):
+        for tensor in self.whole_tensors().values():
             if tensor.is_floating_point():
                 tensor.data = tensor.data.to(self.dtype)
 
