@@ -9,6 +9,7 @@
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
+from .activation_checkpoint import ActivationCheckpointing
 from .checkpoint import CheckpointError
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AVAILABLE_STAGES",
+    "ActivationCheckpointing",
     "CheckpointError",
     "MemoryReport",
     "ModelParallel",
