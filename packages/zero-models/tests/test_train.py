@@ -24,6 +24,7 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         (["--nproc", "0"], "must be at least 1"),
         (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
         (["--nproc", "4", "--tp", "4", "--model", "test"], "heads=2 does not divide over"),
+        (["--offload-checkpoints"], "--offload-checkpoints needs --checkpoint full or"),
     ],
 )
 def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:
@@ -45,12 +46,20 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
+    """TP 2 x DP 2 with P_a: the per-phase memory table reports each rank's checkpoints,
+    half of a whole block input per layer (2 layers x 2 sequences x 32 tokens x 32 wide /
+    2 ranks x 4 bytes = 8 KiB)."""
     result = run("--model", "test", "--steps", "4", "--nproc", "4", "--tp", "2",
                  "--batch-size", "4", "--sample-tokens", "8", "--out", str(tmp_path / "o"),
-                 cwd=tmp_path)  # fmt: skip
+                 "--checkpoint", "partitioned", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 ranks (2 tensor-parallel x 2 data-parallel)" in result.stdout
     assert "tensor-parallel layers moved" in result.stdout
+    table = result.stdout.split("peak memory of the last step per phase")[1].splitlines()
+    rows = [line.split() for line in table[3:7]]
+    assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
+    assert all(r[4] == f"{8192 / 2**20:.1f}" for r in rows), table
+    assert "predicted (zero_core.activation_estimate): kept 0.0" in result.stdout
 
 
 def test_options_from_a_json_config_and_unknown_keys(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from .engine import ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
 from .memory_estimate import ModelStateBytes, model_state_bytes
+from .memory_tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .safetensors_file import read_state_dict
 
@@ -26,6 +27,7 @@ __all__ = [
     "ActivationCheckpointing",
     "CheckpointError",
     "MemoryReport",
+    "MemoryTracker",
     "ModelParallel",
     "ModelStateBytes",
     "ZeroConfig",

@@ -32,8 +32,10 @@ import zero_core
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
+from .checkpoint_plan import CHECKPOINT_MODES, checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
 from .gpt import GPT, PRESETS, GPTConfig
+from .phase_memory import phase_record, phase_table
 from .tp_layers import vocab_parallel_cross_entropy
 from .tp_mappings import gather_last_dim
 from .tp_plan import check_tp_degree, make_mesh, sharded_parameters, tensor_parallel_gpt
@@ -53,6 +55,14 @@ def parser() -> argparse.ArgumentParser:
     for name in ("layers", "heads", "width", "context"):
         p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--checkpoint", default="none", choices=CHECKPOINT_MODES,
+        help="activation checkpointing of the blocks; partitioned = ZeRO-R's P_a over --tp",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-checkpoints", action="store_true",
+        help="keep activation checkpoints in host memory (P_a+cpu; needs --checkpoint)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -105,6 +115,8 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--stage {args.stage}: ZeRO stages are 0-3")
     if args.nproc < 1 or args.steps < 1 or args.grad_accum < 1 or args.batch_size < 1:
         p.error("--nproc, --steps, --grad-accum and --batch-size must be at least 1")
+    if args.offload_checkpoints and args.checkpoint == "none":
+        p.error("--offload-checkpoints needs --checkpoint full or --checkpoint partitioned")
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
     if args.save_every < 0:
@@ -183,6 +195,10 @@ def train(args: argparse.Namespace) -> None:
     if args.tp > 1:
         tensor_parallel_gpt(model, mesh.tp)
         model_parallel = zero_core.ModelParallel.of(mesh.tp, sharded_parameters(model))
+    checkpointing = checkpoint_gpt_blocks(
+        model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
+    )
+    tracker = zero_core.MemoryTracker(world.device)
     engine = zero_core.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
@@ -233,16 +249,21 @@ def train(args: argparse.Namespace) -> None:
         total = 0.0
         for micro in range(args.grad_accum):
             inputs, targets = (t.to(world.device) for t in sampler.batch(step, micro))
-            logits = engine(inputs)
-            if args.tp > 1:
-                loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
-            else:
-                loss = F.cross_entropy(
-                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-                )
-            engine.backward(loss)
-            engine.step()
+            with tracker.phase("forward"):
+                logits = engine(inputs)
+                if args.tp > 1:
+                    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
+                else:
+                    loss = F.cross_entropy(
+                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                    )
+                del logits  # the loss's graph keeps what backward needs
+            with tracker.phase("backward"):
+                engine.backward(loss)
             total += loss.item() / args.grad_accum
+            del loss
+            with tracker.phase("step"):
+                engine.step()
         mean = torch.tensor([total])
         metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
         # Every rank's resident memory and step time, for the soak report (tools/soak.py).
@@ -275,6 +296,10 @@ def train(args: argparse.Namespace) -> None:
     if lead and sys.stdout.isatty():
         print()
     report(args, engine, metrics_comm, mesh.tp, history, lead)
+    phases = metrics_comm.all_gather_object(phase_record(tracker, checkpointing))
+    if lead:
+        micro_tokens = args.batch_size // comm.world_size * config.context
+        print("\n".join(phase_table(phases, config, micro_tokens, args.tp, args.checkpoint)))
     if metrics is not None:
         metrics.close()
     for sub_comm in (metrics_comm, mesh.tp, mesh.dp):
