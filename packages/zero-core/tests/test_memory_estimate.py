@@ -11,6 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_core import model_state_bytes
+from zero_core.activation_estimate import (
+    TransformerShape,
+    activation_bytes,
+    paper_activation_elements,
+)
+from zero_core.estimate_cli import main
 
 
 def test_paper_figure_1() -> None:
@@ -56,3 +62,30 @@ def test_cli_dtype_and_optimizer_set_the_bytes_per_parameter() -> None:
     ).stdout  # fmt: skip
     totals = {stage: row["total"] for stage, row in json.loads(out).items()}
     assert totals == {"0": 16000, "1": 8000 + 2000, "2": 4000 + 3000, "3": 4000}
+
+
+def test_activation_estimate_checkpoints_and_partitions() -> None:
+    """Without checkpointing a block keeps n (4C + 12C/p) elements plus n (4 + H/p) float32
+    statistics; checkpointing keeps n C, P_a n C / p; the paper's rule is 12 n C L."""
+    shape = TransformerShape(layers=12, width=768, heads=12, vocab_size=50257, tokens=1024)
+    none = activation_bytes(shape, checkpoint="none", dtype_bytes=2)
+    full = activation_bytes(shape, checkpoint="full", dtype_bytes=2)
+    p_a = activation_bytes(shape, tp=4, checkpoint="partitioned", dtype_bytes=2)
+    assert none.kept == 12 * 1024 * (16 * 768 * 2 + (4 + 12) * 4)
+    assert full.kept == 12 * 1024 * 768 * 2
+    assert p_a.kept == full.kept / 4
+    assert paper_activation_elements(shape) == 12 * 768 * 1024 * 12
+    assert none.peak > none.kept and full.peak < none.peak and p_a.peak < full.peak
+    with pytest.raises(ValueError, match="checkpoint mode"):
+        activation_bytes(shape, checkpoint="some")  # type: ignore[arg-type]
+
+
+def test_zero_estimate_adds_activations_to_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--params", "124e6", "--world-size", "4", "--layers", "12", "--width", "768",
+          "--heads", "12", "--vocab-size", "50257", "--tokens", "1024", "--json"])  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    for row in rows.values():
+        assert row["step_peak"] == row["total"] + row["activations_peak"] > row["total"]
+    with pytest.raises(SystemExit):
+        main(["--params", "1e6", "--world-size", "2", "--layers", "3"])
+    assert "give all of --layers" in capsys.readouterr().err

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import statistics
 
-import memory_bodies
 import pytest
 import torch
 
@@ -18,6 +17,7 @@ from zero_core.activation_estimate import (
     block_saved_bytes,
     checkpoint_bytes,
 )
+from zero_models import memory_probe
 from zero_models.checkpoint_plan import checkpoint_gpt_blocks
 from zero_models.gpt import GPT, Block, GPTConfig
 from zero_models.tp_layers import vocab_parallel_cross_entropy
@@ -171,7 +171,7 @@ def test_the_step_peak_is_within_ten_percent_of_the_prediction(
     resident set at once and the peak is what was in use, not what the heap kept."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     reports = run_on_ranks(
-        memory_bodies.train_and_measure, 2, timeout=240,
+        memory_probe.train_and_measure, 2, timeout=240,
         kwargs={"preset": "small", "batch": 32, "stage": stage, "mode": mode, "tp": tp},
     )  # fmt: skip
     for report in (r["value"] for r in reports):
@@ -188,7 +188,7 @@ def test_peak_memory_stays_flat_across_steps_with_the_arena() -> None:
     (step 1 allocates the optimizer states), up to 2% (noise seen: +-4% step to step),
     and the arena was allocated once and never bypassed."""
     reports = run_on_ranks(
-        memory_bodies.train_and_measure, 2, timeout=240,
+        memory_probe.train_and_measure, 2, timeout=240,
         kwargs={"preset": "small", "batch": 16, "stage": 3, "mode": "partitioned", "tp": 2,
                 "steps": 12},
     )  # fmt: skip

@@ -1,8 +1,14 @@
-"""Rank bodies for the memory tests (importable: the harness runs them on real ranks).
+"""One GPT training run measured against the memory prediction, on each rank.
 
-``train_and_measure`` trains a GPT preset for a few steps under MemoryTracker and returns
-the peak of the last step next to the prediction of zero_core.activation_estimate and
-zero_core.memory_estimate."""
+``train_and_measure(comm, preset, ...)`` trains a GPT preset for a few steps under
+zero_core.MemoryTracker and returns, per rank, the peak of each step (highest phase peak
+above the step's resident start, plus the tensors resident then: model states,
+communication buffers, the checkpoint arena) next to the prediction: model states from
+the paper's formula (float32 parameters and gradients, K = 12 for AdamW's master, momentum
+and variance), the communicator's buffers as counted, and zero_core.activation_estimate.
+Used by the memory tests and tools/memory_chart.py (run it on real ranks: resident memory
+is per process).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,6 @@ from torch.nn import functional as F
 import zero_core
 from zero_comm import Communicator
 from zero_core.activation_estimate import TransformerShape, activation_bytes
-from zero_core.memory_tracker import MemoryTracker
 from zero_models.checkpoint_plan import checkpoint_gpt_blocks
 from zero_models.gpt import GPT, PRESETS
 from zero_models.tp_layers import vocab_parallel_cross_entropy
@@ -49,7 +54,7 @@ def train_and_measure(
         held = checkpointing.arena if checkpointing else None
         return held.bytes_reserved if held else 0
 
-    tracker = MemoryTracker()
+    tracker = zero_core.MemoryTracker()
     generator = torch.Generator().manual_seed(mesh.dp.rank)
     step_peaks, absolute_peaks, resident = [], [], 0
     for _ in range(steps):
