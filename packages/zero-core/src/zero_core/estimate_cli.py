@@ -82,9 +82,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         table = {str(s): {**r._asdict(), "total": r.total} for s, r in rows.items()}
         if activations is not None:
-            for row in table.values():
-                row.update(activations_kept=activations.kept, activations_peak=activations.peak,
-                           step_peak=row["total"] + activations.peak)  # fmt: skip
+            for entry in table.values():
+                entry.update(activations_kept=activations.kept, activations_peak=activations.peak,
+                           step_peak=entry["total"] + activations.peak)  # fmt: skip
         print(json.dumps(table))
         return
     print(
