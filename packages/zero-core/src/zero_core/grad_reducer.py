@@ -12,6 +12,19 @@ so every rank issues the same sequence of collectives even if its hooks fire in 
 order or some parameter gets no gradient (those buckets complete in ``finish``). At most
 ``max_in_flight`` reduce-scatters are outstanding; each one's result (this rank's slice of
 the bucket) is added into that bucket's *target*, a view of the rank's gradient shard.
+
+Constant buffers (ZeRO-R's C_B): a bucket holds at most ``chunk_numel`` elements unless a
+single parameter is larger. Such an *oversized* bucket is never copied whole into a staging
+buffer: its gradient stays where autograd (or stage 1's persistent bucket) put it, and it
+is reduced in column pieces of w = chunk_numel / N elements per rank (at least
+MIN_PIECE_NUMEL, so a tiny chunk_numel does not mean a collective per element):
+
+    bucket (N x S):  | rank 0: S | rank 1: S | ... |
+    piece [a, a+w):  rows r*S+a .. r*S+a+w of every rank's part -> send (N x w, pooled)
+                     reduce_scatter(send) -> this rank's slice[a, a+w)
+
+Each element is reduced by the same collective and the same rank order as when the bucket
+goes in one piece, so the results are identical; only the staging is bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +37,9 @@ import torch
 from zero_comm import Communicator, Handle
 
 from .flat_layout import Range
+from .group_layout import piece_numel
+
+Finish = tuple[int, Handle, torch.Tensor, torch.Tensor | None, Range]
 
 
 @dataclass
@@ -48,11 +64,14 @@ class BucketReducer:
         max_in_flight: int,
         launch_order: list[int] | None = None,
         labels: list[str] | None = None,
+        chunk_numel: int | None = None,
     ) -> None:
         """``launch_order``: slot indices in the order their reduce-scatters are issued
         (default: last slot first); ``labels``: each slot's label for the communicator's
-        consistency check."""
+        consistency check; ``chunk_numel``: the most elements one collective stages (buckets
+        larger than this are reduced in pieces; None: never)."""
         self.comm = comm
+        self.chunk_numel = chunk_numel
         self.launch_order = launch_order or list(range(len(slots) - 1, -1, -1))
         if sorted(self.launch_order) != list(range(len(slots))):
             raise ValueError(f"launch_order {launch_order} must list each of {len(slots)} slots")
@@ -66,7 +85,9 @@ class BucketReducer:
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
         self._arrived = [0] * len(slots)
         self._next = 0  # position in launch_order of the next bucket to launch
-        self._in_flight: deque[tuple[int, Handle, torch.Tensor]] = deque()
+        self._in_flight: deque[Finish] = deque()
+        self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
+        self._pieces_left = [0] * len(slots)
         self._first = True
         self._tag = ""
         self._seen: set[int] = set()
@@ -102,7 +123,14 @@ class BucketReducer:
                 "second gradient after its bucket was already reduced (reentrant activation "
                 "checkpointing does this); use checkpoint(..., use_reentrant=False), or stage 1"
             )
-        if param.grad is not None:
+        if param.grad is not None and self._oversized(index):
+            held = self._held[index]
+            if again and held is not None:
+                held.add_(param.grad.reshape(-1))
+            else:
+                self._held[index] = param.grad.reshape(-1)  # reduced from here, in pieces
+            param.grad = None
+        elif param.grad is not None:
             region = self._stage(index)[flat.start : flat.stop]
             if again:
                 region.add_(param.grad.reshape(-1))
@@ -128,26 +156,72 @@ class BucketReducer:
             self._launch(order[self._next])
             self._next += 1
 
+    def _oversized(self, index: int) -> bool:
+        if self.chunk_numel is None:
+            return False
+        slot = self.slots[index]
+        return slot.numel > self.chunk_numel and slot.slice_numel > piece_numel(
+            self.chunk_numel, self.comm.world_size
+        )
+
     def _launch(self, index: int) -> None:
+        if self._oversized(index):
+            self._launch_in_pieces(index)
+            return
         slot = self.slots[index]
         out = self.comm.buffers.take(slot.slice_numel, self.dtype)
         handle = self.comm.reduce_scatter(
             out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
         )
         assert handle is not None
-        self._in_flight.append((index, handle, out))
+        self._pieces_left[index] = 1
+        self._track((index, handle, out, None, Range(0, slot.slice_numel)))
+
+    def _launch_in_pieces(self, index: int) -> None:
+        """Reduce-scatter an oversized bucket in pieces of ``chunk_numel // N`` columns."""
+        assert self.chunk_numel is not None
+        slot, n = self.slots[index], self.comm.world_size
+        if slot.persistent is not None:  # stage 1: the whole bucket, padding included
+            source, offset = slot.persistent, 0
+        else:
+            held = self._held[index]
+            source = held if held is not None else torch.zeros(0, dtype=self.dtype)
+            offset = slot.params[0][1].start  # an oversized bucket holds one parameter
+        width = piece_numel(self.chunk_numel, n)
+        starts = range(0, slot.slice_numel, width)
+        self._pieces_left[index] = len(starts)
+        for a in starts:
+            piece = Range(a, min(a + width, slot.slice_numel))
+            send = self.comm.buffers.take(n * piece.size, self.dtype)
+            for r, row in enumerate(send.view(n, piece.size)):
+                _copy_bucket_range(row, source, offset, r * slot.slice_numel + piece.start)
+            out = self.comm.buffers.take(piece.size, self.dtype)
+            label = f"{self.labels[index]}{self._tag} [{piece.start}:{piece.stop}]"
+            handle = self.comm.reduce_scatter(out, send, async_op=True, label=label)
+            assert handle is not None
+            self._track((index, handle, out, send, piece))
+
+    def _track(self, launched: Finish) -> None:
+        self._in_flight.append(launched)
         while len(self._in_flight) > self.max_in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        index, handle, out = self._in_flight.popleft()
+        index, handle, out, send, piece = self._in_flight.popleft()
         handle.wait()
         slot = self.slots[index]
+        target = slot.target[piece.start : piece.stop]
         if self._first:
-            slot.target.copy_(out)
+            target.copy_(out)
         else:
-            slot.target.add_(out)
+            target.add_(out)
         self.comm.buffers.give_back(out)
+        if send is not None:
+            self.comm.buffers.give_back(send)
+        self._pieces_left[index] -= 1
+        if self._pieces_left[index]:
+            return
+        self._held[index] = None
         staging = self._staging[index]
         if staging is not None and slot.persistent is None:
             self.comm.buffers.give_back(staging)
@@ -161,3 +235,16 @@ class BucketReducer:
         self._launch_ready()
         while self._in_flight:
             self._finish_oldest()
+
+
+def _copy_bucket_range(row: torch.Tensor, source: torch.Tensor, offset: int, start: int) -> None:
+    """``row`` = bucket elements [start, start + row.numel()), where ``source`` holds bucket
+    elements [offset, offset + source.numel()) and every other element is zero."""
+    lo = max(start, offset)
+    hi = min(start + row.numel(), offset + source.numel())
+    if hi <= lo:
+        row.zero_()
+        return
+    row[: lo - start].zero_()
+    row[lo - start : hi - start].copy_(source[lo - offset : hi - offset])
+    row[hi - start :].zero_()

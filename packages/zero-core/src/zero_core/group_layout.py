@@ -23,6 +23,15 @@ from dataclasses import dataclass
 from .flat_layout import FlatLayout, Range, round_up
 from .grad_norm import BLOCK
 
+# Elements per rank below which an oversized bucket is not cut any finer: with a tiny
+# bucket_numel, pieces of a few elements would cost one collective each.
+MIN_PIECE_NUMEL = 4096
+
+
+def piece_numel(bucket_numel: int, world_size: int) -> int:
+    """Elements per rank of each piece of an oversized bucket (see grad_reducer)."""
+    return max(bucket_numel // world_size, MIN_PIECE_NUMEL)
+
 
 @dataclass(frozen=True)
 class Bucket:

@@ -20,7 +20,7 @@ from .engine import ZeroEngine
 from .flat_layout import Range
 from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot
-from .group_layout import GroupLayout
+from .group_layout import GroupLayout, piece_numel
 
 
 class PartitionedEngine(ZeroEngine):
@@ -86,8 +86,9 @@ class PartitionedEngine(ZeroEngine):
                     )
                 )
         self.reducer = BucketReducer(
-            self.comm, slots, self.dtype, self.config.max_buckets_in_flight, launch_order, labels
-        )
+            self.comm, slots, self.dtype, self.config.max_buckets_in_flight, launch_order, labels,
+            chunk_numel=self.config.bucket_numel,
+        )  # fmt: skip
 
     # --------------------------------------------------------- stage policy hooks
     def _gradient_targets(self) -> list[list[torch.Tensor]]:
@@ -166,26 +167,47 @@ class PartitionedEngine(ZeroEngine):
 
     def _publish_parameters(self) -> None:
         """All-gather the updated parameters bucket by bucket, at most
-        ``max_buckets_in_flight`` at once, so staging stays bounded by the config."""
-        in_flight: deque[tuple[Handle, torch.Tensor]] = deque()
+        ``max_buckets_in_flight`` at once, so staging stays bounded by the config. A bucket
+        larger than ``bucket_numel`` (one large parameter) goes in pieces of
+        ``piece_numel`` columns, gathered into a pooled buffer and copied into place:
+
+            full (N x S) viewed as rows:  full[r, a:b] = rank r's master[a:b]
+        """
+        in_flight: deque[tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]] = deque()
+        n = self.comm.world_size
 
         def finish_oldest() -> None:
-            handle, staged = in_flight.popleft()
+            handle, staged, gathered, destination = in_flight.popleft()
             handle.wait()
+            if gathered is not None:
+                destination.copy_(gathered.view(destination.shape))
+                self.comm.buffers.give_back(gathered)
             self.comm.buffers.give_back(staged)
 
         for layout, master, buckets in zip(
             self.layouts, self.masters, self.param_buckets, strict=True
         ):
             for bucket, full in zip(layout.buckets, buckets, strict=True):
-                mine = self.comm.buffers.take(bucket.slice_numel, self.dtype)
-                start = bucket.local_offset
-                mine.copy_(master.detach()[start : start + bucket.slice_numel])
-                handle = self.comm.all_gather(full, mine, async_op=True)
-                assert handle is not None
-                in_flight.append((handle, mine))
-                if len(in_flight) > self.config.max_buckets_in_flight:
-                    finish_oldest()
+                size = bucket.slice_numel
+                width = piece_numel(self.config.bucket_numel, n)
+                oversized = bucket.layout.padded_numel > self.config.bucket_numel and size > width
+                width = width if oversized else size
+                for a in range(0, size, width):
+                    b = min(a + width, size)
+                    mine = self.comm.buffers.take(b - a, self.dtype)
+                    start = bucket.local_offset + a
+                    mine.copy_(master.detach()[start : start + b - a])
+                    if oversized:
+                        gathered = self.comm.buffers.take(n * (b - a), self.dtype)
+                        destination = full.view(n, size)[:, a:b]
+                        handle = self.comm.all_gather(gathered, mine, async_op=True)
+                    else:
+                        gathered, destination = None, full
+                        handle = self.comm.all_gather(full, mine, async_op=True)
+                    assert handle is not None
+                    in_flight.append((handle, mine, gathered, destination))
+                    if len(in_flight) > self.config.max_buckets_in_flight:
+                        finish_oldest()
         while in_flight:
             finish_oldest()
         self._check_parameter_storage()

@@ -20,6 +20,7 @@ import torch
 from .engine import ZeroEngine, restore_grad_view
 from .flat_layout import Range
 from .grad_norm import param_row_sums
+from .group_layout import MIN_PIECE_NUMEL
 
 
 class DataParallelEngine(ZeroEngine):
@@ -71,13 +72,20 @@ class DataParallelEngine(ZeroEngine):
                 flat.zero_()
 
     def _chunks(self, params: tuple[torch.nn.Parameter, ...]) -> list[tuple[int, int]]:
-        """Ranges of about ``bucket_numel`` elements that end at parameter boundaries."""
+        """Ranges of at most ``bucket_numel`` elements, ending at parameter boundaries
+        where whole parameters fit; a larger parameter is cut into ``bucket_numel`` pieces
+        (the communicator stages each range: C_B, a bound set by configuration; not finer
+        than MIN_PIECE_NUMEL per rank)."""
+        limit = max(self.config.bucket_numel, MIN_PIECE_NUMEL * self.comm.world_size)
         chunks, start, stop = [], 0, 0
         for p in params:
-            if stop > start and stop + p.numel() - start > self.config.bucket_numel:
+            if stop > start and stop + p.numel() - start > limit:
                 chunks.append((start, stop))
                 start = stop
             stop += p.numel()
+            while stop - start > limit:
+                chunks.append((start, start + limit))
+                start += limit
         if stop > start:
             chunks.append((start, stop))
         return chunks
