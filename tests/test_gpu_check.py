@@ -25,10 +25,15 @@ def test_the_check_runs_every_stage_on_cpu_when_allowed(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     result = subprocess.run(
         [sys.executable, str(TOOL), "--allow-cpu", "--presets", "test", "--steps", "1",
-         "--warmup", "1", "--json", str(out)],
+         "--warmup", "1", "--fragmentation-preset", "test", "--fragmentation-steps", "2",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
     assert all(r["tokens_per_s"] > 0 and r["last_loss"] == r["last_loss"] for r in rows)
+    assert all(r["step_estimate_gib"] > r["model_states_estimate_gib"] for r in rows)
+    fragmentation = json.loads(out.read_text())["fragmentation"]
+    assert [r["contiguous"] for r in fragmentation] == [False, True]
+    assert fragmentation[1]["arena_mib"] > 0 and fragmentation[1]["outside_arena"] == 0

@@ -7,7 +7,11 @@ For each preset and stage: build the model (on the meta device at stage 3), trai
 ``--warmup`` + ``--steps`` steps of AdamW in bfloat16 on random tokens, and report tokens
 per second, model FLOPs utilisation (6Ψ + 12·layers·width·context FLOPs per token, over
 ``--peak-tflops``), peak CUDA memory, and the model-state memory zero_core.model_state_bytes
-predicts (activations are not in that estimate yet). Runs stop being started once
+predicts plus the activations zero_core.activation_estimate predicts (its head term counts
+bf16 logits and float32 log-probabilities; this loop also makes a float32 copy of the
+logits, so expect the peak a little above it). Then M_D: ``--fragmentation-preset`` with
+every block checkpointed, with and without the checkpoint arena: reserved minus allocated
+and the largest free block (tools/fragmentation_check.py). Runs stop being started once
 ``--budget-s`` has passed; those not started are listed as such, never dropped silently.
 
 Without a CUDA device it fails (exit 1) with the reason: asked to check a GPU, it must not
@@ -24,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fragmentation_check import fragmentation_table, run_fragmentation
 from torch.nn import functional as F
 
 import zero_comm
 import zero_core
+from zero_core.activation_estimate import TransformerShape, activation_bytes
 from zero_models.gpt import GPT, PRESETS
 
 PRESET_BATCH = {"test": 4, "tiny": 16, "small": 16, "gpt2": 8, "gpt2-medium": 8, "gpt2-xl": 4}
@@ -80,6 +86,9 @@ def run_one(
     flops_per_token = 6 * psi + 12 * config.layers * config.width * config.context
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     estimate = zero_core.model_state_bytes(psi, 1, stage).total
+    shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size,
+                             batch * config.context)  # fmt: skip
+    activations = activation_bytes(shape, dtype_bytes=2).peak
     return {
         "preset": preset,
         "stage": stage,
@@ -90,6 +99,7 @@ def run_one(
         "mfu": tokens_per_s * flops_per_token / (args.peak_tflops * 1e12),
         "peak_memory_gib": peak / 2**30,
         "model_states_estimate_gib": estimate / 2**30,
+        "step_estimate_gib": (estimate + activations) / 2**30,
         "last_loss": loss,
     }
 
@@ -102,6 +112,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100/H200 dense bf16")
     parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--fragmentation-preset", default="gpt2")
+    parser.add_argument("--fragmentation-steps", type=int, default=6)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--allow-cpu", action="store_true", help="test this script on CPU/gloo")
     args = parser.parse_args()
@@ -123,20 +135,29 @@ def main() -> int:
                 continue
             results.append(run_one(preset, stage, comm, args))
             print(json.dumps(results[-1]), flush=True)
-    lines = ["| preset | stage | params | tok/s | MFU | peak GiB | model states est. GiB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    fragmentation = []
+    for contiguous in (False, True):
+        if time.perf_counter() - started > args.budget_s:
+            break
+        batch = PRESET_BATCH.get(args.fragmentation_preset, 4)
+        fragmentation.append(run_fragmentation(comm, args.fragmentation_preset, batch,
+                                               args.fragmentation_steps, contiguous))  # fmt: skip
+    lines = ["| preset | stage | params | tok/s | MFU | peak GiB | model states est. GiB "
+             "| + activations est. GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:
         if "not_run" in r:
-            lines.append(f"| {r['preset']} | {r['stage']} | not run: {r['not_run']} | | | | |")
+            lines.append(f"| {r['preset']} | {r['stage']} | not run: {r['not_run']} | | | | | |")
             continue
         lines.append(
             f"| {r['preset']} | {r['stage']} | {r['parameters'] / 1e6:.1f}M | "
             f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.2f} | "
-            f"{r['model_states_estimate_gib']:.2f} |"
+            f"{r['model_states_estimate_gib']:.2f} | {r['step_estimate_gib']:.2f} |"
         )
+    lines += ["", *fragmentation_table(fragmentation)]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"device": str(comm.device), "results": results}, indent=1))
+        report = {"device": str(comm.device), "results": results, "fragmentation": fragmentation}
+        args.json.write_text(json.dumps(report, indent=1))
     comm.close()
     return 0
 
