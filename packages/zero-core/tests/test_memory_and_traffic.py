@@ -59,6 +59,31 @@ def test_memory_report_equals_the_paper(stage: int, n: int) -> None:
     assert measured == expected
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_float32_parameters_are_the_master_weights_at_stages_0_and_3(stage: int) -> None:
+    """Float32 training keeps one float32 copy of each parameter: the optimizer steps the
+    parameters (stage 0) or the compute shard (stage 3) themselves, so Adam holds the paper's
+    16 bytes per parameter: 4 parameter + 4 gradient + 8 moments (16Ψ, or 16Ψ/N at stage 3),
+    as DDP and FSDP2 do; no separate master (it was 20Ψ before)."""
+    case = ParityCase(widths=(37, 300, 129, 5), dtype="float32", optimizer="adam",
+                      bucket_numel=20_000, persistence_threshold=0)  # fmt: skip
+
+    def body(comm: Communicator) -> tuple[object, int, int]:
+        engine = build_engine(case, comm, stage)
+        x, t = micro_batch(case, comm.rank)
+        engine.backward(loss_of(case, engine(x), t))
+        engine.step()
+        report = engine.memory_report()
+        elements = sum(m.numel() for m in engine.masters)
+        steps = 4 * sum(len(pieces) for pieces in engine.master_pieces)
+        return report, elements, steps
+
+    report, elements, steps = run_simulated(2, body)[0]
+    assert report.master_weights == 0  # type: ignore[attr-defined]
+    assert report.optimizer_states == 8 * elements + steps  # type: ignore[attr-defined]
+    assert report.parameters == 4 * elements  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_step_moves_what_the_paper_says(stage: int, n: int) -> None:

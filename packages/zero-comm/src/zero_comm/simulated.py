@@ -260,8 +260,11 @@ def run_simulated(
         for thread in threads:
             thread.join()
     if errors:
-        # The root cause is the rank that failed with something other than a released peer.
-        causes = {r: e for r, e in errors.items() if not isinstance(e, CommError)} or errors
+        # The root cause is the rank that failed with something other than a released peer
+        # (a plain CommError: "a peer failed; this collective was abandoned"). Subclasses
+        # such as CollectiveMismatchError are causes: a rank that saw the mismatch first
+        # releases the others, which must not hide it.
+        causes = {r: e for r, e in errors.items() if type(e) is not CommError} or errors
         first = min(causes)
         details = "\n".join(f"--- rank {r} ---\n{tracebacks[r]}" for r in sorted(errors))
         raise SimulatedRankError(

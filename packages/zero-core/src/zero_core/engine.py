@@ -377,12 +377,21 @@ class ZeroEngine(abc.ABC):
                 result[name] = value.detach().clone()
         return result
 
+    # float32 compute parameters that are the master weights themselves (no second copy);
+    # set by stages that do this, so the report does not count the same bytes twice.
+    _masters_are_parameters = False
+
+    def _master_bytes(self) -> int:
+        return 0 if self._masters_are_parameters else tensor_bytes(self.masters)
+
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds now, by category (views of one storage count once)."""
+        """Bytes this rank holds now, by category (views of one storage count once). With
+        float32 parameters at stages 0 and 3 the master weights are the parameters and
+        count once, under ``parameters``."""
         return MemoryReport(
             parameters=tensor_bytes(self.module.parameters()),
             gradients=tensor_bytes(self._gradient_tensors()),
-            master_weights=tensor_bytes(self.masters),
+            master_weights=self._master_bytes(),
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,

@@ -48,7 +48,7 @@ class DataParallelEngine(ZeroEngine):
                 start += p.numel()
         accumulate = self.config.gradient_accumulation_steps > 1
         self._accumulated = [torch.zeros_like(g) for g in self._grads] if accumulate else None
-        return [
+        masters: list[torch.Tensor] = [
             torch.nn.Parameter(
                 torch.cat([initial[id(p)].reshape(-1) for p in params])
                 if params
@@ -56,6 +56,13 @@ class DataParallelEngine(ZeroEngine):
             )
             for params in self.groups.params
         ]
+        # float32 compute: each parameter becomes a view of the master (one copy, 16Ψ).
+        self._masters_are_parameters = self.dtype == torch.float32
+        if self._masters_are_parameters:
+            for group, master in enumerate(masters):
+                for p, where in self._param_ranges(group):
+                    p.data = master.detach()[where].view(p.shape)
+        return masters
 
     def _reduce_gradients(self, first_micro_step: bool) -> None:
         for params, flat in zip(self.groups.params, self._grads, strict=True):
@@ -115,6 +122,8 @@ class DataParallelEngine(ZeroEngine):
         return flag  # every rank holds the same reduced gradients
 
     def _publish_parameters(self) -> None:
+        if self._masters_are_parameters:
+            return  # the parameters are views of the masters the optimizer just updated
         for p, value in self._master_views():
             p.data.copy_(value)
 

@@ -75,9 +75,15 @@ class Stage3Engine(Stage2Engine):
             torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.comm.device)
             for layout in self.layouts
         ]
-        self._master_shards = [
-            torch.zeros(layout.shard_numel, device=self.comm.device) for layout in self.layouts
-        ]
+        # float32 compute: the compute shard is the master (one copy, 16Ψ/N for Adam).
+        self._masters_are_parameters = self.dtype == torch.float32
+        self._master_shards = (
+            self.param_shards
+            if self._masters_are_parameters
+            else [
+                torch.zeros(layout.shard_numel, device=self.comm.device) for layout in self.layouts
+            ]
+        )
         self._persistent_values: dict[int, torch.Tensor] = {}
         for name, p, value in self._initial_values(trainable):
             self._shard_initial_value(name, p, value)
@@ -290,8 +296,7 @@ class Stage3Engine(Stage2Engine):
     def _publish_parameters(self) -> None:
         """The compute-dtype shards from the updated masters; the persistent unit, which
         stays gathered, is gathered again. Other units are gathered when next used."""
-        for shard, master in zip(self.param_shards, self.masters, strict=True):
-            shard.copy_(master.detach())
+        self._shards_from_masters()
         if self.plan.persistent is not None:
             self.gatherer.regather(self.plan.persistent)
 
@@ -308,8 +313,12 @@ class Stage3Engine(Stage2Engine):
     def _write_back(self, wanted: set[int]) -> None:
         """The wanted parameters' pieces into the master and the compute shard."""
         self._write_pieces_back(wanted, self._full_bucket)
-        for shard, master in zip(self.param_shards, self.masters, strict=True):
-            shard.copy_(master.detach())
+        self._shards_from_masters()
+
+    def _shards_from_masters(self) -> None:
+        if not self._masters_are_parameters:  # else they are one storage already
+            for shard, master in zip(self.param_shards, self.masters, strict=True):
+                shard.copy_(master.detach())
 
     def _full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         """The gathered full buffer of bucket ``bucket`` of ``group``."""
@@ -326,7 +335,7 @@ class Stage3Engine(Stage2Engine):
         return MemoryReport(
             parameters=tensor_bytes([*self.param_shards, *fulls, *frozen]),
             gradients=tensor_bytes(self._gradient_tensors()),
-            master_weights=tensor_bytes(self.masters),
+            master_weights=self._master_bytes(),
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,
