@@ -6,6 +6,7 @@
     nox -s tests_mpi     real-process tests under mpiexec (MPICH from PyPI unless you have one)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
+    nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~45 min)
 
 Every session installs torch pinned first (TORCH), so that pip never resolves the packages'
 `torch>=2.4` range to a multi-GB CUDA download, then the packages from this checkout.
@@ -142,3 +143,23 @@ def bench_comm(session: nox.Session) -> None:
                         "--json", result, *session.posargs)  # fmt: skip
             results.append(result)
     session.run("python", "tools/bench_collectives.py", "--merge", *results)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Our stages 0-3 against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO 1-3 on one
+    GPT, N = 2 and 4, ~20M and ~100M parameters, and the largest model each trains on 4 ranks
+    (tools/bench_peers.py --all); writes docs/benchmarks/peers.md and its charts.
+
+    DeepSpeed and matplotlib are installed here only, never as dependencies of our packages,
+    with torch held at TORCH (a constraints file), DeepSpeed without pre-built ops. Where
+    DeepSpeed does not install, the session goes on and the report says why it is missing.
+    Extra arguments go to the script: nox -s bench -- --rounds 5 --search-minutes 20
+    """
+    _install(session, "numpy", "matplotlib")
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    session.run("python", "-m", "pip", "install", "-c", str(constraints), "deepspeed",
+                env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
+    session.run("python", "tools/bench_peers.py", "--all", *session.posargs,
+                env={"DS_ACCELERATOR": "cpu"})  # fmt: skip

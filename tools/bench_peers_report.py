@@ -1,0 +1,409 @@
+"""Markdown tables and PNG charts of tools/bench_peers.py's results.
+
+``launch_table(report)`` is one launch's table (printed by every launch); ``write_docs``
+writes ``docs/benchmarks/peers.md`` and the charts from every launch's JSON and the
+largest-model search. Charts need matplotlib (installed by ``nox -s bench`` only); without
+it the Markdown is still written and says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+TARGETS = {"ours-1": 1.05, "ours-2": 1.05, "ours-3": 1.15}
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def paper_model_states_mib(variant: str, psi: int, n: int) -> float | None:
+    """The paper's model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 =
+    K; no separate fp32 master copy in fp32) per rank, MiB; None for a variant it does not
+    describe."""
+    stage = {"ddp": 0, "zero-redundancy": 1, "fsdp2": 3}.get(variant)
+    if variant.startswith(("ours-", "deepspeed-")):
+        stage = int(variant.split("-")[1])
+    if stage is None:
+        return None
+    p, g, k = 4.0, 4.0, 8.0
+    per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+    return per * psi / MIB
+
+
+def ddp_ratios(row: dict[str, Any], report: dict[str, Any]) -> str:
+    """'median of per-round ratios (ratio of the medians)' to DDP of the same launch."""
+    ddp = next((r for r in report["results"] if r["variant"] == "ddp"), None)
+    if ddp is None or row["ratio_to_ddp"] is None:
+        return "-"
+    return f"{row['ratio_to_ddp']:.2f} ({row['median_step_s'] / ddp['median_step_s']:.2f})"
+
+
+def launch_table(report: dict[str, Any]) -> str:
+    model = report["model"]
+    n, psi = report["world_size"], model["parameters"]
+    head = (
+        f"#### N = {n}, GPT {model['layers']} x {model['width']} ({psi / 1e6:.1f}M parameters, "
+        f"context {model['context']}, vocabulary {model['vocab_size']}), "
+        f"{report['batch_per_rank']} sequences/rank, {report['rounds']} rounds of "
+        f"{report['warmup']} + {report['steps']} steps\n"
+    )
+    rows = [
+        head,
+        "| variant | step s | / DDP: per round (of medians) | model states MiB (paper) "
+        "| params / grads / optim / other MiB | peak RSS increase MiB | comm MiB/step (calls) "
+        "| loss |",
+        "|---|---:|---:|---:|---|---:|---|---:|",
+    ]
+    for r in report["results"]:
+        s = r["state_bytes"]
+        paper = paper_model_states_mib(r["variant"], psi, n)
+        parts = " / ".join(
+            f"{s[k] / MIB:.0f}" for k in ("parameters", "gradients", "optimizer_states", "other")
+        )
+        calls = ", ".join(f"{k} {v:g}" for k, v in sorted(r["comm_calls_per_step"].items()))
+        rows.append(
+            f"| {r['variant']} | {r['median_step_s']:.3f} | {ddp_ratios(r, report)} "
+            f"| {s['model_states'] / MIB:.0f} ({_f(paper, '.0f')}) | {parts} "
+            f"| {_f(r['rss_increase_mib'], '.0f')} "
+            f"| {r['comm_bytes_per_step'] / MIB:.1f} ({calls}) | {r['loss']:.4f} |"
+        )
+    if report.get("deepspeed_error"):
+        rows.append(f"\nDeepSpeed left out: `{report['deepspeed_error']}`")
+    return "\n".join(rows)
+
+
+READING = [
+    "\n## Reading the figures\n",
+    "- The paper's model-state formula here is for fp32 Adam: parameters 4Ψ, gradients 4Ψ, "
+    "Adam's two moments 8Ψ bytes, partitioned by stage; there is no separate fp32 master copy "
+    "in fp32 training. A framework that keeps one anyway shows it under optimizer states "
+    "(`optim`): our engines keep an fp32 master shard next to fp32 parameters (4Ψ/N more, "
+    "and 4Ψ more at stage 0); DeepSpeed keeps its fp32 partition too.",
+    "- DeepSpeed frees `param.grad` once a bucket is reduced and keeps the reduced gradient "
+    "partition (and its buckets) inside its optimizer, so its gradients show as 0 and that "
+    "memory under `other`, with the rest of what its optimizer object holds; its stage 1 "
+    "runs the same code as its stage 2, so it holds less than the paper's stage-1 formula. "
+    "`other` of ours is the communicator's staging buffers and the model's buffers.",
+    "- Communication is the ring convention of zero_comm.stats for every variant. Broadcast "
+    "counts its whole buffer on every rank, so ZeroRedundancyOptimizer's per-parameter "
+    "broadcasts of the updated shards count Ψ per rank (a ring all-gather would move "
+    "Ψ(N-1)/N). DeepSpeed stages 1 and 2 reduce gradients with all-reduce on this setup "
+    "(3Ψ(N-1)/N with the parameter all-gather). DeepSpeed stage 3 counts 2Ψ(N-1)/N, not 3: "
+    "consistent with its defaults (stage3_max_reuse_distance 1e9) keeping the parameters "
+    "gathered in forward until backward has used them, i.e. gathering once per step.",
+    "- Peak RSS increase is the resident memory a variant added at its peak over the "
+    "process's baseline just before it was built (one variant alive at a time): model "
+    "states plus activations, gathered parameters, communication buffers and allocator "
+    "overhead. It is a per-rank figure; the largest rank is shown.",
+    "- The machine is shared and has fewer cores than ranks at N = 4, so step times carry "
+    "scheduler noise; the two ratios (per round, of the medians) show how much.",
+]
+
+
+# ------------------------------------------------------------------ the whole report
+def _load(raw: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
+    launches = [json.loads(p.read_text()) for p in sorted(raw.glob("peers-*.json"))]
+    launches.sort(key=lambda r: (r["world_size"], r["model"]["parameters"]))
+    search_path, run_path = raw / "largest-n4.json", raw / "run.json"
+    search = json.loads(search_path.read_text()) if search_path.exists() else None
+    run = json.loads(run_path.read_text()) if run_path.exists() else {}
+    return launches, search, run
+
+
+def _label(report: dict[str, Any]) -> str:
+    return f"{report['model']['parameters'] / 1e6:.0f}M N={report['world_size']}"
+
+
+def _pivot(launches: list[dict[str, Any]], title: str, cell: Any) -> list[str]:
+    variants: list[str] = []
+    for report in launches:
+        variants += [r["variant"] for r in report["results"] if r["variant"] not in variants]
+    rows = [
+        f"\n### {title}\n",
+        "| variant | " + " | ".join(map(_label, launches)) + " |",
+        "|---|" + "---:|" * len(launches),
+    ]
+    for variant in variants:
+        cells = []
+        for report in launches:
+            found = [r for r in report["results"] if r["variant"] == variant]
+            cells.append(cell(found[0], report) if found else "-")
+        rows.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def paper_of(row: dict[str, Any], report: dict[str, Any]) -> float | None:
+    return paper_model_states_mib(
+        row["variant"], report["model"]["parameters"], report["world_size"]
+    )
+
+
+def _result(report: dict[str, Any], variant: str) -> dict[str, Any] | None:
+    return next((r for r in report["results"] if r["variant"] == variant), None)
+
+
+def targets(launches: list[dict[str, Any]], search: dict[str, Any] | None) -> list[str]:
+    """The issue's targets, each met or missed, figure by figure."""
+    out = ["\n## Targets of issue 8\n", "| target | run | figure | met |", "|---|---|---|---|"]
+    for report in launches:
+        for variant, bound in TARGETS.items():
+            r = _result(report, variant)
+            if r and r["ratio_to_ddp"] is not None:
+                ok = r["ratio_to_ddp"] <= bound
+                out.append(
+                    f"| {variant} step time <= {bound}x DDP | {_label(report)} "
+                    f"| {r['ratio_to_ddp']:.2f}x | {'yes' if ok else 'NO'} |"
+                )
+        for stage, peers in (
+            (1, ("deepspeed-1", "zero-redundancy")),
+            (2, ("deepspeed-2",)),
+            (3, ("deepspeed-3", "fsdp2")),
+        ):
+            ours = _result(report, f"ours-{stage}")
+            if ours is None:
+                continue
+            mine = ours["state_bytes"]["model_states"]
+            paper = (
+                paper_model_states_mib(
+                    f"ours-{stage}", report["model"]["parameters"], report["world_size"]
+                )
+                or 0.0
+            )
+            out.append(
+                f"| ours-{stage} model states = paper | {_label(report)} | "
+                f"{mine / MIB:.0f} vs {paper:.0f} MiB "
+                f"| {'yes' if mine / MIB <= paper * 1.01 else 'NO'} |"
+            )
+            for peer in peers:
+                theirs = _result(report, peer)
+                if theirs is None:
+                    continue
+                other = theirs["state_bytes"]["model_states"]
+                out.append(
+                    f"| ours-{stage} model states <= {peer} | {_label(report)} | "
+                    f"{mine / MIB:.0f} vs {other / MIB:.0f} MiB "
+                    f"| {'yes' if mine <= other else 'NO'} |"
+                )
+    if search:
+        found = {r["variant"]: r for r in search["results"]}
+        if "ours-3" in found and "ddp" in found and found["ddp"]["parameters"]:
+            ratio = found["ours-3"]["parameters"] / found["ddp"]["parameters"]
+            out.append(
+                f"| largest model, ours-3 >= 3.5x DDP | N=4 | {ratio:.2f}x "
+                f"| {'yes' if ratio >= 3.5 else 'NO'} |"
+            )
+    return out
+
+
+def write_docs(out: Path, raw: Path) -> None:
+    launches, search, run = _load(raw)
+    if not launches:
+        raise SystemExit(f"no peers-*.json under {raw}: run the launches first")
+    first = launches[0]
+    lines = [
+        "# Our ZeRO against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed",
+        "",
+        "Written by `tools/bench_peers.py --all` (`nox -s bench`); the raw figures are in "
+        "`peers-json/`, the method in the docstrings of tools/bench_peers.py (timing, memory), "
+        "tools/peer_trainers.py (what each framework runs, what is counted), tools/peer_comm.py "
+        "(the peers' bytes) and tools/bench_peers_search.py (largest model).",
+        "",
+        f"- date: {first['date']}; git commit {first['git_head']} (package sources "
+        f"{first['sources']}"
+        + (
+            "; CHANGED during a launch"
+            if any(r["sources_changed_during_run"] for r in launches)
+            else ""
+        )
+        + ")",
+        "- uncommitted at the time (tools/, packages/): "
+        + (", ".join(f"`{f}`" for f in first.get("uncommitted", [])) or "none"),
+        f"- command: `{run.get('command', first['command'])}`"
+        + (f" ({run['wall_s'] / 60:.0f} min)" if "wall_s" in run else ""),
+        f"- one launch: `{first['command']}`",
+        f"- largest-model search, run again on its own: `{run['search_command']}`"
+        if "search_command" in run
+        else "- largest-model search: part of the command above",
+        f"- machine: {first['machine']['cpu']}, {first['machine']['cpu_count']} cores, "
+        f"{first['machine']['memory_gib']} GiB, {first['machine']['system']}, Python "
+        f"{first['machine']['python']}; shared with other work (timings are medians)",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()),
+        f"- workload: GPT, vocabulary 256 (bytes of the default corpus), context "
+        f"{first['model']['context']}, tied embeddings, fp32, AdamW (lr 1e-4, betas 0.9/0.95, "
+        f"weight decay 0.1), gloo, {first['threads']} torch thread per rank, "
+        + ", ".join(
+            sorted(
+                {
+                    f"{r['batch_per_rank']} sequence(s) per rank per step at "
+                    f"{r['model']['parameters'] / 1e6:.0f}M"
+                    for r in launches
+                }
+            )
+        )
+        + f"; each block = build + "
+        f"{first['warmup']} untimed + {first['steps']} timed steps, {first['rounds']} "
+        f"interleaved rounds (order reversed every other round)",
+        "- sizes: "
+        + "; ".join(
+            sorted(
+                {
+                    f"{r['model']['parameters']:,} parameters = "
+                    f"{r['model']['layers']} layers x width "
+                    f"{r['model']['width']}, {r['model']['heads']} heads"
+                    for r in launches
+                }
+            )
+        ),
+        f"- buckets: ours and DeepSpeed {first['bucket_numel']:,} elements; DDP 25 MiB "
+        "(its default), `gradient_as_bucket_view=True`; FSDP2 one group per block + root",
+    ]
+    if first.get("deepspeed_error"):
+        lines.append(f"- DeepSpeed did not run: `{first['deepspeed_error']}`")
+    lines += _pivot(
+        launches,
+        "Step time: median s; ratio to DDP, the median over rounds of (variant / DDP of the "
+        "same round), and in brackets the ratio of the two medians",
+        lambda r, rep: f"{r['median_step_s']:.3f}; {ddp_ratios(r, rep)}",
+    )
+    lines += _pivot(
+        launches,
+        "Model-state bytes per rank, MiB, counted from tensors "
+        "(the paper's formula for fp32 Adam, 16Ψ at stage 0)",
+        lambda r, rep: (
+            f"{r['state_bytes']['model_states'] / MIB:.0f} ({_f(paper_of(r, rep), '.0f')})"
+        ),
+    )
+    lines += _pivot(
+        launches,
+        "Peak resident memory per rank, MiB: increase over the "
+        "pre-build baseline (absolute peak RSS in brackets)",
+        lambda r, _: f"{_f(r['rss_increase_mib'], '.0f')} ({r['rss_peak_mib']:.0f})",
+    )
+    lines += _pivot(
+        launches,
+        "Bytes communicated per step per rank, MiB (ring convention; "
+        "paper 2Ψ(N-1)/N x 4 bytes at stages 0-2, 3Ψ(N-1)/N at stage 3)",
+        lambda r, _: f"{r['comm_bytes_per_step'] / MIB:.1f}",
+    )
+    lines += _pivot(
+        launches,
+        "Loss after warm-up + timed steps (mean over ranks)",
+        lambda r, _: f"{r['loss']:.5f}",
+    )
+    det = [rep for rep in launches if _result(rep, "ours-0-det")]
+    if det:
+        lines += [
+            "\n### Cost of deterministic reductions (ours-s-det / ours-s, step time)\n",
+            "| stage | " + " | ".join(map(_label, det)) + " |",
+            "|---|" + "---:|" * len(det),
+        ]
+        for stage in range(4):
+            cells = []
+            for rep in det:
+                a, b = _result(rep, f"ours-{stage}-det"), _result(rep, f"ours-{stage}")
+                cells.append(f"{a['median_step_s'] / b['median_step_s']:.2f}" if a and b else "-")
+            lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    if search:
+        lines += [
+            f"\n## Largest trainable GPT, N = {search['world_size']}\n",
+            f"Width {search['width']}, {search['heads']} heads, context {search['context']}, "
+            f"{search['batch_per_rank']} sequence per rank, 2 steps, layers searched; memory cap "
+            f"{search['budget_mib_per_rank']} MiB per rank ({search['limit']}).\n",
+            "| variant | largest layers | parameters | first failing layers | probes "
+            "(layers: result, s) | peak RSS increase of the largest, MiB |",
+            "|---|---:|---:|---:|---|---:|",
+        ]
+        for r in search["results"]:
+            probes = "; ".join(
+                f"{p['layers']}: {'ok' if p['ok'] else p['how'][:40]}, {p['seconds']:.0f}"
+                for p in r["probes"]
+            )
+            best = [p for p in r["probes"] if p["ok"] and p["layers"] == r["layers"]]
+            rss = max(x["rss_increase_mib"] for x in best[0]["ranks"]) if best else None
+            lines.append(
+                f"| {r['variant']} | {r['layers']} | {r['parameters'] / 1e6:.0f}M "
+                f"| {r['first_failing_layers'] or '-'} | {probes} "
+                f"| {_f(rss, '.0f')} |"
+            )
+    default = raw / "largest-n4-glibc-default.json"
+    if default.exists():
+        earlier = json.loads(default.read_text())
+        lines += [
+            "\nThe same search with glibc's default (dynamic) mmap threshold, before it was "
+            f"fixed for the probes ({earlier['limit']}): largest layers / parameters per variant: "
+            + "; ".join(
+                f"{r['variant']} {r['layers']} / {r['parameters'] / 1e6:.0f}M"
+                for r in earlier["results"]
+            )
+            + ". With the dynamic threshold, freed blocks below it stay in the heap, and the "
+            "repeated gather/free of our stage 3 kept up to twice the resident memory "
+            "(the bench launches above ran with glibc's defaults for every variant).",
+        ]
+    lines += targets(launches, search)
+    lines += READING
+    lines += ["\n## Per launch\n"] + [launch_table(rep) + "\n" for rep in launches]
+    charts = draw_charts(out, launches, search)
+    if charts:
+        lines += ["\n## Charts\n"] + [f"![{c}]({c})" for c in charts]
+    else:
+        lines.append("\n(No charts: matplotlib is not installed here; `nox -s bench` has it.)")
+    (out / "peers.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'peers.md'} and {len(charts)} charts", file=sys.stderr)
+
+
+def draw_charts(
+    out: Path, launches: list[dict[str, Any]], search: dict[str, Any] | None
+) -> list[str]:
+    try:
+        matplotlib: Any = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        return []
+    names: list[str] = []
+    variants = [r["variant"] for r in launches[0]["results"] if not r["variant"].endswith("-det")]
+    panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
+        ("step time / DDP", lambda r: r["ratio_to_ddp"] or 0.0),
+        ("model states per rank, MiB", lambda r: r["state_bytes"]["model_states"] / MIB),
+        ("peak RSS increase per rank, MiB", lambda r: r["rss_increase_mib"] or 0.0),
+        ("communicated per step per rank, MiB", lambda r: r["comm_bytes_per_step"] / MIB),
+    )
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)))
+    width = 0.8 / len(launches)
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for k, rep in enumerate(launches):
+            rows = [_result(rep, v) for v in variants]
+            ys = [0.0 if row is None else value(row) for row in rows]
+            ax.bar([i + k * width for i in range(len(variants))], ys, width, label=_label(rep))
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(variants))], variants, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].legend(fontsize=8, ncol=len(launches))
+    fig.tight_layout()
+    fig.savefig(out / "peers.png", dpi=90)
+    plt.close(fig)
+    names.append("peers.png")
+    if search:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        found = search["results"]
+        ax.bar([r["variant"] for r in found], [r["parameters"] / 1e6 for r in found])
+        ax.set_ylabel("parameters, millions")
+        ax.set_title(
+            f"largest GPT trained, N = {search['world_size']}, "
+            f"{search['budget_mib_per_rank']} MiB per rank",
+            fontsize=10,
+        )
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "peers-largest.png", dpi=90)
+        plt.close(fig)
+        names.append("peers-largest.png")
+    return names

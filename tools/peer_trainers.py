@@ -1,0 +1,387 @@
+"""One trainer per framework, all training the same GPT the same way, for tools/bench_peers.py.
+
+Every trainer starts from ``GPT(config, seed)``'s initial values, uses AdamW (fp32, the same
+hyper-parameters), the loss ``cross_entropy(logits, next tokens)``, and offers:
+
+    loss = trainer.forward_backward(inputs, targets)   # gradients reduced as the peer does
+    trainer.optimizer_step()                           # update (and re-gather, where sharded)
+    trainer.state_bytes()                              # model states held now, from tensors
+    trainer.comm_bytes_reset(); trainer.comm_bytes()   # ring-convention bytes since the reset
+
+Variants (``VARIANTS``): ``ours-0`` .. ``ours-3`` (``zero_core.initialize``), ``ddp``
+(``DistributedDataParallel``, ``gradient_as_bucket_view=True``), ``zero-redundancy``
+(``ZeroRedundancyOptimizer`` over DDP, its defaults: one broadcast per parameter),
+``fsdp2`` (``fully_shard`` on every block, then the root) and ``deepspeed-1`` ..
+``deepspeed-3``; ``ours-0-det`` .. ``ours-3-det`` are our engines with ``deterministic=True``
+communicators. Each runs on its own process group, split from the world, except DeepSpeed,
+which takes no group: it clones the world group itself.
+
+Model states are counted from the tensors each framework holds, distinct storages once:
+parameters (this rank's local tensors: shards for FSDP2 and DeepSpeed stage 3), gradients,
+optimizer states (Adam's moments, plus fp32 master copies where the framework keeps them). For
+DeepSpeed, every tensor reachable from its ZeRO optimizer object that is none of those (flat
+buffers, gradient partitions, communication buckets) counts under ``other``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import peer_comm
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import zero_comm
+import zero_core
+from zero_models.gpt import GPT, GPTConfig
+
+BUCKET_NUMEL = 2**22  # ours (ZeroConfig default) and DeepSpeed's reduce/all-gather buckets
+OURS = ("ours-0", "ours-1", "ours-2", "ours-3")
+# The same engines on a communicator with deterministic=True (rank-ordered reductions).
+OURS_DET = tuple(f"{v}-det" for v in OURS)
+TORCH_PEERS = ("ddp", "zero-redundancy", "fsdp2")
+DEEPSPEED = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
+VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET)
+DEFAULT_VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED)
+
+
+class StateBytes(NamedTuple):
+    """Bytes one rank holds, by category; ``model_states`` is the paper's."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    other: int
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+
+class Hyper(NamedTuple):
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+
+    def adamw(self, params: Iterable[Any]) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, int]:
+    """data_ptr -> bytes of the distinct, allocated storages among ``tensors``."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = local(tensor).untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return seen
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                yield value
+
+
+def reachable_tensors(root: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    """Tensors in ``root``'s attributes, lists, tuples and dicts, ``depth`` levels down."""
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    visited: set[int] = set()
+    while stack:
+        obj, level = stack.pop()
+        if id(obj) in visited or level > depth:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            stack += [(v, level + 1) for v in obj.values()]
+        elif isinstance(obj, list | tuple):
+            stack += [(v, level + 1) for v in obj]
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [(obj.state, level + 1), (obj.param_groups, level + 1)]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, nn.Module | type):
+            stack += [(v, level + 1) for v in vars(obj).values()]
+
+
+def build_gpt(config: GPTConfig, seed: int) -> GPT:
+    return GPT(config, seed=seed)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Trainer:
+    """What bench_peers drives; subclasses fill in the framework."""
+
+    name = "?"
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> StateBytes:
+        raise NotImplementedError
+
+    def comm_bytes_reset(self) -> None:
+        raise NotImplementedError
+
+    def comm_bytes(self) -> tuple[float, dict[str, int]]:
+        """Ring-convention bytes and calls per collective since the last reset."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Ours(Trainer):
+    def __init__(
+        self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, comm: zero_comm.Communicator
+    ) -> None:
+        self.name = f"ours-{stage}" + ("-det" if comm.deterministic else "")
+        self.comm = comm
+        init_values = None
+        if stage == 3:  # built on the meta device, as zero-train does: no rank holds it whole
+            with torch.device("meta"):
+                model = GPT(config, seed=seed)
+            init_values = model.initial_values(seed)
+        else:
+            model = build_gpt(config, seed)
+        self.engine = zero_core.initialize(
+            model,
+            lambda params: hyper.adamw(params),
+            zero_core.ZeroConfig(stage=stage, bucket_numel=BUCKET_NUMEL),
+            comm,
+            init_values=init_values,
+        )
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = next_token_loss(self.engine(inputs), targets)
+        self.engine.backward(loss)
+        return float(loss.item())
+
+    def optimizer_step(self) -> None:
+        if not self.engine.step():
+            raise RuntimeError(f"[rank {self.comm.rank}] {self.name}: step() was skipped")
+
+    def state_bytes(self) -> StateBytes:
+        report = self.engine.memory_report()
+        return StateBytes(
+            report.parameters,
+            report.gradients,
+            report.master_weights + report.optimizer_states,
+            report.buffers + report.comm_buffers,
+        )
+
+    def comm_bytes_reset(self) -> None:
+        self.comm.stats.reset()
+
+    def comm_bytes(self) -> tuple[float, dict[str, int]]:
+        counts = self.comm.stats.as_dict()
+        calls = {op: int(c["calls"]) for op, c in counts.items() if c["calls"] and op != "barrier"}
+        return float(sum(c["volume_bytes"] for c in counts.values())), calls
+
+    def close(self) -> None:
+        del self.engine
+
+
+class TorchPeer(Trainer):
+    """DDP, ZeroRedundancyOptimizer + DDP, or FSDP2 on a torch process group."""
+
+    def __init__(self, name: str, config: GPTConfig, seed: int, hyper: Hyper, group: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.name = name
+        self.counter = peer_comm.CallCounter(group)
+        model: nn.Module
+        if name == "fsdp2":
+            model = fsdp2_gpt(config, seed, group)
+            self.module = model
+            self.optimizer: torch.optim.Optimizer = hyper.adamw(model.parameters())
+            self.local_optimizer = self.optimizer
+        else:
+            self.module = build_gpt(config, seed)
+            ddp = DDP(self.module, process_group=group, gradient_as_bucket_view=True)
+            # The same all-reduce as DDP's built-in one, through Python so peer_comm sees it.
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)
+            model = ddp
+            if name == "ddp":
+                self.optimizer = hyper.adamw(ddp.parameters())
+                self.local_optimizer = self.optimizer
+            else:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                zro = ZeroRedundancyOptimizer(
+                    ddp.parameters(),
+                    optimizer_class=torch.optim.AdamW,
+                    process_group=group,
+                    lr=hyper.lr,
+                    betas=hyper.betas,
+                    weight_decay=hyper.weight_decay,
+                )
+                self.optimizer = zro
+                self.local_optimizer = zro.optim
+        self.model = model
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        with self.counter:
+            loss = next_token_loss(self.model(inputs), targets)
+            torch.autograd.backward(loss)
+        return float(loss.item())
+
+    def optimizer_step(self) -> None:
+        with self.counter:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> StateBytes:
+        params = storages(self.module.parameters())
+        grads = storages(p.grad for p in self.module.parameters())
+        states = storages(optimizer_tensors(self.local_optimizer))
+        return StateBytes(sum(params.values()), sum(grads.values()), sum(states.values()), 0)
+
+    def comm_bytes_reset(self) -> None:
+        self.counter.reset()
+
+    def comm_bytes(self) -> tuple[float, dict[str, int]]:
+        return self.counter.total_bytes, dict(self.counter.calls)
+
+    def close(self) -> None:
+        del self.optimizer, self.local_optimizer, self.model, self.module
+
+
+def fsdp2_gpt(config: GPTConfig, seed: int, group: Any) -> nn.Module:
+    """``fully_shard`` on each block and the root of a GPT built on the meta device, then each
+    parameter's shard filled from ``GPT.initial_values`` (one full tensor at a time), so that,
+    like our stage 3, no rank holds the whole model."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = DeviceMesh.from_group(group, device_type="cpu")
+    with torch.device("meta"):
+        model = GPT(config, seed=seed)
+    values = model.initial_values(seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values:
+            param = params[name]
+            shard = distribute_tensor(value, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+            local(param).copy_(shard.to_local())
+    return model
+
+
+class DeepSpeedPeer(Trainer):
+    """DeepSpeed's ZeRO stage 1, 2 or 3 on the world (it clones the world group itself)."""
+
+    def __init__(self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, batch: int) -> None:
+        deepspeed = importlib.import_module("deepspeed")
+        self.name = f"deepspeed-{stage}"
+        self.counter = peer_comm.CallCounter(peer_comm.ANY_GROUP)
+        self.module = build_gpt(config, seed)
+        zero: dict[str, Any] = {
+            "stage": stage,
+            "reduce_bucket_size": BUCKET_NUMEL,
+            "allgather_bucket_size": BUCKET_NUMEL,
+        }
+        if stage == 3:
+            zero["stage3_prefetch_bucket_size"] = BUCKET_NUMEL
+        ds_config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # its default is 1.0: the others do not clip
+            "steps_per_print": 2**30,
+            "wall_clock_breakdown": False,
+        }
+        with self.counter:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=self.module, optimizer=hyper.adamw(self.module.parameters()), config=ds_config
+            )
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        with self.counter:
+            loss = next_token_loss(self.engine(inputs), targets)
+            self.engine.backward(loss)
+        return float(loss.item())
+
+    def optimizer_step(self) -> None:
+        with self.counter:
+            self.engine.step()
+
+    def state_bytes(self) -> StateBytes:
+        params_list = list(self.module.parameters())
+        params = storages(params_list)
+        params.update(storages(getattr(p, "ds_tensor", None) for p in params_list))
+        grads = storages(p.grad for p in params_list)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        states = storages(optimizer_tensors(inner))
+        masters = storages(
+            t
+            for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+            for t in getattr(self.optimizer, attr, [])
+        )
+        for key in masters:
+            params.pop(key, None)
+        states.update(masters)
+        counted = params.keys() | grads.keys() | states.keys()
+        other = {
+            k: v for k, v in storages(reachable_tensors(self.optimizer)).items() if k not in counted
+        }
+        return StateBytes(
+            sum(params.values()), sum(grads.values()), sum(states.values()), sum(other.values())
+        )
+
+    def comm_bytes_reset(self) -> None:
+        self.counter.reset()
+
+    def comm_bytes(self) -> tuple[float, dict[str, int]]:
+        return self.counter.total_bytes, dict(self.counter.calls)
+
+    def close(self) -> None:
+        destroy = getattr(self.engine, "destroy", None)
+        if callable(destroy):
+            destroy()
+        del self.engine, self.optimizer, self.module
+
+
+def make_trainer(
+    variant: str,
+    config: GPTConfig,
+    seed: int,
+    hyper: Hyper,
+    comm: zero_comm.Communicator,
+    batch: int,
+) -> Trainer:
+    """``variant`` on ``comm`` (a communicator of its own, deterministic for ``-det``;
+    DeepSpeed ignores it)."""
+    if variant in OURS or variant in OURS_DET:
+        return Ours(int(variant.split("-")[1]), config, seed, hyper, comm)
+    if variant in TORCH_PEERS:
+        return TorchPeer(variant, config, seed, hyper, getattr(comm, "group", None))
+    if variant in DEEPSPEED:
+        return DeepSpeedPeer(int(variant[-1]), config, seed, hyper, batch)
+    raise ValueError(f"variant {variant!r}: choose from {', '.join(VARIANTS)}")
