@@ -321,7 +321,11 @@ def report(
     sample = generate(engine.module, tp, args)  # every rank takes part (TP collectives)
     psi = sum(p.numel() for _, p in engine.trainable_parameters())
     width = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
-    stage0 = zero_core.model_state_bytes(psi, 1, 0, param_bytes=width, grad_bytes=width).total
+    # Adam's two moments, plus a float32 master unless the parameters are float32 themselves.
+    k = 8 if width == 4 else 12
+    stage0 = zero_core.model_state_bytes(
+        psi, 1, 0, optimizer_state_bytes=k, param_bytes=width, grad_bytes=width
+    ).total
     tp_volume = float(tp.stats.total_volume_elements) / max(1, args.steps)
     if not lead:
         return
