@@ -114,7 +114,8 @@ def test_partition_gathers_cost_a_twelfth_of_the_tensor_parallel_traffic(p: int)
 
 def test_the_arena_is_allocated_once_and_reused_every_step() -> None:
     """M_D: one allocation for all checkpoints, the same storage every step, nothing outside
-    it; a second forward before a backward gets its own tensors and stays correct."""
+    it; a graph dropped without backward frees its slots; a second forward before a backward
+    gets its own tensors and stays correct."""
 
     def body(comm: Communicator) -> None:
         model = tensor_parallel_gpt(GPT(CONFIG, seed=3), comm)
@@ -128,6 +129,12 @@ def test_the_arena_is_allocated_once_and_reused_every_step() -> None:
             loss.backward()
         assert len(addresses) == 1 and checkpointing.arena.allocations == 1
         assert checkpointing.arena.outside_arena == 0 and checkpointing.bytes_kept == 0
+        unused = vocab_parallel_cross_entropy(model(TOKENS), TARGETS, comm)
+        assert checkpointing.bytes_kept > 0
+        del unused  # a graph dropped without backward gives its slots and bytes back
+        assert checkpointing.bytes_kept == 0
+        vocab_parallel_cross_entropy(model(TOKENS), TARGETS, comm).backward()
+        assert checkpointing.arena.outside_arena == 0
         model.zero_grad()
         first = vocab_parallel_cross_entropy(model(TOKENS), TARGETS, comm)
         second = vocab_parallel_cross_entropy(model(TOKENS), TARGETS, comm)  # slots all taken

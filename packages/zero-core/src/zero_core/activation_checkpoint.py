@@ -26,6 +26,7 @@ recomputation is the same function of the same input under the same RNG state.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -39,20 +40,17 @@ from .checkpoint_arena import CheckpointArena
 
 
 class _Kept:
-    """One checkpoint's kept piece; frees its arena slot when dropped with its graph."""
+    """One checkpoint's kept piece. ``on_drop`` (uncount its bytes, free its arena slot) runs
+    once: when backward restores it, or when its graph is dropped without a backward."""
 
-    def __init__(
-        self, piece: torch.Tensor, slot: int | None, arena: CheckpointArena | None
-    ) -> None:
+    def __init__(self, piece: torch.Tensor, slot: int | None, on_drop: Callable[[], None]) -> None:
         self.piece: torch.Tensor | None = piece
         self.slot = slot
-        if arena is not None and slot is not None:
-            self._finalizer = weakref.finalize(self, arena.give_back, slot)
+        self._finalizer = weakref.finalize(self, on_drop)
 
     def release(self) -> None:
         self.piece = None
-        if hasattr(self, "_finalizer"):
-            self._finalizer()
+        self._finalizer()
 
 
 class ActivationCheckpointing:
@@ -121,22 +119,29 @@ class ActivationCheckpointing:
         """This rank's piece of ``x``, copied where it is kept."""
         flat = x.detach().reshape(-1)
         start, stop, k = self._piece_range(flat.numel())
+        arena: CheckpointArena | None = None
+        slot: int | None = None
         if not (self.partition or self.contiguous or self.offload):
-            kept = _Kept(flat, None, None)  # ordinary checkpointing: keep x itself
+            piece = flat  # ordinary checkpointing: keep x itself
         else:
             device = self._storage_device(x)
             if self.contiguous:
                 arena = self._arena_for(device, x)
                 piece, slot = arena.take(k, x.dtype)
             else:
-                arena, slot = None, None
                 piece = torch.empty(k, dtype=x.dtype, device=device, pin_memory=_pin(device, x))
             piece[: stop - start].copy_(flat[start:stop], non_blocking=True)
             piece[stop - start :].zero_()
-            kept = _Kept(piece, slot, arena)
-        self._count(kept, +1)
+        nbytes = piece.numel() * piece.element_size()
+        self.bytes_kept += nbytes
+        self.peak_bytes_kept = max(self.peak_bytes_kept, self.bytes_kept)
         self.checkpoints += 1
-        return kept
+        return _Kept(piece, slot, functools.partial(self._dropped, nbytes, arena, slot))
+
+    def _dropped(self, nbytes: int, arena: CheckpointArena | None, slot: int | None) -> None:
+        self.bytes_kept -= nbytes
+        if arena is not None:
+            arena.give_back(slot)
 
     def restore(self, kept: _Kept, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """The whole ``x`` again (gathered across the group with P_a); frees the piece."""
@@ -156,14 +161,8 @@ class ActivationCheckpointing:
             x = piece[:numel].view(shape)
             if kept.slot is not None and piece is kept.piece:
                 x = x.clone()  # the slot is handed out again: the recomputation needs its own
-        self._count(kept, -1)
         kept.release()
         return x
-
-    def _count(self, kept: _Kept, sign: int) -> None:
-        assert kept.piece is not None
-        self.bytes_kept += sign * kept.piece.numel() * kept.piece.element_size()
-        self.peak_bytes_kept = max(self.peak_bytes_kept, self.bytes_kept)
 
     def _arena_for(self, device: torch.device, x: torch.Tensor) -> CheckpointArena:
         if self._arena is None or self._arena.device != device:
