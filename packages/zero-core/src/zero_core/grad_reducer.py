@@ -160,9 +160,11 @@ class BucketReducer:
         if self.chunk_numel is None:
             return False
         slot = self.slots[index]
-        return slot.numel > self.chunk_numel and slot.slice_numel > piece_numel(
-            self.chunk_numel, self.comm.world_size
-        )
+        return self._width(slot) < slot.slice_numel
+
+    def _width(self, slot: BucketSlot) -> int:
+        assert self.chunk_numel is not None
+        return piece_numel(slot.numel, self.chunk_numel, self.comm.world_size)
 
     def _launch(self, index: int) -> None:
         if self._oversized(index):
@@ -187,7 +189,7 @@ class BucketReducer:
             held = self._held[index]
             source = held if held is not None else torch.zeros(0, dtype=self.dtype)
             offset = slot.params[0][1].start  # an oversized bucket holds one parameter
-        width = piece_numel(self.chunk_numel, n)
+        width = self._width(slot)
         starts = range(0, slot.slice_numel, width)
         self._pieces_left[index] = len(starts)
         for a in starts:

@@ -28,9 +28,14 @@ from .grad_norm import BLOCK
 MIN_PIECE_NUMEL = 4096
 
 
-def piece_numel(bucket_numel: int, world_size: int) -> int:
-    """Elements per rank of each piece of an oversized bucket (see grad_reducer)."""
-    return max(bucket_numel // world_size, MIN_PIECE_NUMEL)
+def piece_numel(padded_numel: int, bucket_numel: int, world_size: int) -> int:
+    """Elements per rank of each piece a bucket of ``padded_numel`` is moved in: its whole
+    slice when it fits ``bucket_numel``, else ``bucket_numel / N`` (at least MIN_PIECE_NUMEL;
+    see grad_reducer). A bucket is *oversized* when this is less than its slice."""
+    slice_numel = padded_numel // world_size
+    if padded_numel <= bucket_numel:
+        return slice_numel
+    return min(slice_numel, max(bucket_numel // world_size, MIN_PIECE_NUMEL))
 
 
 @dataclass(frozen=True)

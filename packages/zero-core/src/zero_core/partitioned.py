@@ -189,9 +189,8 @@ class PartitionedEngine(ZeroEngine):
         ):
             for bucket, full in zip(layout.buckets, buckets, strict=True):
                 size = bucket.slice_numel
-                width = piece_numel(self.config.bucket_numel, n)
-                oversized = bucket.layout.padded_numel > self.config.bucket_numel and size > width
-                width = width if oversized else size
+                width = piece_numel(bucket.layout.padded_numel, self.config.bucket_numel, n)
+                oversized = width < size
                 for a in range(0, size, width):
                     b = min(a + width, size)
                     mine = self.comm.buffers.take(b - a, self.dtype)
