@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,29 +86,74 @@ def test_zero_launch_stops_the_job_naming_the_killed_rank(tmp_path: Path) -> Non
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.mpi
-@pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
-def test_under_mpiexec_the_job_stops_naming_the_killed_process(tmp_path: Path) -> None:
-    """MPICH's mpiexec (hydra) kills the other ranks at once and reports a terminated
-    process by pid: the job ends non-zero within seconds, and the last complete checkpoint
-    resumes exactly. Hydra does not always name the victim's pid (it may report one of
-    the ranks it killed itself), and the survivors die before zero_comm can say more."""
+def run_under_mpiexec(folder: Path, *flags: str, into: Path | None = None) -> tuple[int, str]:
+    """fault_rank.py on 3 MPI ranks under mpiexec (rank 1 killed in backward): the exit
+    status and everything the job printed (through a pipe, or a file when ``into``)."""
     mpiexec = find_mpiexec()
     assert mpiexec is not None
+    command = [mpiexec, *flags, "-n", "3", sys.executable, "-m", "mpi4py",
+               str(HERE / "fault_rank.py"), "--backend", "mpi", "--where", "backward",
+               "--folder", str(folder)]  # fmt: skip
     started = time.monotonic()
-    result = subprocess.run(
-        [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", str(HERE / "fault_rank.py"),
-         "--backend", "mpi", "--where", "backward", "--folder", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert (tmp_path / "killed_at").exists()
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "BAD TERMINATION" in output and "EXIT CODE: 9" in output, output[-2000:]
+    if into is None:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        returncode, output = result.returncode, result.stdout + result.stderr
+    else:
+        with into.open("w") as sink:
+            returncode = subprocess.run(command, stdout=sink, stderr=sink, timeout=120).returncode
+        deadline = time.monotonic() + 35  # the watchdog appends once mpiexec is gone
+        while "zero-comm:" not in into.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        output = into.read_text()
     assert time.monotonic() - started < 60
-    resumed = run_simulated(3, lambda comm: expected_state(comm, 6, tmp_path / "ckpt"))[0]
+    assert (folder / "killed_at").exists()
+    # The checkpoint on disk is complete (whatever step it is from) and resumes exactly.
+    resumed = run_simulated(3, lambda comm: expected_state(comm, 6, folder / "ckpt"))[0]
     straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    return returncode, output
+
+
+MPIEXEC = pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
+
+
+@pytest.mark.mpi
+@MPIEXEC
+@pytest.mark.parametrize("into_file", [False, True], ids=["pipe", "file"])
+def test_under_mpiexec_the_host_watchdog_names_the_killed_rank(
+    tmp_path: Path, into_file: bool
+) -> None:
+    """MPICH's mpiexec (hydra) SIGKILLs the other ranks at once, and its "BAD TERMINATION
+    ... PID p" may name one of those: the host's watchdog names the rank that died first."""
+    returncode, output = run_under_mpiexec(
+        tmp_path, into=tmp_path / "job.log" if into_file else None
+    )
+    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
+    assert returncode != 0
+    assert "BAD TERMINATION" in output
+    named = f"zero-comm: rank 1 (pid {victim_pid}, host {socket.gethostname()}) ended without"
+    assert named in output, output[-3000:]
+    assert "ranks [0, 2] were still running" in output
+
+
+@pytest.mark.mpi
+@MPIEXEC
+def test_under_mpiexec_without_auto_cleanup_every_survivor_names_the_killed_rank(
+    tmp_path: Path,
+) -> None:
+    """With -disable-auto-cleanup hydra lets the survivors live and signals them (SIGUSR1):
+    a survivor raises PeerFailureError naming the dead rank, as on gloo. Hydra still
+    SIGKILLs the rest of the job as soon as the first survivor exits, which often comes
+    before the second one has printed: so at least one report, and every report names it."""
+    returncode, output = run_under_mpiexec(tmp_path, "-disable-auto-cleanup")
+    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
+    assert returncode != 0
+    reports = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert reports and {r["rank"] for r in reports} <= {0, 2}, output[-3000:]
+    for report in reports:
+        assert report["error"] == "PeerFailureError", report
+        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
+        assert report["after_kill_s"] < 5, report
 
 
 def rank_pid(out: Path, rank: int) -> int | None:

@@ -8,10 +8,17 @@ rank-ordered algorithm, which was bit-exact and faster than a native fp16 MPI_SU
 
 Every operation is non-blocking underneath and waited on with a deadline, so a peer that
 never arrives becomes :class:`CommTimeoutError` after ``timeout`` seconds instead of a hang.
+
+A dead peer: MPICH's mpiexec kills every other rank at once (host_watch.py names the dead
+one then); with ``mpiexec -disable-auto-cleanup`` it sends the survivors SIGUSR1 instead,
+whose default action would end them silently, so a waiting rank raises
+:class:`PeerFailureError` naming the dead rank.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Any
 
@@ -21,6 +28,24 @@ from .communicator import Communicator, Work
 from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
+
+
+class _FailureNotice:
+    """Whether the launcher signalled (SIGUSR1) that a process of the job failed."""
+
+    signalled = False
+
+    @classmethod
+    def listen(cls) -> None:
+        """Take SIGUSR1 where nobody else has (its default action ends the process)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+            signal.signal(signal.SIGUSR1, cls._note)
+
+    @classmethod
+    def _note(cls, signum: int, frame: object) -> None:
+        cls.signalled = True
 
 
 def import_mpi(rank: int = 0) -> Any:
@@ -80,6 +105,7 @@ class MPICommunicator(Communicator):
             timeout=timeout,
         )
         world.peers = [Peer(*p) for p in world.mpi_comm.allgather(tuple(this_peer()))]
+        _FailureNotice.listen()
         return world
 
     def _bytes(self, tensor: torch.Tensor) -> list[Any]:
@@ -101,6 +127,13 @@ class MPICommunicator(Communicator):
         start = time.monotonic()
         polls = 0
         while not self._test(request, name):
+            if _FailureNotice.signalled:
+                raise PeerFailureError(
+                    self._err(
+                        f"{name}: the MPI launcher reported a failed process."
+                        + describe_dead(self.peers, self.rank)
+                    )
+                )
             polls += 1
             if polls % 16:
                 continue

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+from typing import Any
 
 import torch
 
+from . import host_watch
 from .communicator import Communicator
 from .errors import BackendUnavailableError
 from .launcher_env import LaunchEnv, detect_launch_env
@@ -13,6 +17,7 @@ from .launcher_env import LaunchEnv, detect_launch_env
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
+_watchdogs: list[subprocess.Popen[bytes]] = []  # kept referenced while this rank lives
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -59,15 +64,35 @@ def init(
     env = detect_launch_env()
     chosen = resolve_backend(backend, env)
     log.debug("zero_comm.init: %s, backend %s (asked %s)", env, chosen, backend)
-    options = dict(
+    options: dict[str, Any] = dict(
         deterministic=deterministic, check_consistency=check_consistency, timeout=timeout
     )
+    # An MPI launcher kills the survivors of a dead rank before they can name it: a
+    # watchdog per host does (host_watch.py). Started before the backend (and before MPI
+    # initialises, which forking after may upset), joined once the backend's set-up has
+    # synchronised the ranks, so it is listening by then.
+    watched = (
+        env.under_mpi_launcher
+        and env.world_size > 1
+        and os.environ.get("ZERO_COMM_WATCHDOG", "1") != "0"
+    )
+    if watched and env.local_rank == 0:
+        watchdog = host_watch.start(env.launcher, env.local_world_size)
+        if watchdog is not None:
+            _watchdogs.append(watchdog)
+    comm = _create(chosen, env, options)
+    if watched:
+        host_watch.connect(env.launcher, env.rank)
+    return comm
+
+
+def _create(chosen: str, env: LaunchEnv, options: dict[str, Any]) -> Communicator:
     if chosen == "mpi":
         from .mpi_backend import MPICommunicator, mpi_world_check
 
         if env.launcher != "none":
             mpi_world_check(env.rank)
-        comm: Communicator = MPICommunicator.create_world(**options)  # type: ignore[arg-type]
+        comm: Communicator = MPICommunicator.create_world(**options)
         if comm.world_size != env.world_size:
             raise BackendUnavailableError(
                 f"[rank {env.rank}] MPI sees {comm.world_size} ranks but the {env.launcher} "
@@ -76,4 +101,4 @@ def init(
         return comm
     from .torch_backend import TorchCommunicator
 
-    return TorchCommunicator.create(chosen, env, **options)  # type: ignore[arg-type]
+    return TorchCommunicator.create(chosen, env, **options)
