@@ -38,11 +38,13 @@ def run_steps(engine: zero_core.ZeroEngine, case: ParityCase, comm: Communicator
     return losses
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_resume_is_bit_exact(stage: int, tmp_path: Path) -> None:
+def test_resume_is_bit_exact(stage: int, dtype: str, tmp_path: Path) -> None:
     """Save after step 2, load into a fresh engine (fresh model), continue: parameters
-    and losses equal a run that never stopped."""
-    case = normalised(CASE)
+    and losses equal a run that never stopped. In float32 the master weights are the
+    parameters (or, at stages 1 and 2, this rank's slices of them)."""
+    case = normalised(ParityCase(**{**CASE.__dict__, "dtype": dtype}))
 
     def body(comm: Communicator) -> None:
         straight = build_engine(case, comm, stage)
@@ -81,25 +83,30 @@ def _writer(saved: SavedModel) -> int:
     return next(r for r, e in enumerate(saved.index["ranks"]) if e["pieces"] is not None)
 
 
+RUN = st.tuples(
+    st.sampled_from([1, 2, 3, 4]), st.sampled_from([0, 1, 2, 3]),
+    st.sampled_from(["bfloat16", "float32"]),
+)  # fmt: skip
+
+
 @settings(max_examples=30, deadline=None)
-@given(
-    before=st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from([0, 1, 2, 3])),
-    after=st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from([0, 1, 2, 3])),
-    bucket=st.sampled_from([64, 300, 1 << 20]),
-)
+@given(before=RUN, after=RUN, bucket=st.sampled_from([64, 300, 1 << 20]))
 def test_a_checkpoint_loads_at_any_world_size_and_stage(
-    before: tuple[int, int], after: tuple[int, int], bucket: int, tmp_path_factory: Any
-) -> None:
-    """Saved by N ranks at stage s, loaded by M ranks at stage t: the logical state
-    (every parameter's float32 master and optimizer states, the scalars) is
-    bit-identical, and training goes on exactly as stage 0 loaded from the same file."""
-    (n, s), (m, t) = before, after
-    case = normalised(ParityCase(**{**CASE.__dict__, "bucket_numel": bucket}))
+    before: tuple[int, int, str], after: tuple[int, int, str], bucket: int,
+    tmp_path_factory: Any,
+) -> None:  # fmt: skip
+    """Saved by N ranks at stage s, loaded by M ranks at stage t (each in bfloat16 or
+    float32, whose master weights are the parameters): the logical state (every
+    parameter's float32 master and optimizer states, the scalars) is bit-identical, and
+    training goes on exactly as stage 0 loaded from the same file."""
+    (n, s, saved_dtype), (m, t, dtype) = before, after
+    case = normalised(ParityCase(**{**CASE.__dict__, "bucket_numel": bucket, "dtype": dtype}))
+    saved_case = ParityCase(**{**case.__dict__, "dtype": saved_dtype})
     folder = tmp_path_factory.mktemp("reshard")
 
     def save_body(comm: Communicator) -> None:
-        engine = build_engine(case, comm, s)
-        run_steps(engine, case, comm, 0, 2)
+        engine = build_engine(saved_case, comm, s)
+        run_steps(engine, saved_case, comm, 0, 2)
         engine.save(folder / "first")
 
     def load_body(comm: Communicator) -> dict[str, torch.Tensor]:

@@ -16,9 +16,11 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
+from zero_core import MemoryReport, ZeroEngine, model_state_bytes
 from zero_core.grad_norm import BLOCK
 from zero_core.partitioned import PartitionedEngine
 
+State = dict[str, torch.Tensor]
 CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam", two_groups=True,
                   bucket_numel=20_000, persistence_threshold=0)  # fmt: skip
 
@@ -59,29 +61,65 @@ def test_memory_report_equals_the_paper(stage: int, n: int) -> None:
     assert measured == expected
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_float32_parameters_are_the_master_weights_at_stages_0_and_3(stage: int) -> None:
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n: int) -> None:
     """Float32 training keeps one float32 copy of each parameter: the optimizer steps the
-    parameters (stage 0) or the compute shard (stage 3) themselves, so Adam holds the paper's
-    16 bytes per parameter: 4 parameter + 4 gradient + 8 moments (16Ψ, or 16Ψ/N at stage 3),
-    as DDP and FSDP2 do; no separate master (it was 20Ψ before)."""
+    parameters (stage 0), this rank's slice of each parameter bucket (stages 1 and 2; the
+    all-gather after the step sends it to the others) or the compute shard (stage 3)
+    themselves, as DDP and FSDP2 do; no separate master (4Ψ, or 4Ψ/N, more before). So the
+    model states are the paper's formula with 4-byte parameters and gradients and K = 8
+    (Adam's moments), exactly: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N, with Ψ counting the
+    padding at stages 1-3 (a replica's elements). Buckets of 5000 elements: several per
+    group, and a parameter larger than a bucket (published in pieces). Two steps equal
+    stage 0 bit for bit, parameters included, and the buckets' padding stays zero."""
     case = ParityCase(widths=(37, 300, 129, 5), dtype="float32", optimizer="adam",
-                      bucket_numel=20_000, persistence_threshold=0)  # fmt: skip
+                      two_groups=True, bucket_numel=5000, persistence_threshold=0)  # fmt: skip
 
-    def body(comm: Communicator) -> tuple[object, int, int]:
+    def train_two_steps(comm: Communicator, stage: int) -> tuple[ZeroEngine, list[State], State]:
         engine = build_engine(case, comm, stage)
-        x, t = micro_batch(case, comm.rank)
-        engine.backward(loss_of(case, engine(x), t))
-        engine.step()
-        report = engine.memory_report()
-        elements = sum(m.numel() for m in engine.masters)
-        steps = 4 * sum(len(pieces) for pieces in engine.master_pieces)
-        return report, elements, steps
+        states = []
+        for step in range(2):
+            x, t = micro_batch(case, step * comm.world_size + comm.rank)
+            engine.backward(loss_of(case, engine(x), t))
+            engine.step()
+            states.append(engine.full_state_dict())
+        params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        return engine, states, params
 
-    report, elements, steps = run_simulated(2, body)[0]
-    assert report.master_weights == 0  # type: ignore[attr-defined]
-    assert report.optimizer_states == 8 * elements + steps  # type: ignore[attr-defined]
-    assert report.parameters == 4 * elements  # type: ignore[attr-defined]
+    def body(comm: Communicator) -> tuple[MemoryReport, int, int]:
+        engine, states, params = train_two_steps(comm, stage)
+        _, reference, reference_params = train_two_steps(comm, 0)
+        assert all(
+            torch.equal(a[k], b[k]) for a, b in zip(states, reference, strict=True) for k in a
+        )
+        if stage != 3:  # stage 3's parameters are placeholders between uses
+            assert all(torch.equal(params[k], reference_params[k]) for k in params)
+        pieces = [piece for group in engine.master_pieces for piece, _ in group]
+        held = getattr(engine, "param_shards", None) or list(engine.module.parameters())
+        assert {p.untyped_storage().data_ptr() for p in pieces} <= {
+            h.untyped_storage().data_ptr() for h in held
+        }, "the optimizer steps a tensor that is not the parameters' storage"
+        if stage in (1, 2):
+            assert isinstance(engine, PartitionedEngine)
+            for layout, buckets in zip(engine.layouts, engine.param_buckets, strict=True):
+                padding = [full.clone() for full in buckets]
+                for k, flat in layout.param_places():
+                    padding[k][flat.start : flat.stop] = 0.0
+                assert all(not pad.any() for pad in padding), "padding is not zero"
+        elements = sum(p.numel() for p in pieces)
+        steps = 4 * len(pieces)  # Adam's step counter, one per tensor it steps
+        return engine.memory_report(), elements, steps
+
+    report, elements, steps = run_simulated(n, body)[0]
+    replica = elements if stage == 0 else n * elements  # Ψ, or P with the padding
+    formula = model_state_bytes(
+        replica, n, stage, optimizer_state_bytes=8, param_bytes=4, grad_bytes=4
+    )
+    assert report.master_weights == 0
+    assert report.optimizer_states == 8 * elements + steps
+    assert report.model_states == formula.total + steps
+    assert report.parameters == formula.parameters
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -54,14 +54,15 @@ def test_cli_json() -> None:
 
 
 def test_cli_dtype_and_optimizer_set_the_bytes_per_parameter() -> None:
-    """fp32 SGD with momentum: 4 + 4 bytes of parameters and gradients, K = 4 + 4."""
+    """fp32 SGD with momentum: 4 + 4 bytes of parameters and gradients, K = 4 (the
+    momentum; fp32 parameters are their own master weights at every stage)."""
     out = subprocess.run(
         [sys.executable, "-m", "zero_core.estimate_cli", "--params", "1000", "--world-size",
          "4", "--dtype", "fp32", "--optimizer", "sgd-momentum", "--json"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     totals = {stage: row["total"] for stage, row in json.loads(out).items()}
-    assert totals == {"0": 16000, "1": 8000 + 2000, "2": 4000 + 3000, "3": 4000}
+    assert totals == {"0": 12000, "1": 8000 + 1000, "2": 4000 + 2000, "3": 3000}
 
 
 def test_activation_estimate_checkpoints_and_partitions() -> None:

@@ -68,15 +68,16 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
     comm.barrier()
     tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
     writes_master = comm.rank == 0 or not engine._replicated_master
+    groups = range(len(engine.master_pieces))
     if writes_master:
-        for g, master in enumerate(engine.masters):
-            tensors.append((f"master.{g}", master.detach()))
+        for g in groups:
+            tensors.append((f"master.{g}", engine._master_values(g)))
             for key, value in _sharded_states(engine, g).items():
                 tensors.append((f"state.{g}.{key}", value))
     if comm.rank == 0:
         tensors += [(f"whole.{name}", t) for name, t in engine.whole_tensors().items()]
     written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
-    pieces = [_pieces_json(engine, g) for g in range(len(engine.masters))]
+    pieces = [_pieces_json(engine, g) for g in groups]
     everyone = comm.all_gather_object(
         {"file": written.to_json(), "pieces": pieces if writes_master else None}
     )
@@ -222,11 +223,9 @@ def load(engine: ZeroEngine, path: str | os.PathLike[str]) -> dict[str, Any]:
         return files[rank]
 
     try:
-        for g, master in enumerate(engine.masters):
+        for g in range(len(engine.master_pieces)):
             saved = _saved_pieces(index, g)
-            with torch.no_grad():
-                flat = master.detach().view(-1)
-                _fill(flat, engine._shard_pieces(g), saved, file_of, f"master.{g}")
+            _fill_master(engine, g, saved, file_of)
             _load_optimizer_group(engine, index, g, saved, file_of)
         whole = engine.whole_tensors()
         for name, tensor in whole.items():
@@ -341,6 +340,20 @@ def _fill(
             raise CheckpointError(f"{name}: parameter {i} elements {wanted} are not all saved")
 
 
+def _fill_master(
+    engine: ZeroEngine, group: int, saved: Saved, file_of: Callable[[int], TensorFile]
+) -> None:
+    """Read this rank's master of ``group`` straight into the pieces the optimizer steps
+    (each parameter piece lies within one of them): in place, whether the master is one
+    tensor or, with float32 parameters at stages 1 and 2, slices of the parameters."""
+    needed = engine._shard_pieces(group)
+    with torch.no_grad():
+        for piece, where in engine.master_pieces[group]:
+            start, stop = where.start or 0, where.stop
+            inside = [(i, r, offset - start) for i, r, offset in needed if start <= offset < stop]
+            _fill(piece.detach().view(-1), inside, saved, file_of, f"master.{group}")
+
+
 def _load_optimizer_group(
     engine: ZeroEngine, index: dict[str, Any], group: int, saved: Saved,
     file_of: Callable[[int], TensorFile],
@@ -350,10 +363,10 @@ def _load_optimizer_group(
     first = next((r for r, e in enumerate(index["ranks"]) if e["pieces"] is not None), 0)
     prefix = f"state.{group}."
     keys = [n[len(prefix) :] for n in file_of(first).names if n.startswith(prefix)]
-    master = engine.masters[group]
+    numel = sum(piece.numel() for piece, _ in engine.master_pieces[group])
     buffers = {}
     for key in keys:
-        buffers[key] = torch.zeros(master.numel(), dtype=file_of(first).entry(prefix + key)[0])
+        buffers[key] = torch.zeros(numel, dtype=file_of(first).entry(prefix + key)[0])
         _fill(buffers[key], engine._shard_pieces(group), saved, file_of, prefix + key)
     scalars = entry["scalar_states"]
     for piece, where in engine.master_pieces[group]:

@@ -83,6 +83,10 @@ class ZeroEngine(abc.ABC):
         self._init_values = None  # consumed; do not keep the caller's tensors alive
         self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self._cast_module()
+        # Per group, the float32 tensor holding this rank's master weights; empty where
+        # they are no one tensor (float32 parameters at stages 1 and 2: this rank's slice
+        # of each parameter bucket). ``master_pieces``, the tensors the optimizer steps,
+        # tile each group's master in order at every stage.
         self.masters = self._build(initial)
         self.master_pieces = self._master_pieces()
         self.optimizer = groups.build(
@@ -92,15 +96,22 @@ class ZeroEngine(abc.ABC):
     # ----------------------------------------------------------- stage policy
     @abc.abstractmethod
     def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """Lay out parameters and gradients; return the float32 master tensor of each group.
+        """Lay out parameters and gradients; return the float32 master tensor of each group
+        (none where the master is no one tensor; see ``masters``).
 
         ``initial`` maps id(parameter) to its float32 value, identical on every rank."""
 
     def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
         """Per group, the tensors the optimizer steps and where each sits in the group's
-        master: here the whole master. Partitioned stages cut it at bucket boundaries so
-        the optimizer's temporaries are bounded by the bucket size, not the model."""
+        master, in order, covering it: here the whole master. Partitioned stages cut it at
+        bucket boundaries so the optimizer's temporaries are bounded by the bucket size,
+        not the model."""
         return [[(master, slice(0, master.numel()))] for master in self.masters]
+
+    def _master_values(self, group: int) -> torch.Tensor:
+        """This rank's float32 master of ``group``, flat, at the offsets of
+        ``_shard_pieces`` (what a checkpoint saves): the master tensor itself here."""
+        return self.masters[group].detach().view(-1)
 
     def _before_backward(self, first_micro_step: bool) -> None:
         """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
@@ -326,7 +337,8 @@ class ZeroEngine(abc.ABC):
         the float32 master values of the others are untouched) back into the master
         weights on exit; with ``modifier_rank``, that rank's values are broadcast first.
         Without ``modify`` the values are for reading: changes are not kept (stage 3
-        drops them on exit, the others at the next step)."""
+        drops them on exit, the others at the next step; but float32 parameters at stages
+        0-2 are master weights, so do not change them there without ``modify``)."""
         trainable = {id(p) for _, p in self.trainable_parameters()}
         wanted = [p for _, p in self.trainable_parameters()] if params is None else params
         wanted = [p for p in wanted if id(p) in trainable]
@@ -378,7 +390,8 @@ class ZeroEngine(abc.ABC):
         return result
 
     # float32 compute parameters that are the master weights themselves (no second copy);
-    # set by stages that do this, so the report does not count the same bytes twice.
+    # set by every stage when the parameters are float32, so the report does not count the
+    # same bytes twice.
     _masters_are_parameters = False
 
     def _master_bytes(self) -> int:
@@ -386,8 +399,9 @@ class ZeroEngine(abc.ABC):
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds now, by category (views of one storage count once). With
-        float32 parameters at stages 0 and 3 the master weights are the parameters and
-        count once, under ``parameters``."""
+        float32 parameters the master weights are the parameters (stage 0), this rank's
+        slice of them (stages 1 and 2) or the compute shard (stage 3), and count once,
+        under ``parameters``."""
         return MemoryReport(
             parameters=tensor_bytes(self.module.parameters()),
             gradients=tensor_bytes(self._gradient_tensors()),

@@ -17,7 +17,8 @@ from .memory_estimate import STAGES, model_state_bytes
 
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-# float32 bytes per parameter an optimizer keeps, besides the fp32 master copy (4).
+# float32 bytes per parameter an optimizer keeps, besides the fp32 master copy (4; none
+# with fp32 parameters, which are their own master weights at every stage).
 OPTIMIZER_STATE_BYTES = {
     "adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adagrad": 4, "rmsprop": 4,
 }  # fmt: skip
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adam",
-        help="sets K = 4 (fp32 master) + the optimizer's fp32 states",
+        help="sets K = 4 (fp32 master, not with --dtype fp32) + the optimizer's fp32 states",
     )  # fmt: skip
     parser.add_argument(
         "--optimizer-state-bytes", "-K", type=float, default=None,
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # fmt: skip
     k = args.optimizer_state_bytes
     if k is None:
-        k = 4 + OPTIMIZER_STATE_BYTES[args.optimizer]
+        k = (0 if args.dtype == "fp32" else 4) + OPTIMIZER_STATE_BYTES[args.optimizer]
     width = DTYPE_BYTES[args.dtype]
     rows = {
         stage: model_state_bytes(

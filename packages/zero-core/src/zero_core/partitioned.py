@@ -4,7 +4,14 @@ the update. stage1.py and stage2.py choose where the gradients live.
 
 Per parameter group (see group_layout): compute parameters are views into full,
 padded bucket buffers (every rank holds all of them); this rank's float32 master shard
-holds its slice of every bucket, one after another.
+holds its slice of every bucket, one after another. With float32 parameters there is no
+separate master: the master of bucket k is this rank's own slice of bucket k's parameter
+buffer, a view, so the optimizer updates the parameters' storage in place and the
+all-gather after the step sends each rank's slice to the others (model states 4Ψ + 4Ψ
++ 8Ψ/N at stage 1 and 4Ψ + 12Ψ/N at stage 2 for Adam, as the paper's formula with K = 8):
+
+    bucket k, N = 4, rank 1     | r0 | r1 | r2 | r3 |   parameters (float32, full)
+                                       ^^^^ rank 1's master of bucket k (the same bytes)
 """
 
 from __future__ import annotations
@@ -26,44 +33,78 @@ from .group_layout import GroupLayout, piece_numel
 class PartitionedEngine(ZeroEngine):
     """Stages 1 and 2; subclasses set ``_gradient_targets``."""
 
+    # float32 parameters: this rank's slice of each parameter bucket is its master (no
+    # master tensor of its own: ``masters`` is empty, see _master_slices).
+    _masters_in_buckets = False
+
     def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         rank, size = self.comm.rank, self.comm.world_size
         self.layouts = [
             GroupLayout.build([p.numel() for p in params], size, self.config.bucket_numel)
             for params in self.groups.params
         ]
+        self._masters_in_buckets = self.dtype == torch.float32
+        self._masters_are_parameters = self._masters_in_buckets
         self.param_buckets: list[list[torch.Tensor]] = []
         self._param_views: dict[int, torch.Tensor] = {}
         masters: list[torch.Tensor] = []
         for params, layout in zip(self.groups.params, self.layouts, strict=True):
             buckets = [torch.zeros(b.layout.padded_numel, dtype=self.dtype) for b in layout.buckets]
-            full32 = [torch.zeros(b.layout.padded_numel) for b in layout.buckets]
             for p, (k, flat) in zip(params, layout.param_places(), strict=True):
-                full32[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
                 buckets[k][flat.start : flat.stop] = initial[id(p)].reshape(-1)
                 p.data = buckets[k][flat.start : flat.stop].view(p.shape)
                 self._param_views[id(p)] = p.data
-            master = torch.zeros(layout.shard_numel)
-            for bucket, values in zip(layout.buckets, full32, strict=True):
-                mine = bucket.layout.shard_flat_range(rank)
-                master[bucket.local_offset : bucket.local_offset + bucket.slice_numel] = values[
-                    mine.start : mine.stop
-                ]
             self.param_buckets.append(buckets)
+            if self._masters_in_buckets:
+                continue
+            master = torch.zeros(layout.shard_numel)
+            for p, (k, flat) in zip(params, layout.param_places(), strict=True):
+                bucket = layout.buckets[k]
+                mine = bucket.layout.shard_flat_range(rank)
+                piece = flat.intersect(mine)
+                if piece.size:
+                    local = piece.shift(mine.start - bucket.local_offset)
+                    values = initial[id(p)].reshape(-1)[piece.start - flat.start :]
+                    master[local.start : local.stop] = values[: piece.size]
             masters.append(torch.nn.Parameter(master))
         self._build_reducer()
         return masters
 
+    def _master_slices(self, group: int) -> list[torch.Tensor]:
+        """This rank's float32 master weights of each bucket of ``group``, in bucket order
+        (together: the group's master, ``_shard_pieces`` offsets): slices of the master
+        tensor, or with float32 parameters views of this rank's own slice of each
+        parameter bucket (writes reach the parameters; padding elements are zero)."""
+        buckets = self.layouts[group].buckets
+        if self._masters_in_buckets:
+            rank = self.comm.rank
+            return [
+                full[b.layout.shard_flat_range(rank).start :][: b.slice_numel]
+                for b, full in zip(buckets, self.param_buckets[group], strict=True)
+            ]
+        master = self.masters[group].detach()
+        return [master[b.local_offset : b.local_offset + b.slice_numel] for b in buckets]
+
+    def _master_values(self, group: int) -> torch.Tensor:
+        if not self._masters_in_buckets:
+            return super()._master_values(group)
+        slices = self._master_slices(group)
+        return torch.cat(slices) if slices else torch.zeros(0)
+
     def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
-        """One optimizer tensor per bucket slice: aliases of the master (the optimizer's
-        in-place updates land in it), so its temporaries stay within a bucket's slice."""
-        pieces = super()._master_pieces()
-        for g, (layout, master) in enumerate(zip(self.layouts, self.masters, strict=True)):
-            if len(layout.buckets) > 1:
-                pieces[g] = []
-                for bucket in layout.buckets:
-                    where = slice(bucket.local_offset, bucket.local_offset + bucket.slice_numel)
-                    pieces[g].append((torch.nn.Parameter(master.detach()[where]), where))
+        """One optimizer tensor per bucket slice: aliases of the master slices (the
+        optimizer's in-place updates land in them), so its temporaries stay within a
+        bucket's slice. A group of one bucket steps its whole master, where it has one."""
+        pieces: list[list[tuple[torch.Tensor, slice]]] = []
+        for g, layout in enumerate(self.layouts):
+            if len(layout.buckets) <= 1 and not self._masters_in_buckets:
+                master = self.masters[g]
+                pieces.append([(master, slice(0, master.numel()))])
+                continue
+            pieces.append([])
+            for bucket, values in zip(layout.buckets, self._master_slices(g), strict=True):
+                where = slice(bucket.local_offset, bucket.local_offset + bucket.slice_numel)
+                pieces[g].append((torch.nn.Parameter(values), where))
         return pieces
 
     def _build_reducer(
@@ -184,18 +225,18 @@ class PartitionedEngine(ZeroEngine):
                 self.comm.buffers.give_back(gathered)
             self.comm.buffers.give_back(staged)
 
-        for layout, master, buckets in zip(
-            self.layouts, self.masters, self.param_buckets, strict=True
-        ):
-            for bucket, full in zip(layout.buckets, buckets, strict=True):
+        for g, (layout, buckets) in enumerate(zip(self.layouts, self.param_buckets, strict=True)):
+            masters = self._master_slices(g)
+            for bucket, full, master in zip(layout.buckets, buckets, masters, strict=True):
                 size = bucket.slice_numel
                 width = piece_numel(bucket.layout.padded_numel, self.config.bucket_numel, n)
                 oversized = width < size
                 for a in range(0, size, width):
                     b = min(a + width, size)
+                    # Staged apart: the master may be ``full``'s own slice, and the
+                    # communicator does not promise an input that aliases the output.
                     mine = self.comm.buffers.take(b - a, self.dtype)
-                    start = bucket.local_offset + a
-                    mine.copy_(master.detach()[start : start + b - a])
+                    mine.copy_(master[a:b])
                     if oversized:
                         gathered = self.comm.buffers.take(n * (b - a), self.dtype)
                         destination = full.view(n, size)[:, a:b]
@@ -233,7 +274,8 @@ class PartitionedEngine(ZeroEngine):
         return pieces
 
     def _write_back(self, wanted: set[int]) -> None:
-        self._write_pieces_back(wanted, lambda g, k: self.param_buckets[g][k])
+        if not self._masters_in_buckets:  # else the parameters are the master already
+            self._write_pieces_back(wanted, lambda g, k: self.param_buckets[g][k])
 
     def _write_pieces_back(
         self, wanted: set[int], full_bucket: Callable[[int, int], torch.Tensor]
@@ -241,30 +283,26 @@ class PartitionedEngine(ZeroEngine):
         """For each wanted parameter, the part in this rank's shard: from the full bucket
         (compute dtype) into the float32 master, one parameter piece at a time."""
         rank = self.comm.rank
-        for g, (params, layout, master) in enumerate(
-            zip(self.groups.params, self.layouts, self.masters, strict=True)
-        ):
-            for k, bucket in enumerate(layout.buckets):
+        for g, (params, layout) in enumerate(zip(self.groups.params, self.layouts, strict=True)):
+            masters = self._master_slices(g)
+            for k, (bucket, master) in enumerate(zip(layout.buckets, masters, strict=True)):
                 mine = bucket.layout.shard_flat_range(rank)
                 for i, flat in zip(
                     bucket.param_indices, bucket.layout.param_flat_ranges(), strict=True
                 ):
                     piece = flat.intersect(mine)
                     if id(params[i]) in wanted and piece.size:
-                        local = piece.shift(mine.start - bucket.local_offset)
+                        local = piece.shift(mine.start)
                         values = full_bucket(g, k)[piece.start : piece.stop]
-                        master.detach()[local.start : local.stop] = values
+                        master[local.start : local.stop] = values
 
     def _full_master_values(self) -> dict[int, torch.Tensor]:
         values = {}
-        for params, layout, master in zip(
-            self.groups.params, self.layouts, self.masters, strict=True
-        ):
+        for g, (params, layout) in enumerate(zip(self.groups.params, self.layouts, strict=True)):
             gathered = []
-            for bucket in layout.buckets:
+            for bucket, master in zip(layout.buckets, self._master_slices(g), strict=True):
                 full = torch.empty(bucket.layout.padded_numel)
-                start = bucket.local_offset
-                self.comm.all_gather(full, master.detach()[start : start + bucket.slice_numel])
+                self.comm.all_gather(full, master)
                 gathered.append(full)
             for p, (k, flat) in zip(params, layout.param_places(), strict=True):
                 values[id(p)] = gathered[k][flat.start : flat.stop].view(p.shape)

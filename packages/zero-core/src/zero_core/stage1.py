@@ -10,8 +10,10 @@ After backward, each bucket of the full gradient is reduce-scattered: rank r rec
 reduced quarter it owns, steps its master quarter, and all-gathers the updated parameters.
 
 Memory per rank (mixed precision Adam, K = 12): 2Ψ + 2Ψ + KΨ/N = 4Ψ + KΨ/N, plus the
-alignment padding of the buckets. With gradient accumulation the reduced slices accumulate
-in a separate shard of 2Ψ/N (the full gradient buffer is reused by every micro-step).
+alignment padding of the buckets; float32 Adam: 4Ψ + 4Ψ + 8Ψ/N (the master is this
+rank's slice of the parameters themselves, see partitioned). With gradient accumulation
+the reduced slices accumulate in a separate shard of 2Ψ/N (the full gradient buffer is
+reused by every micro-step).
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N, the same as stage 0.
 """
 

@@ -12,8 +12,9 @@ at most ``max_buckets_in_flight`` outstanding), overlapped with the rest of back
 rank r adds the reduced slice it owns into its gradient shard (accumulating over
 micro-steps).
 
-Memory per rank (mixed precision Adam, K = 12): 2Ψ + (2 + K)Ψ/N plus alignment padding,
-plus communication buffers from the communicator's pool, bounded by the configuration: for
+Memory per rank (mixed precision Adam, K = 12): 2Ψ + (2 + K)Ψ/N plus alignment padding
+(float32 Adam: 4Ψ + 12Ψ/N, the master being this rank's slice of the parameters), plus
+communication buffers from the communicator's pool, bounded by the configuration: for
 each of at most ``max_buckets_in_flight + 1`` buckets being reduced, the bucket's staging
 copy, the reduce-scatter's receive rows (one more bucket) and its output slice, each
 rounded up to a power of two. A parameter larger than ``bucket_numel`` is a bucket of its

@@ -4,9 +4,9 @@
 zero_core.MemoryTracker and returns, per rank, the peak of each step (highest phase peak
 above the step's resident start, plus the tensors resident then: model states,
 communication buffers, the checkpoint arena) next to the prediction: model states from
-the paper's formula (float32 parameters and gradients; K = 8 for AdamW's moments at
-stages 0 and 3, whose parameters are the masters, 12 with the master shard at 1 and 2),
-the communicator's buffers as counted, and zero_core.activation_estimate.
+the paper's formula (float32 parameters and gradients; K = 8 for AdamW's moments: the
+float32 parameters are the master weights at every stage), the communicator's buffers as
+counted, and zero_core.activation_estimate.
 Used by the memory tests and tools/memory_chart.py (run it on real ranks: resident memory
 is per process).
 """
@@ -82,11 +82,10 @@ def train_and_measure(
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size,
                              batch * config.context)  # fmt: skip
     params_here = sum(p.numel() for p in model.parameters())
-    # float32 compute: stages 0 and 3 step the parameters themselves (K = 8 for AdamW's two
-    # moments); stages 1 and 2 keep a float32 master shard besides (K = 12).
-    k = 8 if stage in (0, 3) else 12
+    # float32 compute: every stage steps the parameters (or their shard) themselves, so
+    # K = 8 for AdamW's two moments, no master.
     states = zero_core.model_state_bytes(
-        params_here, mesh.dp.world_size, stage, optimizer_state_bytes=k, param_bytes=4,
+        params_here, mesh.dp.world_size, stage, optimizer_state_bytes=8, param_bytes=4,
         grad_bytes=4,
     ).total  # fmt: skip
     activations = activation_bytes(shape, tp=tp, checkpoint=mode)  # type: ignore[arg-type]
