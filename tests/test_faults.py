@@ -86,13 +86,15 @@ def test_zero_launch_stops_the_job_naming_the_killed_rank(tmp_path: Path) -> Non
     assert time.monotonic() - started < 60
 
 
-def run_under_mpiexec(folder: Path, *flags: str, into: Path | None = None) -> tuple[int, str]:
-    """fault_rank.py on 3 MPI ranks under mpiexec (rank 1 killed in backward): the exit
+def run_under_mpiexec(
+    folder: Path, *flags: str, into: Path | None = None, where: str = "backward"
+) -> tuple[int, str]:
+    """fault_rank.py on 3 MPI ranks under mpiexec (rank 1 killed at ``where``): the exit
     status and everything the job printed (through a pipe, or a file when ``into``)."""
     mpiexec = find_mpiexec()
     assert mpiexec is not None
     command = [mpiexec, *flags, "-n", "3", sys.executable, "-m", "mpi4py",
-               str(HERE / "fault_rank.py"), "--backend", "mpi", "--where", "backward",
+               str(HERE / "fault_rank.py"), "--backend", "mpi", "--where", where,
                "--folder", str(folder)]  # fmt: skip
     started = time.monotonic()
     if into is None:
@@ -119,14 +121,20 @@ MPIEXEC = pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
 
 @pytest.mark.mpi
 @MPIEXEC
-@pytest.mark.parametrize("into_file", [False, True], ids=["pipe", "file"])
+@pytest.mark.parametrize(
+    ("where", "into_file"),
+    [("backward", False), ("backward", True)]
+    + [pytest.param(w, False, marks=SLOW) for w in WHERE if w != "backward"],
+    ids=lambda v: {False: "pipe", True: "file"}.get(v, v) if isinstance(v, bool) else v,
+)
 def test_under_mpiexec_the_host_watchdog_names_the_killed_rank(
-    tmp_path: Path, into_file: bool
+    tmp_path: Path, where: str, into_file: bool
 ) -> None:
     """MPICH's mpiexec (hydra) SIGKILLs the other ranks at once, and its "BAD TERMINATION
-    ... PID p" may name one of those: the host's watchdog names the rank that died first."""
+    ... PID p" may name one of those: the host's watchdog names the rank that died first,
+    wherever it died (forward, backward, inside a collective, the step, a save)."""
     returncode, output = run_under_mpiexec(
-        tmp_path, into=tmp_path / "job.log" if into_file else None
+        tmp_path, into=tmp_path / "job.log" if into_file else None, where=where
     )
     victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
     assert returncode != 0

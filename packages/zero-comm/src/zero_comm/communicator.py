@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import torch
 
 from .buffers import BufferPool
-from .errors import CollectiveMismatchError, CommError
+from .call_schedule import CallSchedule
+from .errors import CollectiveMismatchError, CommError, CommTimeoutError
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .reduce_op import ReduceOp
@@ -61,6 +62,24 @@ _CODE_COLLECTIVE = {code: name for name, code in _COLLECTIVE_CODE.items()}
 # Labels travel as a 32-bit code; every label a process has used is remembered here so an
 # error can print another rank's label (ranks label the same things with the same strings).
 _LABELS: dict[int, str] = {}
+
+
+CHECK_MODES = ("every", "digest", "off")
+
+
+def check_mode(check_consistency: bool | str) -> str:
+    """``check_consistency`` as one of CHECK_MODES (True is "every", False is "off")."""
+    if check_consistency is True:
+        return "every"
+    if check_consistency is False:
+        return "off"
+    if check_consistency not in CHECK_MODES:
+        raise ValueError(
+            f"check_consistency={check_consistency!r}: use True or 'every' (compare each call "
+            "before its data moves), 'digest' (compare only calls not seen before in that "
+            "place; nearly free in a training loop), or False / 'off'"
+        )
+    return str(check_consistency)
 
 
 def _label_code(label: str) -> int:
@@ -135,8 +154,12 @@ class Communicator(abc.ABC):
         backend: "gloo", "nccl", "mpi" or "simulated".
         device: where tensors passed to collectives must live.
         deterministic: every float SUM/AVG adds contributions in rank order.
-        check_consistency: before each collective, ranks compare (collective, dtype, numel,
-            op, root) and all raise :class:`CollectiveMismatchError` if any differ.
+        check_consistency: ranks compare each collective's (collective, dtype, numel, op,
+            root, label) and all raise :class:`CollectiveMismatchError` if any differ, before
+            its data moves. True / "every": one small all-gather per call. "digest": only
+            calls not agreed before in the same place are compared, out of band
+            (call_schedule.py); a training loop's steps after the first cost nothing.
+            False / "off": no check.
         timeout: seconds a collective may wait for its peers.
         stats: calls and ring-convention volume per collective.
     """
@@ -149,7 +172,7 @@ class Communicator(abc.ABC):
         backend: str,
         device: torch.device,
         deterministic: bool,
-        check_consistency: bool,
+        check_consistency: bool | str,
         timeout: float,
     ) -> None:
         self.rank = rank
@@ -158,6 +181,12 @@ class Communicator(abc.ABC):
         self.device = device
         self.deterministic = deterministic
         self.check_consistency = check_consistency
+        self._schedule = CallSchedule()
+        self._resolving = False
+        self._diverged: str | None = None  # the collective at which a digest check failed
+        # Calls this rank compared with the other ranks' (every call with "every"; with
+        # "digest" only the calls its schedule did not predict, and those others resolved).
+        self.compared_calls = 0
         self.timeout = timeout
         self.stats = CommStats(world_size)
         self.buffers = BufferPool(device)
@@ -166,6 +195,15 @@ class Communicator(abc.ABC):
         self._pending: deque[Handle] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
+
+    @property
+    def check_consistency(self) -> bool | str:
+        return self._check_consistency
+
+    @check_consistency.setter
+    def check_consistency(self, value: bool | str) -> None:
+        self._check_mode = check_mode(value)
+        self._check_consistency = value
 
     def __repr__(self) -> str:
         return (
@@ -221,6 +259,14 @@ class Communicator(abc.ABC):
     def _check_open(self, name: str) -> None:
         if self.closed:
             raise CommError(self._err(f"{name}: this communicator was closed; create a new one"))
+        if self._diverged is not None:
+            raise CollectiveMismatchError(
+                self._err(
+                    f"{name}: this communicator stopped at the divergence of {self._diverged}: "
+                    "ranks that went ahead with that collective still have it in flight, so "
+                    "nothing more can be exchanged on it. Fix the divergence and restart."
+                )
+            )
 
     def _check_tensor(self, name: str, role: str, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -313,10 +359,27 @@ class Communicator(abc.ABC):
             row = [_COLLECTIVE_CODE[name], *describe(), _label_code(label)]
         except (TypeError, ValueError) as exc:
             error, row = exc, [_INVALID, 0, 0, 0, 0, 0]
-        if not self.check_consistency or self.world_size == 1:
+        if self._check_mode == "off" or self.world_size == 1:
             if error is not None:
                 raise error
             return
+        if self._check_mode == "digest":
+            call = tuple(row)
+            if error is None and self._schedule.predicts(call):
+                self._schedule.go_ahead(self._sequence, name, call)
+                return
+            predicted = self._schedule.prediction()
+            rows = self._resolve_unpredicted(name, call)
+            if predicted is not None and list(predicted) in rows:
+                # Some ranks went ahead with the predicted collective: after the error
+                # below this communicator is unusable (see _check_open).
+                self._diverged = f"{name} #{self._sequence}"
+            if error is not None:
+                raise error
+            self._judge(name, self._sequence, rows)
+            self._schedule.agreed(call)
+            return
+        self.compared_calls += 1
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world_size * len(row), dtype=torch.int64, device=self.device)
         self._wait(
@@ -324,12 +387,17 @@ class Communicator(abc.ABC):
         )
         if error is not None:
             raise error
-        rows = everyone.view(self.world_size, -1).tolist()
+        self._judge(name, self._sequence, everyone.view(self.world_size, -1).tolist())
+        self._schedule.agreed(tuple(row))  # so that switching to "digest" starts informed
+
+    def _judge(self, name: str, sequence: int, rows: list[list[int]]) -> None:
+        """Raise :class:`CollectiveMismatchError` unless every rank's call ``rows[r]`` of
+        collective number ``sequence`` is the same valid call."""
         invalid = [r for r, other in enumerate(rows) if other[0] == _INVALID]
         if invalid:
             raise CollectiveMismatchError(
                 self._err(
-                    f"{name} #{self._sequence}: ranks {invalid} passed invalid arguments (see "
+                    f"{name} #{sequence}: ranks {invalid} passed invalid arguments (see "
                     "their errors); this rank stops too, so that no rank waits for them"
                 )
             )
@@ -338,11 +406,73 @@ class Communicator(abc.ABC):
         seen = "; ".join(f"rank {r}: {_describe_call(other)}" for r, other in enumerate(rows))
         raise CollectiveMismatchError(
             self._err(
-                f"{name} #{self._sequence}: ranks disagree on the collective: {seen}. Every "
+                f"{name} #{sequence}: ranks disagree on the collective: {seen}. Every "
                 "rank must call the same collectives in the same order, with the same numel, "
                 "dtype, op, root and label."
             )
         )
+
+    # ------------------------------------------------ the digest check's channel
+    def _resolve(self, name: str, sequence: int, call: tuple[int, ...]) -> list[list[int]]:
+        """Post this rank's call number ``sequence`` out of band and collect every rank's."""
+        self._resolving = True
+        self.compared_calls += 1
+        try:
+            self._post_call(sequence, call)
+            return self._collect_calls(sequence, call, f"{name} #{sequence} (digest check)")
+        finally:
+            self._resolving = False
+
+    def _resolve_unpredicted(self, name: str, call: tuple[int, ...]) -> list[list[int]]:
+        """Resolve this rank's call, which its schedule did not predict. If the others never
+        join (a backend whose waits cannot look for posts, such as nccl), the schedule still
+        says what they are most likely calling."""
+        predicted = self._schedule.prediction()
+        try:
+            return self._resolve(name, self._sequence, call)
+        except CommTimeoutError as exc:
+            if predicted is None:
+                raise
+            raise CollectiveMismatchError(
+                self._err(
+                    f"{name} #{self._sequence}: this rank called {_describe_call(list(call))} "
+                    f"where every rank agreed before on {_describe_call(list(predicted))}, "
+                    "and the others did not compare their calls within the timeout (they are "
+                    "most likely in that one). Every rank must call the same collectives in "
+                    "the same order."
+                )
+            ) from exc
+
+    def _join_resolution(self) -> None:
+        """Called by the backends while a collective waits (digest check): if another rank
+        is resolving a call this rank went ahead with, resolve it too (and raise: that
+        call was predicted here, so it cannot agree with one predicted nowhere)."""
+        if self._resolving or self._check_mode != "digest":
+            return
+        sequence = self._posted_call()
+        if sequence is None or sequence not in self._schedule.predicted:
+            return  # none, or one this rank has not reached yet: it will wait there
+        name, call = self._schedule.predicted.pop(sequence)
+        rows = self._resolve(name, sequence, call)
+        try:
+            self._judge(name, sequence, rows)
+        except CollectiveMismatchError:
+            self._diverged = f"{name} #{sequence}"  # this rank went ahead: still in flight
+            raise
+
+    def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
+        raise NotImplementedError(f"the {self.backend} backend has no digest check")
+
+    def _posted_call(self) -> int | None:
+        """The sequence number of a call another rank has posted and this rank has not
+        collected yet (None if there is none)."""
+        return None
+
+    def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
+        """Every rank's call number ``sequence`` (this rank's is ``call``), once all have
+        posted it; CommTimeoutError about ``what``, naming the ranks that did not post
+        within the timeout."""
+        raise NotImplementedError(f"the {self.backend} backend has no digest check")
 
     def _complete(self, handle: Handle, async_op: bool) -> Handle | None:
         if async_op:

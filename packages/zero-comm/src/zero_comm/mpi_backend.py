@@ -29,6 +29,8 @@ from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
 
+_TAG_LIMIT = 32768  # MPI guarantees tags up to 32767
+
 
 class _FailureNotice:
     """Whether the launcher signalled (SIGUSR1) that a process of the job failed."""
@@ -68,7 +70,7 @@ class MPICommunicator(Communicator):
         mpi_comm: Any,
         *,
         deterministic: bool,
-        check_consistency: bool,
+        check_consistency: bool | str,
         timeout: float,
     ) -> None:
         self._MPI = import_mpi()
@@ -92,10 +94,14 @@ class MPICommunicator(Communicator):
             torch.uint8: mpi.UINT8_T,
         }
         self._ops = {ReduceOp.SUM: mpi.SUM, ReduceOp.MAX: mpi.MAX, ReduceOp.MIN: mpi.MIN}
+        # The digest check's channel: a communicator of its own, so that no call posted
+        # there can ever match a data collective.
+        self._calls_comm = mpi_comm.Dup()
+        self._call_sends: list[tuple[Any, torch.Tensor]] = []
 
     @classmethod
     def create_world(
-        cls, *, deterministic: bool, check_consistency: bool, timeout: float
+        cls, *, deterministic: bool, check_consistency: bool | str, timeout: float
     ) -> MPICommunicator:
         mpi = import_mpi()
         world = cls(
@@ -146,6 +152,8 @@ class MPICommunicator(Communicator):
                         + describe_dead(self.peers, self.rank)
                     )
                 )
+            if waited > 0.002 and polls % 256 == 0:
+                self._join_resolution()
             if waited > 0.01:
                 time.sleep(1e-4)
             elif waited > 0.001:
@@ -163,6 +171,36 @@ class MPICommunicator(Communicator):
                     f"{describe_dead(self.peers, self.rank)} ({exc})"
                 )
             ) from exc
+
+    def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
+        mine = torch.tensor(call, dtype=torch.int64)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                request = self._calls_comm.Isend(
+                    self._typed_buffer(mine), dest=peer, tag=sequence % _TAG_LIMIT
+                )
+                self._call_sends.append((request, mine))
+
+    def _posted_call(self) -> int | None:
+        status = self._MPI.Status()
+        if not self._calls_comm.Iprobe(self._MPI.ANY_SOURCE, self._MPI.ANY_TAG, status):
+            return None
+        tag = status.Get_tag()
+        return next((s for s in self._schedule.predicted if s % _TAG_LIMIT == tag), None)
+
+    def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
+        rows = torch.zeros(self.world_size, len(call), dtype=torch.int64)
+        rows[self.rank] = torch.tensor(call)
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                request = self._calls_comm.Irecv(
+                    self._typed_buffer(rows[peer]), source=peer, tag=sequence % _TAG_LIMIT
+                )
+                self._wait(request, what)
+        for request, _ in self._call_sends:
+            self._wait(request, what)
+        self._call_sends.clear()
+        return rows.tolist()
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         chunk_bytes = inp.numel() * inp.element_size() // self.world_size
@@ -213,6 +251,7 @@ class MPICommunicator(Communicator):
         super().close()
         if self.mpi_comm is not None and not self._MPI.Is_finalized():
             self.mpi_comm.Free()
+            self._calls_comm.Free()
             self.mpi_comm = None
 
 

@@ -12,6 +12,8 @@ that forgets ``deterministic=True`` sees the same kind of differences as on gloo
 
 A rank that raises breaks the barrier, and every other rank stops at its next collective
 with :class:`CommError` instead of waiting for the timeout.
+
+The digest consistency check's out-of-band channel is a dictionary of posted calls.
 """
 
 from __future__ import annotations
@@ -33,24 +35,62 @@ from .reduce_op import ReduceOp
 T = TypeVar("T")
 
 
+class _Broken(Exception):
+    """The meeting point was abandoned: a rank failed, or one waited past the timeout."""
+
+
 class _SharedWorld:
     """What the threads of one simulated group share."""
 
     def __init__(self, world_size: int, timeout: float) -> None:
         self.world_size = world_size
         self.timeout = timeout
-        self.barrier = threading.Barrier(world_size)
         self.slots: list[Any] = [None] * world_size
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.children: dict[tuple[int, int], _SharedWorld] = {}
         self.arrived = [0] * world_size
         self.failed = False
+        self.broken = False
+        self._waiting = 0
+        self._generation = 0
+        # The digest check's channel: sequence number -> {rank: call}.
+        self.calls: dict[int, dict[int, list[int]]] = {}
+        self.collected: dict[int, int] = {}
+
+    def meet(self, poll: Callable[[], None]) -> None:
+        """Wait until every rank has called ``meet`` (a barrier); ``poll`` runs every few
+        milliseconds meanwhile (the digest check looks for posted calls there)."""
+        deadline = time.monotonic() + self.timeout
+        with self.changed:
+            if self.failed or self.broken:
+                raise _Broken
+            generation = self._generation
+            self._waiting += 1
+            if self._waiting == self.world_size:
+                self._waiting = 0
+                self._generation += 1
+                self.changed.notify_all()
+                return
+        while True:
+            poll()
+            with self.changed:
+                if self._generation != generation:
+                    return
+                if self.failed or self.broken:
+                    raise _Broken
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.broken = True
+                    self.changed.notify_all()
+                    raise _Broken
+                self.changed.wait(min(remaining, 0.005))
 
     def abort(self) -> None:
         """A rank failed: release every rank waiting here or in any descendant group."""
-        self.failed = True
-        self.barrier.abort()
-        with self.lock:
+        with self.changed:
+            self.failed = True
+            self.changed.notify_all()
             children = list(self.children.values())
         for child in children:
             child.abort()
@@ -65,7 +105,7 @@ class SimulatedCommunicator(Communicator):
         rank: int,
         *,
         deterministic: bool = True,
-        check_consistency: bool = True,
+        check_consistency: bool | str = True,
         defer_outputs: bool = False,
     ) -> None:
         super().__init__(
@@ -94,8 +134,8 @@ class SimulatedCommunicator(Communicator):
     def _sync(self) -> None:
         shared = self._shared
         try:
-            shared.barrier.wait(timeout=shared.timeout)
-        except threading.BrokenBarrierError:
+            shared.meet(self._join_resolution)
+        except _Broken:
             if shared.failed:
                 raise CommError(self._err("a peer failed; this collective was abandoned")) from None
             behind = [r for r, n in enumerate(shared.arrived) if n < max(shared.arrived)]
@@ -117,6 +157,42 @@ class SimulatedCommunicator(Communicator):
 
     def _wait(self, work: Work, name: str) -> None:
         work.wait()
+
+    def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
+        shared = self._shared
+        with shared.changed:
+            shared.calls.setdefault(sequence, {})[self.rank] = list(call)
+            shared.changed.notify_all()
+
+    def _posted_call(self) -> int | None:
+        shared = self._shared
+        with shared.lock:
+            waiting = [s for s, calls in shared.calls.items() if self.rank not in calls]
+        return min(waiting, default=None)
+
+    def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
+        shared = self._shared
+        with shared.changed:
+            posted = shared.calls[sequence]
+            complete = shared.changed.wait_for(
+                lambda: len(posted) == self.world_size or shared.failed, shared.timeout
+            )
+            if shared.failed:
+                raise CommError(self._err("a peer failed; this collective was abandoned"))
+            if not complete:
+                missing = sorted(set(range(self.world_size)) - set(posted))
+                raise CommTimeoutError(
+                    self._err(
+                        f"{what} did not complete within "
+                        f"{shared.timeout}s: ranks {missing} never arrived (they failed, are "
+                        "stuck, or called fewer collectives)"
+                    )
+                )
+            rows = [posted[r] for r in range(self.world_size)]
+            shared.collected[sequence] = shared.collected.get(sequence, 0) + 1
+            if shared.collected[sequence] == self.world_size:
+                del shared.calls[sequence], shared.collected[sequence]
+        return rows
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         size = self.world_size
@@ -214,7 +290,7 @@ def run_simulated(
     body: Callable[[Communicator], T],
     *,
     deterministic: bool = True,
-    check_consistency: bool = True,
+    check_consistency: bool | str = True,
     timeout: float = 60.0,
     defer_outputs: bool = False,
 ) -> list[T]:

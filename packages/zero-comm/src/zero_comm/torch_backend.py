@@ -37,7 +37,7 @@ class TorchCommunicator(Communicator):
         backend: str,
         device: torch.device,
         deterministic: bool,
-        check_consistency: bool,
+        check_consistency: bool | str,
         timeout: float,
     ) -> None:
         super().__init__(
@@ -50,6 +50,11 @@ class TorchCommunicator(Communicator):
             timeout=timeout,
         )
         self.group = group
+        # The digest check's channel: keys under this prefix in the rendezvous store.
+        self._calls_store: Any = None
+        self._calls_prefix = ""
+        self._posts_seen = 0
+        self._splits = 0
 
     @classmethod
     def create(
@@ -58,7 +63,7 @@ class TorchCommunicator(Communicator):
         env: LaunchEnv,
         *,
         deterministic: bool,
-        check_consistency: bool,
+        check_consistency: bool | str,
         timeout: float,
     ) -> TorchCommunicator:
         """Rendezvous and create the world process group, or reuse an existing one."""
@@ -106,9 +111,27 @@ class TorchCommunicator(Communicator):
             timeout=timeout,
         )
         world.peers = peers
+        world._calls_store = (
+            _WorldSession._current.store
+            if _WorldSession._current is not None
+            else dist.distributed_c10d._get_default_store()
+        )
+        _WorldSession.worlds += 1
+        world._calls_prefix = f"zero_comm/calls/{_WorldSession.worlds}"
         return world
 
     def _wait(self, work: Work, name: str) -> None:
+        if self._check_mode == "digest" and not self._resolving and self.backend == "gloo":
+            # Poll instead of blocking, to join a resolution another rank has started: this
+            # collective cannot complete until it has (see call_schedule.py). Not on nccl,
+            # where wait() does not block the host and polling would.
+            start, next_look = time.monotonic(), 0.002
+            while not work.is_completed():  # type: ignore[attr-defined]
+                waited = time.monotonic() - start
+                if waited > next_look:
+                    self._join_resolution()
+                    next_look = min(2 * next_look, waited + 0.05)
+                time.sleep(0 if waited < 0.001 else 1e-4)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -131,6 +154,42 @@ class TorchCommunicator(Communicator):
                     )
                 ) from exc
             raise CommError(self._err(f"{name} failed: {text.strip()}")) from exc
+
+    def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
+        if self._calls_store is None:
+            raise BackendUnavailableError(
+                self._err("check_consistency='digest' needs torch's rendezvous store; use True")
+            )
+        store, prefix = self._calls_store, self._calls_prefix
+        store.set(f"{prefix}/{sequence}/{self.rank}", " ".join(map(str, call)))
+        store.set(f"{prefix}/posted", str(sequence))
+        store.add(f"{prefix}/posts", 1)
+
+    def _posted_call(self) -> int | None:
+        store, prefix = self._calls_store, self._calls_prefix
+        if store is None or store.add(f"{prefix}/posts", 0) <= self._posts_seen:
+            return None
+        return int(store.get(f"{prefix}/posted"))
+
+    def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
+        store, prefix = self._calls_store, self._calls_prefix
+        keys = [f"{prefix}/{sequence}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:  # torch's DistStoreError is one
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise CommTimeoutError(
+                self._err(
+                    f"{what}: ranks {missing} did not compare their call within "
+                    f"{self.timeout}s.{describe_dead(self.peers, self.rank)}"
+                )
+            ) from exc
+        rows = [[int(v) for v in bytes(value).split()] for value in store.multi_get(keys)]
+        self._posts_seen += self.world_size
+        if store.add(f"{prefix}/{sequence}/collected", 1) == self.world_size:
+            for key in [*keys, f"{prefix}/{sequence}/collected"]:
+                store.delete_key(key)
+        return rows
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         return dist.all_to_all_single(out, inp, group=self.group, async_op=True)  # type: ignore[no-any-return]
@@ -188,6 +247,9 @@ class TorchCommunicator(Communicator):
         )
         if self.peers is not None:
             child.peers = [peer for _, _, _, peer in chosen]
+        child._calls_store = self._calls_store
+        child._calls_prefix = f"{self._calls_prefix}.{self._splits}:{color}"
+        self._splits += 1
         return child
 
     def close(self) -> None:
@@ -198,6 +260,11 @@ class TorchCommunicator(Communicator):
         Closing a subgroup destroys that subgroup's process group.
         """
         if self.closed:
+            return
+        if self._diverged is not None:
+            # Some ranks still have a collective in flight here: no barrier can pair up.
+            # The process group goes with the world session (at interpreter exit).
+            super().close()
             return
         if self.group is dist.group.WORLD and dist.is_initialized():
             if _WorldSession.created_here():
@@ -227,6 +294,7 @@ class _WorldSession:
     """
 
     _current: _WorldSession | None = None
+    worlds = 0  # world communicators created in this process (every rank alike)
 
     def __init__(self, store: Any, rank: int, world_size: int) -> None:
         self.store = store

@@ -44,7 +44,7 @@ def init(
     *,
     deterministic: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
-    check_consistency: bool = True,
+    check_consistency: bool | str = "digest",
 ) -> Communicator:
     """The world communicator of this process, as its launcher set it up.
 
@@ -55,9 +55,11 @@ def init(
             same sum computed in one process.
         timeout: seconds the rendezvous and each collective may wait for the other ranks
             before raising :class:`~zero_comm.errors.CommTimeoutError`.
-        check_consistency: compare each collective's (name, dtype, numel, op, root) across
-            ranks first, so a mismatch raises on every rank instead of hanging or giving a
-            wrong answer. Costs one small all-gather per collective.
+        check_consistency: compare each collective's (name, dtype, numel, op, root, label)
+            across ranks before its data moves, so a mismatch raises on every rank instead of
+            hanging or giving a wrong answer. True / "every": one small all-gather per
+            collective. "digest": only calls not agreed on before in the same place, out of
+            band (after a training loop's first step, nearly free). False / "off".
     """
     if timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")

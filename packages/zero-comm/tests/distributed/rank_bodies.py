@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from zero_comm import CommTimeoutError, Communicator
+from zero_comm import CollectiveMismatchError, CommTimeoutError, Communicator
 from zero_comm.testing.properties import (
     CollectiveCase,
     check_case,
@@ -111,3 +111,30 @@ def splits_of_splits(comm: Communicator) -> list[float]:
     for group in (tie, reversed_, interleaved, alone, pairs):
         group.close()
     return [one.item(), mine.item(), float(tie.rank), float(reversed_.rank)]
+
+
+def diverges_after_warm_up(comm: Communicator, mode: str) -> dict[str, object]:
+    """Six steps of three collectives; at step 5 rank 1 all-gathers another label. The
+    calls compared per step, the error's message and how long it took to come.
+
+    On a communicator of its own: with "digest" the ranks that went ahead still have their
+    all-gather in flight, so the communicator is unusable after (the harness needs its)."""
+    comm = comm.split(color=0)
+    comm.check_consistency = mode
+    compared = []
+    for step in range(6):
+        before = comm.compared_calls
+        label = "layer 1" if step == 5 and comm.rank == 1 else "layer 0"
+        started = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(64), label="norm")
+            comm.all_gather(torch.empty(16 * comm.world_size), torch.ones(16), label=label)
+            comm.reduce_scatter(torch.empty(8), torch.ones(8 * comm.world_size), label="grads")
+        except CollectiveMismatchError as exc:
+            return {
+                "compared": compared,
+                "message": str(exc),
+                "after_s": time.monotonic() - started,
+            }
+        compared.append(comm.compared_calls - before)
+    return {"compared": compared, "message": "", "after_s": 0.0}

@@ -222,3 +222,25 @@ def test_a_rank_whose_rendezvous_host_is_unreachable_gets_a_named_error() -> Non
                             text=True, timeout=60)  # fmt: skip
     assert result.returncode != 0
     assert "[rank 1] could not reach the rendezvous store at 127.0.0.1" in result.stderr
+
+
+@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
+@pytest.mark.parametrize("mode", ["every", "digest"])
+def test_a_divergence_after_warm_up_is_named_on_every_rank(
+    backend: str, launcher: str, mode: str
+) -> None:
+    """Every rank raises CollectiveMismatchError naming each rank's call, at once. With
+    "digest" a call is compared while its context (the 8 calls before it) is new: the
+    first 8 + 3 calls here; the fifth step compares nothing."""
+    reports = run_on_ranks(rank_bodies.diverges_after_warm_up, 3, backend=backend,
+                           launcher=launcher, comm_timeout=60, kwargs={"mode": mode})  # fmt: skip
+    for rank, report in enumerate(r["value"] for r in reports):
+        message = report["message"]
+        assert message.startswith(f"[rank {rank}] all_gather #"), message
+        # A label travels as a code: a rank that never used 'layer 1' prints its code.
+        theirs = "'layer 1'" if rank == 1 else "'label#"
+        assert f"rank 1: all_gather(float32, numel=16, {theirs}" in message, message
+        assert "rank 0: all_gather(float32, numel=16, 'layer 0')" in message, message
+        assert report["after_s"] < 10, report
+        expected = [3, 3, 3, 3, 3] if mode == "every" else [3, 3, 3, 2, 0]
+        assert report["compared"] == expected, report
