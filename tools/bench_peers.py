@@ -437,6 +437,13 @@ def run_probe(args: argparse.Namespace) -> None:
                 states = trainer.state_bytes().model_states  # gradients held
             phase = f"optimizer step {step + 1}"
             trainer.optimizer_step()
+        phase = "report"  # still under the cap: an allocation here fails as well
+        record = {
+            "rss_increase_mib": (status_kib("VmHWM") - base_rss) / 1024,
+            "vm_increase_mib": (status_kib("VmPeak") - base_vm) / 1024,
+            "model_state_mib": states / MIB,
+        }
+        everyone = world.all_gather_object(record)
     except (MemoryError, RuntimeError) as exc:
         text = str(exc).splitlines()[0][:300]
         where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -447,12 +454,6 @@ def run_probe(args: argparse.Namespace) -> None:
             flush=True,
         )
         os._exit(3)  # the others are stuck in a collective: zero-launch stops them
-    record = {
-        "rss_increase_mib": (status_kib("VmHWM") - base_rss) / 1024,
-        "vm_increase_mib": (status_kib("VmPeak") - base_vm) / 1024,
-        "model_state_mib": states / MIB,
-    }
-    everyone = world.all_gather_object(record)
     if world.rank == 0 and args.json:
         Path(args.json).write_text(
             json.dumps({"ok": True, "parameters": config.num_params, "ranks": everyone})

@@ -180,6 +180,11 @@ def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
     layers = guess
     while len(probes) < MAX_PROBES and time.time() < deadline:
         result = probe(variant, layers, budget_mib)
+        if not result["ok"] and result["how"].startswith("error"):
+            # Not an out-of-memory: a crash (a C++ allocation under the cap in a helper
+            # thread, a peer's teardown) is retried once, so noise is not read as capacity.
+            probes.append(result)
+            result = {**probe(variant, layers, budget_mib), "retry": True}
         probes.append(result)
         print(
             f"[search] {variant} {layers} layers ({result['parameters'] / 1e6:.0f}M): "
