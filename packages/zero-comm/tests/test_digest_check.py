@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_comm import CollectiveMismatchError, Communicator, run_simulated
+from zero_comm.call_check import check_mode
 from zero_comm.call_schedule import WINDOW
-from zero_comm.communicator import check_mode
 
 KINDS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
 

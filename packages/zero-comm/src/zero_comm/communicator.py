@@ -10,8 +10,9 @@ reduce in the backend's own order:
     _reduce_scatter_native(out, inp, op)
 
 and this class builds the public collectives from them: argument checks, the cross-rank
-consistency check, the statistics, the rank-ordered (deterministic) reductions, AVG, and
-the asynchronous handles. All tensors are flat and contiguous on ``self.device``.
+consistency check (its base class, call_check.py), the statistics, the rank-ordered
+(deterministic) reductions, AVG, and the asynchronous handles. All tensors are flat and
+contiguous on ``self.device``.
 
 Which reduction is used:
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import pickle
-import zlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -35,59 +35,19 @@ from typing import Any, Protocol
 import torch
 
 from .buffers import BufferPool
-from .call_schedule import CallSchedule
-from .errors import CollectiveMismatchError, CommError, CommTimeoutError
+from .call_check import (
+    COLLECTIVE_CODE,
+    DTYPE_CODE,
+    INVALID_CALL,
+    SUPPORTED_DTYPES,
+    CallCheck,
+    label_code,
+)
+from .errors import CommError
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .reduce_op import ReduceOp
 from .stats import CommStats
-
-SUPPORTED_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int8,
-    torch.uint8,
-)
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
-_COLLECTIVE_CODE = {
-    "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 5,
-    "split": 6, "broadcast_object": 7, "all_gather_object": 8,
-}  # fmt: skip
-_INVALID = -1  # a rank whose own arguments were bad sends this as its collective code
-_CODE_COLLECTIVE = {code: name for name, code in _COLLECTIVE_CODE.items()}
-# Labels travel as a 32-bit code; every label a process has used is remembered here so an
-# error can print another rank's label (ranks label the same things with the same strings).
-_LABELS: dict[int, str] = {}
-
-
-CHECK_MODES = ("every", "digest", "off")
-
-
-def check_mode(check_consistency: bool | str) -> str:
-    """``check_consistency`` as one of CHECK_MODES (True is "every", False is "off")."""
-    if check_consistency is True:
-        return "every"
-    if check_consistency is False:
-        return "off"
-    if check_consistency not in CHECK_MODES:
-        raise ValueError(
-            f"check_consistency={check_consistency!r}: use True or 'every' (compare each call "
-            "before its data moves), 'digest' (compare only calls not seen before in that "
-            "place; nearly free in a training loop), or False / 'off'"
-        )
-    return str(check_consistency)
-
-
-def _label_code(label: str) -> int:
-    if not label:
-        return 0
-    code = zlib.crc32(label.encode()) + 1
-    _LABELS[code] = label
-    return code
 
 
 class Work(Protocol):
@@ -145,7 +105,7 @@ class Handle:
         return self._done
 
 
-class Communicator(abc.ABC):
+class Communicator(CallCheck):
     """A group of ``world_size`` ranks and the collectives among them.
 
     Attributes:
@@ -180,13 +140,7 @@ class Communicator(abc.ABC):
         self.backend = backend
         self.device = device
         self.deterministic = deterministic
-        self.check_consistency = check_consistency
-        self._schedule = CallSchedule()
-        self._resolving = False
-        self._diverged: str | None = None  # the collective at which a digest check failed
-        # Calls this rank compared with the other ranks' (every call with "every"; with
-        # "digest" only the calls its schedule did not predict, and those others resolved).
-        self.compared_calls = 0
+        self._init_call_check(check_consistency)
         self.timeout = timeout
         self.stats = CommStats(world_size)
         self.buffers = BufferPool(device)
@@ -195,15 +149,6 @@ class Communicator(abc.ABC):
         self._pending: deque[Handle] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
-
-    @property
-    def check_consistency(self) -> bool | str:
-        return self._check_consistency
-
-    @check_consistency.setter
-    def check_consistency(self, value: bool | str) -> None:
-        self._check_mode = check_mode(value)
-        self._check_consistency = value
 
     def __repr__(self) -> str:
         return (
@@ -259,19 +204,12 @@ class Communicator(abc.ABC):
     def _check_open(self, name: str) -> None:
         if self.closed:
             raise CommError(self._err(f"{name}: this communicator was closed; create a new one"))
-        if self._diverged is not None:
-            raise CollectiveMismatchError(
-                self._err(
-                    f"{name}: this communicator stopped at the divergence of {self._diverged}: "
-                    "ranks that went ahead with that collective still have it in flight, so "
-                    "nothing more can be exchanged on it. Fix the divergence and restart."
-                )
-            )
+        self._check_not_diverged(name)
 
     def _check_tensor(self, name: str, role: str, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(self._err(f"{name}: {role} must be a torch.Tensor, got {type(tensor)}"))
-        if tensor.dtype not in _DTYPE_CODE:
+        if tensor.dtype not in DTYPE_CODE:
             supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise TypeError(
                 self._err(f"{name}: {role} has dtype {tensor.dtype}; supported: {supported}")
@@ -356,123 +294,10 @@ class Communicator(abc.ABC):
         self._sequence += 1
         error: Exception | None = None
         try:
-            row = [_COLLECTIVE_CODE[name], *describe(), _label_code(label)]
+            row = [COLLECTIVE_CODE[name], *describe(), label_code(label)]
         except (TypeError, ValueError) as exc:
-            error, row = exc, [_INVALID, 0, 0, 0, 0, 0]
-        if self._check_mode == "off" or self.world_size == 1:
-            if error is not None:
-                raise error
-            return
-        if self._check_mode == "digest":
-            call = tuple(row)
-            if error is None and self._schedule.predicts(call):
-                self._schedule.go_ahead(self._sequence, name, call)
-                return
-            predicted = self._schedule.prediction()
-            rows = self._resolve_unpredicted(name, call)
-            if predicted is not None and list(predicted) in rows:
-                # Some ranks went ahead with the predicted collective: after the error
-                # below this communicator is unusable (see _check_open).
-                self._diverged = f"{name} #{self._sequence}"
-            if error is not None:
-                raise error
-            self._judge(name, self._sequence, rows)
-            self._schedule.agreed(call)
-            return
-        self.compared_calls += 1
-        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.world_size * len(row), dtype=torch.int64, device=self.device)
-        self._wait(
-            self._all_gather(everyone, mine), f"{name} #{self._sequence} (consistency check)"
-        )
-        if error is not None:
-            raise error
-        self._judge(name, self._sequence, everyone.view(self.world_size, -1).tolist())
-        self._schedule.agreed(tuple(row))  # so that switching to "digest" starts informed
-
-    def _judge(self, name: str, sequence: int, rows: list[list[int]]) -> None:
-        """Raise :class:`CollectiveMismatchError` unless every rank's call ``rows[r]`` of
-        collective number ``sequence`` is the same valid call."""
-        invalid = [r for r, other in enumerate(rows) if other[0] == _INVALID]
-        if invalid:
-            raise CollectiveMismatchError(
-                self._err(
-                    f"{name} #{sequence}: ranks {invalid} passed invalid arguments (see "
-                    "their errors); this rank stops too, so that no rank waits for them"
-                )
-            )
-        if all(other == rows[0] for other in rows):
-            return
-        seen = "; ".join(f"rank {r}: {_describe_call(other)}" for r, other in enumerate(rows))
-        raise CollectiveMismatchError(
-            self._err(
-                f"{name} #{sequence}: ranks disagree on the collective: {seen}. Every "
-                "rank must call the same collectives in the same order, with the same numel, "
-                "dtype, op, root and label."
-            )
-        )
-
-    # ------------------------------------------------ the digest check's channel
-    def _resolve(self, name: str, sequence: int, call: tuple[int, ...]) -> list[list[int]]:
-        """Post this rank's call number ``sequence`` out of band and collect every rank's."""
-        self._resolving = True
-        self.compared_calls += 1
-        try:
-            self._post_call(sequence, call)
-            return self._collect_calls(sequence, call, f"{name} #{sequence} (digest check)")
-        finally:
-            self._resolving = False
-
-    def _resolve_unpredicted(self, name: str, call: tuple[int, ...]) -> list[list[int]]:
-        """Resolve this rank's call, which its schedule did not predict. If the others never
-        join (a backend whose waits cannot look for posts, such as nccl), the schedule still
-        says what they are most likely calling."""
-        predicted = self._schedule.prediction()
-        try:
-            return self._resolve(name, self._sequence, call)
-        except CommTimeoutError as exc:
-            if predicted is None:
-                raise
-            raise CollectiveMismatchError(
-                self._err(
-                    f"{name} #{self._sequence}: this rank called {_describe_call(list(call))} "
-                    f"where every rank agreed before on {_describe_call(list(predicted))}, "
-                    "and the others did not compare their calls within the timeout (they are "
-                    "most likely in that one). Every rank must call the same collectives in "
-                    "the same order."
-                )
-            ) from exc
-
-    def _join_resolution(self) -> None:
-        """Called by the backends while a collective waits (digest check): if another rank
-        is resolving a call this rank went ahead with, resolve it too (and raise: that
-        call was predicted here, so it cannot agree with one predicted nowhere)."""
-        if self._resolving or self._check_mode != "digest":
-            return
-        sequence = self._posted_call()
-        if sequence is None or sequence not in self._schedule.predicted:
-            return  # none, or one this rank has not reached yet: it will wait there
-        name, call = self._schedule.predicted.pop(sequence)
-        rows = self._resolve(name, sequence, call)
-        try:
-            self._judge(name, sequence, rows)
-        except CollectiveMismatchError:
-            self._diverged = f"{name} #{sequence}"  # this rank went ahead: still in flight
-            raise
-
-    def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
-        raise NotImplementedError(f"the {self.backend} backend has no digest check")
-
-    def _posted_call(self) -> int | None:
-        """The sequence number of a call another rank has posted and this rank has not
-        collected yet (None if there is none)."""
-        return None
-
-    def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
-        """Every rank's call number ``sequence`` (this rank's is ``call``), once all have
-        posted it; CommTimeoutError about ``what``, naming the ranks that did not post
-        within the timeout."""
-        raise NotImplementedError(f"the {self.backend} backend has no digest check")
+            error, row = exc, [INVALID_CALL, 0, 0, 0, 0, 0]
+        self._agree(name, row, error)
 
     def _complete(self, handle: Handle, async_op: bool) -> Handle | None:
         if async_op:
@@ -510,7 +335,7 @@ class Communicator(abc.ABC):
         def describe() -> tuple[int, int, int, int]:
             self._check_tensor(name, "tensor", tensor)
             self._check_op(name, op, tensor.dtype)
-            return _DTYPE_CODE[tensor.dtype], tensor.numel(), op.value, -1
+            return DTYPE_CODE[tensor.dtype], tensor.numel(), op.value, -1
 
         self._enter(name, describe, label)
         self.stats.record(name, tensor.numel(), tensor.element_size())
@@ -542,7 +367,7 @@ class Communicator(abc.ABC):
         def describe() -> tuple[int, int, int, int]:
             self._check_pair(name, output, input, 1, self.world_size)
             self._check_op(name, op, input.dtype)
-            return _DTYPE_CODE[input.dtype], input.numel(), op.value, -1
+            return DTYPE_CODE[input.dtype], input.numel(), op.value, -1
 
         self._enter(name, describe, label)
         self.stats.record(name, input.numel(), input.element_size())
@@ -572,7 +397,7 @@ class Communicator(abc.ABC):
 
         def describe() -> tuple[int, int, int, int]:
             self._check_pair(name, output, input, self.world_size, 1)
-            return _DTYPE_CODE[input.dtype], input.numel(), -1, -1
+            return DTYPE_CODE[input.dtype], input.numel(), -1, -1
 
         self._enter(name, describe, label)
         self.stats.record(name, output.numel(), output.element_size())
@@ -591,7 +416,7 @@ class Communicator(abc.ABC):
         def describe() -> tuple[int, int, int, int]:
             self._check_tensor(name, "tensor", tensor)
             self._check_src(name, src)
-            return _DTYPE_CODE[tensor.dtype], tensor.numel(), -1, src
+            return DTYPE_CODE[tensor.dtype], tensor.numel(), -1, src
 
         self._enter(name, describe, label)
         self.stats.record(name, tensor.numel(), tensor.element_size())
@@ -699,18 +524,3 @@ def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
         if data
         else torch.empty(0, dtype=torch.uint8, device=device)
     )
-
-
-def _describe_call(row: list[int]) -> str:
-    collective, dtype_code, numel, op, root, label = row
-    name = _CODE_COLLECTIVE.get(collective, f"collective#{collective}")
-    parts = []
-    if 0 <= dtype_code < len(SUPPORTED_DTYPES):
-        parts += [str(SUPPORTED_DTYPES[dtype_code]).removeprefix("torch."), f"numel={numel}"]
-    if op in {o.value for o in ReduceOp}:
-        parts.append(ReduceOp(op).name)
-    if root >= 0:
-        parts.append(f"src={root}")
-    if label:
-        parts.append(repr(_LABELS.get(label, f"label#{label:x}")))
-    return f"{name}({', '.join(parts)})"

@@ -127,6 +127,14 @@ class _Connection:
             pass
 
 
+_connected: list[_Connection] = []  # this process's line, once made (init may run again)
+
+
+def connected() -> bool:
+    """Whether this process has registered with its host's watchdog already."""
+    return bool(_connected)
+
+
 def connect(launcher: str, rank: int) -> _Connection | None:
     """Register this rank with its host's watchdog (None where there is none)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -136,7 +144,8 @@ def connect(launcher: str, rank: int) -> _Connection | None:
     except OSError:
         sock.close()
         return None
-    return _Connection(sock)
+    _connected.append(_Connection(sock))
+    return _connected[0]
 
 
 def describe_end(rank: int, pid: int, ending: str, running: list[int]) -> str:

@@ -77,6 +77,7 @@ def init(
         env.under_mpi_launcher
         and env.world_size > 1
         and os.environ.get("ZERO_COMM_WATCHDOG", "1") != "0"
+        and not host_watch.connected()  # a second init in this process: watched already
     )
     if watched and env.local_rank == 0:
         watchdog = host_watch.start(env.launcher, env.local_world_size)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from zero_comm.communicator import SUPPORTED_DTYPES, Communicator
+from zero_comm.call_check import SUPPORTED_DTYPES
+from zero_comm.communicator import Communicator
 from zero_comm.errors import CollectiveMismatchError
 from zero_comm.reduce_op import ReduceOp
 
