@@ -246,8 +246,8 @@ def run_all(args: argparse.Namespace) -> None:
             "context": SEARCH_CONTEXT,
             "batch_per_rank": 1,
             "budget_mib_per_rank": args.search_budget_mib,
-            "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank; "
-            + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
+            "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank, over "
+            "the build and the 2 steps; " + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
             "results": results,
         }
         (raw / "largest-n4.json").write_text(json.dumps(search, indent=1))
