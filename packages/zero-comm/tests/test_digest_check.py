@@ -186,3 +186,18 @@ def test_where_waiting_ranks_cannot_join_the_diverging_rank_names_what_they_run(
     assert (
         "where every rank agreed before on all_gather(float32, numel=2, 'layer 0')" in (messages[1])
     )
+
+
+def test_looking_for_posts_survives_a_store_that_has_gone() -> None:
+    """Rank 0 hosts the store and may exit as soon as its last collective completes, while
+    another rank still waits for that collective's data (which arrives): a failing store
+    must not turn that wait into an error (it did: 'Connection reset by peer')."""
+    from zero_comm.torch_backend import TorchCommunicator
+
+    class GoneStore:
+        def add(self, key: str, value: int) -> int:
+            raise RuntimeError("Connection reset by peer")
+
+    comm = TorchCommunicator.__new__(TorchCommunicator)
+    comm._calls_store, comm._calls_prefix, comm._posts_seen = GoneStore(), "p", 0
+    assert comm._posted_call() is None

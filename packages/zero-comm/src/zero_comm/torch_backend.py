@@ -167,9 +167,17 @@ class TorchCommunicator(Communicator):
 
     def _posted_call(self) -> int | None:
         store, prefix = self._calls_store, self._calls_prefix
-        if store is None or store.add(f"{prefix}/posts", 0) <= self._posts_seen:
+        if store is None:
             return None
-        return int(store.get(f"{prefix}/posted"))
+        try:
+            if store.add(f"{prefix}/posts", 0) <= self._posts_seen:
+                return None
+            return int(store.get(f"{prefix}/posted"))
+        except RuntimeError:
+            # The store is gone (rank 0, its host, has finished and exited) while this
+            # collective still completes: looking for posts is best effort, the wait itself
+            # reports a real failure.
+            return None
 
     def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
         store, prefix = self._calls_store, self._calls_prefix
