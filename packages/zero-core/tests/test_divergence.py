@@ -104,6 +104,7 @@ def test_a_divergence_after_several_agreeing_steps_is_named(stage: int, mode: st
 def test_digest_compares_nothing_once_the_training_loop_is_learned() -> None:
     """A call is compared while the 8 calls before it are new (call_schedule.WINDOW): here
     7 calls a step, so through the third step; nothing from the fourth on."""
+
     def body(comm: Communicator) -> list[int]:
         m = model()
         config = zero_core.ZeroConfig(stage=3, persistence_threshold=0)
