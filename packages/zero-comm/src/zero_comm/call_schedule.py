@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 Call = tuple[int, ...]  # (collective, dtype, numel, op, root, label): see communicator.py
 
 WINDOW = 8  # calls of context: long enough that a step's calls rarely share one
-LIMIT = 1 << 16  # schedule entries kept; a program whose calls never repeat starts over
+LIMIT = 1 << 14  # schedule entries kept (a few MB); a program whose calls never repeat starts over
 RECENT = 64  # predicted calls remembered, for joining a resolution that names one
 
 
