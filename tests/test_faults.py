@@ -144,7 +144,10 @@ def test_under_mpiexec_the_host_watchdog_names_the_killed_rank(
     assert "ranks [0, 2] were still running" in output
 
 
+# In `nox -s faults`, not the default run: under heavy load (two CI runs at once) hydra's
+# SIGKILL of the job once the first survivor exits outran every survivor's report once.
 @pytest.mark.mpi
+@SLOW
 @MPIEXEC
 def test_under_mpiexec_without_auto_cleanup_every_survivor_names_the_killed_rank(
     tmp_path: Path,
