@@ -15,8 +15,10 @@ Every session installs torch pinned first (TORCH), so that pip never resolves th
 from __future__ import annotations
 
 from pathlib import Path
+from xml.etree import ElementTree
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_venv = "yes"
@@ -57,11 +59,15 @@ def tests(session: nox.Session) -> None:
     """Everything that runs on CPU: unit, simulated, gloo and MPI real-process tests.
 
     Packages are installed one at a time, bottom up, and each package's own tests run
-    before the packages above it are installed: zero-comm is proven to work alone.
+    before the packages above it are installed: zero-comm is proven to work alone. A
+    failing package does not stop the others: every package's tests run, the last lines
+    list the failures of all of them, and the session fails if any failed.
     """
     session.install(TORCH)
     session.install(*TEST_DEPS, *MPI_DEPS)
     session.run("pip", "uninstall", "--quiet", "--yes", *PACKAGES[1:])
+    reports = Path(session.create_tmp())
+    failures: dict[str, list[str]] = {}
     for index, name in enumerate(PACKAGES):
         session.install("-e", f"packages/{name}")
         session.run(
@@ -70,8 +76,40 @@ def tests(session: nox.Session) -> None:
             "found = [p for p in above if u.find_spec(p.replace('-', '_'))]; "
             "sys.exit(f'installed above this layer: {found}' if found else 0)",
         )  # fmt: skip
-        _pytest(session, TEST_DIRS[name], "-m", "not nccl and not faults")
-    _pytest(session, CROSS_PACKAGE_TESTS, "-m", "not nccl and not faults")
+        _pytest_noting_failures(session, name, reports, failures, TEST_DIRS[name])
+    _pytest_noting_failures(session, CROSS_PACKAGE_TESTS, reports, failures, CROSS_PACKAGE_TESTS)
+    if failures:
+        for label, tests in failures.items():
+            session.warn(f"{label}: {len(tests)} failed")
+            for test in tests:
+                session.warn(f"  {test}")
+        session.error(f"tests failed in {', '.join(failures)}")
+
+
+def _pytest_noting_failures(
+    session: nox.Session, label: str, reports: Path, failures: dict[str, list[str]], *args: str
+) -> None:
+    """Run pytest on ``args`` (CPU markers); on failure note the failed tests, go on."""
+    report = reports / f"junit-{label}.xml"
+    report.unlink(missing_ok=True)
+    try:
+        _pytest(session, *args, "-m", "not nccl and not faults", f"--junitxml={report}")
+    except CommandFailed:
+        failures[label] = _failed_tests(report)
+
+
+def _failed_tests(report: Path) -> list[str]:
+    """The failed and erroring test ids of a JUnit XML report."""
+    try:
+        root = ElementTree.parse(report).getroot()
+    except (OSError, ElementTree.ParseError):
+        return [f"(pytest stopped before writing {report.name}: see its output above)"]
+    failed = []
+    for case in root.iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error")), None)
+        if outcome is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')} ({outcome})")
+    return failed or ["(pytest failed without a failing test: see its output above)"]
 
 
 @nox.session

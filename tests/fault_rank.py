@@ -32,6 +32,7 @@ from torch import nn
 
 import zero_comm
 import zero_core
+from zero_comm.testing.threads import pin_test_threads
 
 WHERE = ("forward", "backward", "collective", "step", "save")
 KILL_STEP = 3
@@ -112,7 +113,7 @@ def main() -> int:
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=10.0)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    pin_test_threads()  # the test compares with its own run: the same thread count
     comm = zero_comm.init(args.backend, deterministic=True, timeout=args.timeout)
     engine = build(comm)
     try:

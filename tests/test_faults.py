@@ -19,6 +19,7 @@ import torch
 from zero_comm import run_simulated
 from zero_comm.launch import free_port, rank_environment
 from zero_comm.testing import find_mpiexec
+from zero_models.run_metrics import read_metrics
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -30,7 +31,7 @@ TIMEOUT_S = 10.0
 def start_ranks(where: str, folder: Path, world_size: int = 3) -> list[subprocess.Popen[str]]:
     """The ranks of one job, started directly (no launcher to stop the survivors)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)  # the test run's thread count (conftest.py)
     command = [sys.executable, str(HERE / "fault_rank.py"), "--where", where,
                "--folder", str(folder), "--timeout", str(TIMEOUT_S)]  # fmt: skip
     return [
@@ -212,7 +213,6 @@ def test_zero_train_stops_naming_a_killed_rank_and_resumes_bit_for_bit(tmp_path:
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     def losses(out: str) -> list[float]:
-        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(line)["loss"] for line in lines]
+        return [r["loss"] for r in read_metrics(tmp_path / out / "metrics.jsonl")[1]]
 
     assert losses("b") == losses("c")[steps:]

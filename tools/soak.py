@@ -18,7 +18,6 @@ differ. Writes ``OUT/soak.md``. ``--report-only`` re-reads runs already in OUT.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from zero_core.consolidate import SavedModel
+from zero_models.run_metrics import read_metrics
 
 
 def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                "--nproc", str(args.nproc), "--steps", str(args.steps), "--save-every",
                str(args.steps), "--sample-tokens", "8", "--out", str(out)]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(out / "metrics.jsonl")[1]
 
 
 def window(records: list[dict[str, Any]], start: int, size: int) -> dict[str, Any]:
@@ -72,11 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.report_only:
         first, second = (
-            [
-                json.loads(line)
-                for line in (args.out / run / "metrics.jsonl").read_text().splitlines()
-            ]
-            for run in ("run1", "run2")
+            read_metrics(args.out / run / "metrics.jsonl")[1] for run in ("run1", "run2")
         )
     else:
         first = run(args, args.out / "run1")

@@ -15,6 +15,7 @@ import torch
 from parity import ParityCase, build_engine, normalised
 
 from zero_comm import Communicator, run_simulated
+from zero_comm.testing.threads import pin_test_threads
 
 CASE = normalised(ParityCase(widths=(64, 1024, 1024, 64), optimizer="adam",
                              persistence_threshold=0, bucket_numel=1 << 18))  # fmt: skip
@@ -32,6 +33,6 @@ def train_and_save(comm: Communicator, folder: Path | None, steps: int) -> dict[
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
+    pin_test_threads()  # the test compares with its own run: the same thread count
     target = Path(sys.argv[1])
     run_simulated(2, lambda comm: train_and_save(comm, target, 10_000))

@@ -234,6 +234,7 @@ def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: 
     """A real process trains and saves after every step; it is killed (SIGKILL) at
     random moments, every other time just after a save began. Each time, the checkpoint
     it leaves loads and holds exactly the state of a run of the steps it records."""
+    import json
     import os
     import random
     import signal
@@ -242,6 +243,8 @@ def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: 
     import time
 
     from checkpoint_saver import CASE, train_and_save
+
+    from zero_comm.determinism import current_fingerprint, fingerprint_differences
 
     here = Path(__file__).parent
     env = {
@@ -267,6 +270,14 @@ def test_a_save_killed_at_random_moments_leaves_a_loadable_checkpoint(tmp_path: 
         process.send_signal(signal.SIGKILL)
         process.wait()
         mid_save += staging.exists()
+
+        # The saver computed under this process's fingerprint (threads included), or the
+        # bitwise comparison below would say nothing about the checkpoint.
+        index = folder / "index.json"
+        if not index.exists():  # killed while swapping: load() takes the previous one
+            index = folder.with_name(folder.name + ".old") / "index.json"
+        saved_under = json.loads(index.read_text())["fingerprint"]
+        assert fingerprint_differences(saved_under, current_fingerprint()) == []
 
         def body(comm: Communicator, folder: Path = folder) -> tuple[int, dict[str, torch.Tensor]]:
             engine = build_engine(CASE, comm, 2)
@@ -332,3 +343,47 @@ def test_each_rank_reads_only_the_byte_ranges_it_holds(tmp_path: Path) -> None:
     assert len(read) == 4
     assert all(0.2 * shard_bytes < n < 0.3 * shard_bytes for n in read.values()), (
         shard_bytes, read)  # fmt: skip
+
+
+def loaded_with_warnings(folder: Path, world_size: int = 2) -> list[str]:
+    """Load ``folder`` into ``world_size`` simulated ranks; the DeterminismWarnings given."""
+    import warnings
+
+    case = normalised(CASE)
+
+    def body(comm: Communicator) -> None:
+        build_engine(case, comm, 2).load(folder)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_simulated(world_size, body)
+    return [str(w.message) for w in caught if w.category is zero_core.DeterminismWarning]
+
+
+def test_the_index_records_each_ranks_fingerprint(tmp_path: Path) -> None:
+    import json
+
+    from zero_comm.determinism import current_fingerprint
+
+    saved_once(tmp_path / "ckpt")
+    index = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    now = current_fingerprint().to_json()
+    assert index["fingerprint"] == now
+    assert [rank["fingerprint"] for rank in index["ranks"]] == [now, now]
+    assert index["deterministic_reductions"] is True
+
+
+def test_a_resume_under_other_threads_warns_once_naming_the_difference(tmp_path: Path) -> None:
+    """Saved with one thread count, loaded with another: one warning (from rank 0, not one
+    per rank) that names both counts and what follows; none under the same fingerprint."""
+    saved_once(tmp_path / "ckpt")
+    assert loaded_with_warnings(tmp_path / "ckpt") == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        warned = loaded_with_warnings(tmp_path / "ckpt", world_size=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(warned) == 1
+    assert f"saved with threads per rank {threads}, resumed with {threads + 1}" in warned[0]
+    assert "will not be bitwise identical to an uninterrupted run" in warned[0]

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from zero_models.run_metrics import read_metrics
 
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+
+def run(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "zero_models.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -38,7 +43,7 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     result = run("--model", "test", "--steps", "12", "--batch-size", "8", "--lr", "1e-2",
                  "--warmup", "2", "--out", str(tmp_path / "out"), cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    _, records = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(12))
     assert records[-1]["loss"] < records[0]["loss"]
     for expected in ("memory per rank", "communication in the last step", "sample:"):
@@ -99,8 +104,8 @@ def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
     whole = run(*common, "--save-every", "3", "--out", "a", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
     checkpoint = tmp_path / "a" / "checkpoint"
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "a/metrics.jsonl").open()]
-    partial = run(*common, "--steps", "3", "--save-every", "3", "--out", "b", cwd=tmp_path)
+    losses = losses_of(tmp_path / "a/metrics.jsonl")
+    partial = run(*common, "--stop-after", "3", "--save-every", "3", "--out", "b", cwd=tmp_path)
     assert partial.returncode == 0, partial.stderr
     for extra in ([], ["--stage", "1"]):
         out = f"c{len(extra)}"
@@ -108,9 +113,65 @@ def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
                       *extra, cwd=tmp_path)  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr
         assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
-        again = [json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").open()]
+        assert "DeterminismWarning" not in resumed.stderr
+        again = losses_of(tmp_path / out / "metrics.jsonl")
         assert again == losses[3:], (extra, again, losses)
     assert checkpoint.exists()
+
+
+def losses_of(metrics: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(metrics)[1]]
+
+
+def test_two_runs_of_the_same_command_give_the_same_bits(tmp_path: Path) -> None:
+    """The default thread count (cores / ranks, OMP_NUM_THREADS unset) is fixed per rank
+    and reported; two runs of one command have equal run records and equal losses."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    common = ["--model", "test", "--steps", "5", "--batch-size", "4", "--sample-tokens", "4"]
+    records = []
+    for out in ("a", "b"):
+        result = run(*common, "--out", out, cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        assert f"{threads} thread" in result.stdout and "cores / 2 ranks" in result.stdout
+        records.append(read_metrics(tmp_path / out / "metrics.jsonl"))
+    (run_a, steps_a), (run_b, steps_b) = records
+    assert run_a[0]["fingerprint"] == run_b[0]["fingerprint"]
+    assert run_a[0]["fingerprint"]["intra_op_threads"] == threads
+    assert [r["loss"] for r in steps_a] == [r["loss"] for r in steps_b]
+
+
+def test_a_resume_with_other_threads_warns_and_names_both(tmp_path: Path) -> None:
+    common = ["--model", "test", "--steps", "4", "--batch-size", "4", "--sample-tokens", "4"]
+    saved = run(*common, "--threads", "1", "--stop-after", "2", "--save-every", "2",
+                "--out", "a", cwd=tmp_path)  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    resumed = run(*common, "--threads", "2", "--resume", "a/checkpoint", "--out", "b",
+                  cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "saved with threads per rank 1, resumed with 2" in resumed.stderr
+    assert resumed.stderr.count("DeterminismWarning") == 1  # rank 0 only
+    runs, _ = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert runs[0]["first_step"] == 2 and runs[0]["fingerprint"]["intra_op_threads"] == 2
+
+
+@pytest.mark.parametrize(
+    ("requested", "variable", "expected"),
+    [(3, "1", (3, "--threads")), (None, "5", (5, "OMP_NUM_THREADS")), (None, None, None)],
+)
+def test_threads_per_rank_comes_from_the_flag_the_variable_or_the_cores(
+    requested: int | None, variable: str | None, expected: tuple[int, str] | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from zero_models.train import threads_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if variable is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert threads_per_rank(requested, 4) == (2, "8 cores / 4 ranks on this node")
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", variable)
+        assert threads_per_rank(requested, 4) == expected
 
 
 def test_resume_from_nothing_stops_before_launching(tmp_path: Path) -> None:

@@ -51,8 +51,21 @@ def init(
     Args:
         backend: "gloo", "nccl", "mpi" or "auto" (see :func:`resolve_backend`).
         deterministic: every float SUM/AVG adds the ranks' contributions in rank order,
-            so results are bit-identical across backends, world sizes' algorithms, and the
-            same sum computed in one process.
+            ((g0 + g1) + g2) + ..., so results are bit-identical across backends, world
+            sizes' algorithms, and the same sum computed in one process. This is the
+            communication half of the determinism contract (packages/zero-core/README.md):
+
+            - guaranteed, bit for bit: every ZeRO stage equals stage 0; N ranks equal one
+              rank accumulating the same micro-batches in rank order; gloo equals MPI
+              (and NCCL); a resumed or resharded run equals the uninterrupted one;
+            - under equal fingerprints (zero_comm.determinism.current_fingerprint): the
+              same torch build, BLAS and oneDNN, CPU model and vector ISA, intra-op
+              threads per rank, deterministic-algorithms flag; and the same dtype, data,
+              seed and micro-batch split;
+            - not guaranteed: equality across CPU vendors, ISAs, BLAS builds or thread
+              counts. Those change local arithmetic (a matmul, a layer-norm backward, a
+              sum), not the reductions; runs then agree within the tolerance measured in
+              the README, and a checkpoint resumed under another fingerprint warns.
         timeout: seconds the rendezvous and each collective may wait for the other ranks
             before raising :class:`~zero_comm.errors.CommTimeoutError`.
         check_consistency: compare each collective's (name, dtype, numel, op, root, label)

@@ -138,3 +138,17 @@ def diverges_after_warm_up(comm: Communicator, mode: str) -> dict[str, object]:
             }
         compared.append(comm.compared_calls - before)
     return {"compared": compared, "message": "", "after_s": 0.0}
+
+
+def thread_count(comm: Communicator) -> dict[str, object]:
+    """What this rank computes with: torch's intra-op threads and the variables children get."""
+    return {
+        "torch": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
+    }
+
+
+def change_thread_count(comm: Communicator) -> None:
+    """A body that computes with another thread count than the harness gave it."""
+    torch.set_num_threads(torch.get_num_threads() + 1)

@@ -10,7 +10,7 @@ With a deterministic communicator every stage's parameters equal stage 0's bit f
 """
 
 from .activation_checkpoint import ActivationCheckpointing
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, DeterminismWarning
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine
 from .initialize import initialize
@@ -26,6 +26,7 @@ __all__ = [
     "AVAILABLE_STAGES",
     "ActivationCheckpointing",
     "CheckpointError",
+    "DeterminismWarning",
     "MemoryReport",
     "MemoryTracker",
     "ModelParallel",

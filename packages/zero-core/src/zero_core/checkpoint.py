@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from zero_comm.determinism import fingerprint_differences
 
 from .flat_layout import Range
 from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_file
@@ -78,9 +81,11 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
         tensors += [(f"whole.{name}", t) for name, t in engine.whole_tensors().items()]
     written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
     pieces = [_pieces_json(engine, g) for g in groups]
-    everyone = comm.all_gather_object(
-        {"file": written.to_json(), "pieces": pieces if writes_master else None}
-    )
+    everyone = comm.all_gather_object({
+        "file": written.to_json(),
+        "pieces": pieces if writes_master else None,
+        "fingerprint": engine.fingerprint().to_json(),
+    })  # fmt: skip
     if comm.rank == 0:
         index = _index(engine, everyone, extra)
         text = json.dumps(index, indent=1).encode()
@@ -196,6 +201,8 @@ def _index(engine: ZeroEngine, everyone: list[Any], extra: dict[str, Any] | None
         "optimizer": type(engine.optimizer).__name__,
         "groups": groups,
         "aliases": _aliases(engine),
+        "fingerprint": everyone[0]["fingerprint"],
+        "deterministic_reductions": engine.comm.deterministic,
         "ranks": everyone,
         "engine": {
             "global_steps": engine.global_steps,
@@ -243,7 +250,40 @@ def load(engine: ZeroEngine, path: str | os.PathLike[str]) -> dict[str, Any]:
         setattr(engine.loss_scaler, key, value)
     engine.zero_grad()
     engine._publish_parameters()
+    _warn_on_other_fingerprint(engine, index, folder)
     return dict(index["extra"])
+
+
+class DeterminismWarning(UserWarning):
+    """A checkpoint resumed under another fingerprint than it was saved with: the run goes
+    on correctly, but not bit for bit as the uninterrupted run would have."""
+
+
+def _warn_on_other_fingerprint(engine: ZeroEngine, index: dict[str, Any], folder: Path) -> None:
+    """Collective: rank 0 warns once, naming each difference of any rank's fingerprint from
+    the one its state was saved under (the same rank's if the world size is unchanged)."""
+    comm = engine.comm
+    ranks = index["ranks"]
+    saved = ranks[comm.rank] if len(ranks) == comm.world_size else ranks[0]
+    mine = [
+        f"saved with {d.what} {d.before}, resumed with {d.now}"
+        for d in fingerprint_differences(saved.get("fingerprint", {}), engine.fingerprint())
+    ]
+    everyone = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    if comm.rank != 0 or not any(everyone):
+        return
+    where = [r for r, found in enumerate(everyone) if found]
+    ranks_text = "" if len(where) == comm.world_size else f" (on ranks {where})"
+    named = "; ".join(sorted({line for found in everyone for line in found}))
+    warnings.warn(
+        f"checkpoint {folder}: {named}{ranks_text}: the continuation will not be bitwise "
+        "identical to an uninterrupted run. Bits are reproducible only under an equal "
+        "fingerprint; across fingerprints runs agree within the tolerance measured in "
+        "packages/zero-core/README.md. Resume with the saved settings (zero-train "
+        "--threads N) for a bitwise continuation.",
+        DeterminismWarning,
+        stacklevel=3,
+    )
 
 
 def _complete_checkpoint(folder: Path) -> Path:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from zero_comm import Communicator, ReduceOp
+from zero_comm.determinism import Fingerprint, current_fingerprint
 
 from .config import ZeroConfig
 from .flat_layout import Range
@@ -315,6 +316,11 @@ class ZeroEngine(abc.ABC):
         from .checkpoint import load
 
         return load(self, path)
+
+    def fingerprint(self) -> Fingerprint:
+        """What this rank's bits depend on now (torch build, BLAS, CPU, threads, ...): two
+        runs are bitwise equal only under equal fingerprints (zero_comm.determinism)."""
+        return current_fingerprint(self.comm.device)
 
     # ------------------------------------------------------------ user access
     @contextmanager

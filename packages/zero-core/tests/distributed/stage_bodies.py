@@ -37,7 +37,6 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
 
     import zero_core
 
-    torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     small = nn.Linear(4, 4)  # load every code path once, so that "before" includes it
     warm = zero_core.initialize(small, torch.optim.Adam(small.parameters()),

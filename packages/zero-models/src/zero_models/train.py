@@ -36,6 +36,7 @@ from .checkpoint_plan import CHECKPOINT_MODES, checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
 from .gpt import GPT, PRESETS, GPTConfig
 from .phase_memory import phase_record, phase_table
+from .run_metrics import corpus_digest, open_metrics
 from .tp_layers import vocab_parallel_cross_entropy
 from .tp_mappings import gather_last_dim
 from .tp_plan import check_tp_degree, make_mesh, sharded_parameters, tensor_parallel_gpt
@@ -80,6 +81,15 @@ def parser() -> argparse.ArgumentParser:
         help="save a checkpoint to OUT/checkpoint every N steps and at the end",
     )
     p.add_argument("--resume", type=Path, help="continue from this checkpoint (any stage, ranks)")
+    p.add_argument(
+        "--threads", type=int,
+        help="intra-op threads per rank (default: OMP_NUM_THREADS, else this node's cores / "
+        "its ranks); results are bitwise reproducible only at the same count",
+    )  # fmt: skip
+    p.add_argument(
+        "--stop-after", type=int, metavar="STEP",
+        help="end after this step, as if cut off there: the schedule stays that of --steps",
+    )  # fmt: skip
     return p
 
 
@@ -119,6 +129,10 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--offload-checkpoints needs --checkpoint full or --checkpoint partitioned")
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads} must be at least 1")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
     if args.save_every < 0:
         p.error(f"--save-every {args.save_every} must be 0 (never) or a number of steps")
     if args.resume is not None and not any(
@@ -149,6 +163,21 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     )
 
 
+def threads_per_rank(requested: int | None, local_ranks: int) -> tuple[int, str]:
+    """The intra-op threads each rank computes with, and where the number came from:
+    --threads, else OMP_NUM_THREADS, else this node's cores shared among its ranks."""
+    cores = os.cpu_count() or 1
+    shared = max(1, cores // max(1, local_ranks))
+    if requested is not None:
+        return requested, "--threads"
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) >= 1:
+        if int(value) == shared:
+            return shared, f"{cores} cores / {local_ranks} ranks on this node"
+        return int(value), "OMP_NUM_THREADS"
+    return shared, f"{cores} cores / {local_ranks} ranks on this node"
+
+
 def learning_rate(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up to --lr, then cosine decay to a tenth of it."""
     if step < args.warmup:
@@ -173,7 +202,8 @@ def mib(n: float) -> str:
 
 
 def train(args: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
+    torch.set_num_threads(threads)
     world = zero_comm.init(args.backend, deterministic=True)
     metrics_comm = world.split(color=0)  # logging traffic kept out of the engine's stats
     mesh = make_mesh(world, args.tp)
@@ -232,16 +262,26 @@ def train(args: argparse.Namespace) -> None:
             f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
             f"parameters), stage {args.stage}, {world.world_size} ranks ({args.tp} tensor-parallel"
             f" x {comm.world_size} data-parallel) on {comm.backend}, "
-            f"{args.dtype}, {tokens.numel():,} tokens of data",
+            f"{args.dtype}, {tokens.numel():,} tokens of data, {threads} "
+            f"thread{'s' if threads > 1 else ''} per rank ({threads_from})",
             flush=True,
         )
-    metrics = (args.out / "metrics.jsonl").open("a" if first_step else "w") if lead else None
+    metrics = None
+    if lead:
+        run_record = {
+            "fingerprint": engine.fingerprint().to_json(),
+            "corpus": corpus_digest(tokens),
+            "first_step": first_step,
+            "argv": sys.argv[1:],
+        }
+        metrics = open_metrics(args.out / "metrics.jsonl", run_record, append=first_step > 0)
     history: list[tuple[int, float]] = []
     start = time.perf_counter()
     tokens_per_step = args.batch_size * args.grad_accum * config.context
-    for step in range(first_step, args.steps):
+    end_step = args.steps if args.stop_after is None else args.stop_after
+    for step in range(first_step, end_step):
         step_start = time.perf_counter()
-        if step == args.steps - 1:
+        if step == end_step - 1:
             comm.stats.reset()  # the last step's traffic is what gets reported
         lr = learning_rate(step, args)
         for group in engine.optimizer.param_groups:
@@ -270,7 +310,7 @@ def train(args: argparse.Namespace) -> None:
         mine = torch.tensor([resident_mib(), time.perf_counter() - step_start], dtype=torch.float64)
         per_rank = torch.empty(2 * metrics_comm.world_size, dtype=torch.float64)
         metrics_comm.all_gather(per_rank, mine)
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == end_step):
             # The step to start from, and the seed: the data order and the learning rate
             # are functions of those, so a resumed run continues bit for bit.
             engine.save(args.out / "checkpoint", extra={"step": step + 1, "seed": args.seed})
@@ -291,7 +331,7 @@ def train(args: argparse.Namespace) -> None:
             )
             if sys.stdout.isatty():
                 print("\r" + line, end="", flush=True)
-            elif step % max(1, args.steps // 20) == 0 or step == args.steps - 1:
+            elif step % max(1, args.steps // 20) == 0 or step == end_step - 1:
                 print(line, flush=True)
     if lead and sys.stdout.isatty():
         print()

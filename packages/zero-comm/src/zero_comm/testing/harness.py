@@ -11,6 +11,11 @@ fails every rank and none is left waiting in a later collective. Each rank write
 JSON result; the caller raises :class:`RanksFailed` unless *every* rank reported success.
 A rank that never reports (failed to start, failed to initialise, crashed, was killed by
 the timeout) is a failure, never a pass.
+
+Every rank computes with the caller's intra-op thread count (``torch.get_num_threads()``
+here, passed to each rank), and reports its fingerprint (zero_comm.determinism) after the
+body: a rank whose fingerprint differs from the caller's fails the run, naming the
+difference, because a bitwise comparison of its results with the caller's would not hold.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from zero_comm.determinism import current_fingerprint, fingerprint_differences
 
 LAUNCHERS = ("spawn", "mpiexec", "torchrun")
 
@@ -110,12 +119,14 @@ def run_on_ranks(
             sys.executable, "-m", "zero_comm.testing.rank_main",
             "--file", path, "--body", qualname, "--backend", backend,
             "--results", result_dir, "--comm-timeout", str(comm_timeout),
-            "--kwargs", json.dumps(kwargs or {}),
+            "--kwargs", json.dumps(kwargs or {}), "--threads", str(torch.get_num_threads()),
         ]  # fmt: skip
         if deterministic:
             rank_command.append("--deterministic")
         command = launch_command(launcher, world_size, rank_command)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        threads = str(torch.get_num_threads())
+        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -130,6 +141,7 @@ def run_on_ranks(
         reports = _read_reports(Path(result_dir), world_size)
     text = output.decode(errors="replace")
     problems = []
+    mine = current_fingerprint()
     if timed_out:
         problems.append(f"the run exceeded {timeout}s and every rank was killed")
     for rank, report in enumerate(reports):
@@ -137,6 +149,14 @@ def run_on_ranks(
             problems.append(f"rank {rank} never reported (failed to start or initialise, or died)")
         elif not report["ok"]:
             problems.append(f"rank {rank} failed:\n{report['error']}")
+        elif differences := fingerprint_differences(mine, report["fingerprint"]):
+            named = "; ".join(f"{d.what} {d.before!r} here, {d.now!r} on the rank"
+                              for d in differences)  # fmt: skip
+            problems.append(
+                f"rank {rank} computed under another fingerprint than this process, so its "
+                f"bits are not comparable with this process's: {named} (a body must leave "
+                "the thread count the harness set)"
+            )
     if proc.returncode != 0 and not problems:
         problems.append(f"the launcher exited with code {proc.returncode}")
     if problems:

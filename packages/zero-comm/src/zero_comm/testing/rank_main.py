@@ -2,8 +2,10 @@
 
     python -m zero_comm.testing.rank_main --file F --body QUALNAME --backend B --results DIR
 
-It writes ``DIR/rank{R}.json`` = {"ok": bool, "error": str, "value": ...}: ok only if the
-body passed on *every* rank, so all ranks report the same outcome.
+It writes ``DIR/rank{R}.json`` = {"ok": bool, "error": str, "value": ..., "fingerprint":
+{...}}: ok only if the body passed on *every* rank, so all ranks report the same outcome.
+The rank computes with ``--threads`` intra-op threads; its fingerprint is taken after the
+body, so a body that changed the count is seen.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from zero_comm.determinism import current_fingerprint
 from zero_comm.launcher_env import detect_launch_env
 
 
@@ -49,7 +54,9 @@ def main() -> None:
     parser.add_argument("--comm-timeout", type=float, default=60.0)
     parser.add_argument("--kwargs", default="{}")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--threads", type=int, required=True, help="intra-op threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     rank = detect_launch_env().rank
     try:
@@ -84,7 +91,9 @@ def main() -> None:
         others = f"ranks {failed} failed" if error == "" else error
         _write(args.results, rank, {"ok": False, "error": others})
     else:
-        _write(args.results, rank, {"ok": True, "error": "", "value": value})
+        fingerprint = current_fingerprint().to_json()
+        _write(args.results, rank, {"ok": True, "error": "", "value": value,
+                                    "fingerprint": fingerprint})  # fmt: skip
     comm.close()
     # Every rank knows the outcome and has recorded it; exit 0 so that the launcher does not
     # kill the others before they have written their reports.
