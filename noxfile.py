@@ -159,7 +159,10 @@ def train(session: nox.Session) -> None:
     Extra arguments go to zero-train: nox -s train -- --stage 1 --steps 100
     """
     _install(session, "numpy", packages=PACKAGES)
-    session.run("zero-train", *session.posargs)
+    # The quick start is a demo: running it again replaces its own earlier results (and
+    # says so). Any --out, --resume or --overwrite given is the user's choice instead.
+    chosen = {"--out", "--resume", "--overwrite"} & {a.split("=")[0] for a in session.posargs}
+    session.run("zero-train", *session.posargs, *([] if chosen else ["--overwrite"]))
 
 
 @nox.session

@@ -7,8 +7,11 @@ the message must match). Engine and communicator rows run on a simulated world.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -360,3 +363,66 @@ def test_a_nan_policy_of_raise_names_the_parameter(stage: int) -> None:
 
     with pytest.raises(FloatingPointError, match=r"parameter 0\.weight is NaN or Inf"):
         on_one_rank(body)()
+
+
+def zero_train(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``zero-train ARGV`` run by hand (it starts its own ranks), as a user types it."""
+    return subprocess.run([sys.executable, "-m", "zero_models.train", *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "3"], "--batch-size 16 does not split over 3 data-parallel ranks; use a "
+                           "multiple of 3 (e.g. --batch-size 18) or another --nproc"),
+        (["--out", "a-file"], "--out a-file is a file; name a folder for the run's results"),
+        (["--lr", "-1"], "--lr -1.0 must be a positive learning rate"),
+        (["--preempt-signals", "KILL"], "'KILL' is not a signal that can be caught"),
+        (["--out", "used"], "--out used holds the results of another run (metrics.jsonl); "
+                            "continue it with --resume auto, replace it with --overwrite"),
+    ],
+)  # fmt: skip
+def test_zero_train_probes_end_in_one_line_not_a_traceback(
+    argv: list[str], message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}\n")
+    result = zero_train(*argv, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("zero-train: error: ") and message in last, last
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs: one checkpoint of the small GPT (about 10 MiB) fits, two do not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_save_names_the_intact_checkpoint(small_disk: Path) -> None:
+    """The second save runs out of space: one line says so, names the checkpoint that is
+    still intact, and the partial copy is gone; the intact one loads (resume goes on)."""
+    out = small_disk / "run"
+    common = ["--steps", "4", "--save-every", "2", "--sample-tokens", "1", "--threads", "1"]
+    result = zero_train(*common, "--out", str(out), cwd=small_disk)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("zero-train: error: [rank 0] saving checkpoint "), last
+    assert "No space left on device" in last
+    assert f"the previous checkpoint {out / 'checkpoint'} is intact" in last
+    assert not (out / "checkpoint.saving").exists()
+    index = json.loads((out / "checkpoint" / "index.json").read_text())
+    assert index["extra"]["step"] == 2

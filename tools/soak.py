@@ -33,7 +33,8 @@ from zero_models.run_metrics import read_metrics
 def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     command = [sys.executable, "-m", "zero_models.train", "--model", args.model, "--stage", "3",
                "--nproc", str(args.nproc), "--steps", str(args.steps), "--save-every",
-               str(args.steps), "--sample-tokens", "8", "--out", str(out)]  # fmt: skip
+               str(args.steps), "--sample-tokens", "8", "--out", str(out),
+               "--overwrite"]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return read_metrics(out / "metrics.jsonl")[1]
 

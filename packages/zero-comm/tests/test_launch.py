@@ -255,10 +255,12 @@ if rank == 1:
     assert "rank 1 was killed by SIGKILL" in result.stderr
 
 
-def test_sigterm_is_forwarded_to_every_rank(rank_dir: Path) -> None:
-    """Each rank installs a SIGTERM handler that writes ``term.R`` and exits 0, then says
-    it is ready. SIGTERM to zero-launch (only to it: ranks run in their own sessions)
-    must reach every rank, and zero-launch must still exit non-zero (128 + SIGTERM)."""
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_sigterm_is_forwarded_to_every_rank(rank_dir: Path, sent: signal.Signals) -> None:
+    """Each rank installs a handler that writes ``term.R`` and exits 0, then says it is
+    ready. SIGTERM (or SLURM's --signal USR1) to zero-launch (only to it: ranks run in
+    their own sessions) must reach every rank, and zero-launch must still exit non-zero
+    (128 + the signal)."""
     n = 2
     code = (
         RANK_PRELUDE
@@ -266,7 +268,7 @@ def test_sigterm_is_forwarded_to_every_rank(rank_dir: Path) -> None:
 def on_term(signum, frame):
     put(f"term.{{rank}}", signal.Signals(signum).name)
     sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.{sent.name}, on_term)
 put(f"ready.{{rank}}", "")
 time.sleep({LONG_SLEEP})
 sys.exit(6)
@@ -279,18 +281,30 @@ sys.exit(6)
         try:
             wait_for_files([rank_dir / f"ready.{r}" for r in range(n)], timeout=20)
             start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sent)
             code_ = proc.wait(timeout=10)
             seconds = time.monotonic() - start
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert [(rank_dir / f"term.{r}").read_text() for r in range(n)] == ["SIGTERM"] * n
+    assert [(rank_dir / f"term.{r}").read_text() for r in range(n)] == [sent.name] * n
     assert code_ != 0
-    assert code_ == 128 + signal.SIGTERM
+    assert code_ == 128 + sent
     assert seconds < 5, f"took {seconds:.1f}s after SIGTERM"
     assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
+
+
+def test_ranks_that_all_end_with_one_code_get_it_passed_on_without_blame(
+    rank_dir: Path,
+) -> None:
+    """Every rank raises the same error (a failed save, say) and exits 7 on its own, a
+    moment apart: zero-launch waits for them (SETTLE_S), exits 7, and names no rank (they
+    said why themselves)."""
+    code = RANK_PRELUDE + "time.sleep(0.3 * rank)\nsys.exit(7)\n"
+    result = run_launch(launch_command(3, code), _env(rank_dir), rank_dir)
+    assert result.returncode == 7
+    assert "zero-launch:" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize(

@@ -213,3 +213,53 @@ def test_a_json_config_of_any_content_is_accepted_or_stops_with_usage(tmp_path: 
             assert stop.code == 2
 
     check()
+
+
+def test_sigterm_saves_exits_75_and_resume_auto_continues_bit_for_bit(tmp_path: Path) -> None:
+    """SLURM's preemption: SIGTERM to zero-train (which relays it to its ranks) finishes
+    the step on every rank, saves OUT/checkpoint and exits 75; the same command with
+    --resume auto then ends exactly (every loss) like a run that was never stopped."""
+    import signal
+    import time
+
+    common = ["--model", "test", "--steps", "60", "--batch-size", "4", "--sample-tokens", "4",
+              "--threads", "1"]  # fmt: skip
+    straight = run(*common, "--out", "straight", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    command = [sys.executable, "-m", "zero_models.train", *common, "--out", "job"]
+    job = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "job" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        not metrics.exists() or len(metrics.read_text().splitlines()) < 6
+    ):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 75, stderr[-2000:]
+    assert "SIGTERM received: stopped after step" in stdout and "--resume auto" in stdout
+    assert "zero-launch" not in stderr  # the ranks ended alike: no blame line
+    stopped_at = json.loads((tmp_path / "job/checkpoint/index.json").read_text())["extra"]["step"]
+    assert 5 <= stopped_at < 60
+    requeued = run(*common, "--out", "job", "--resume", "auto", cwd=tmp_path)
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"at step {stopped_at}" in requeued.stdout
+    assert losses_of(tmp_path / "job/metrics.jsonl") == losses_of(
+        tmp_path / "straight/metrics.jsonl"
+    )
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh_and_overwrite_replaces(
+    tmp_path: Path,
+) -> None:
+    common = ["--model", "test", "--steps", "2", "--batch-size", "4", "--sample-tokens", "4"]
+    fresh = run(*common, "--out", "o", "--resume", "auto", cwd=tmp_path)
+    assert fresh.returncode == 0 and "resumed" not in fresh.stdout, fresh.stderr
+    again = run(*common, "--out", "o", "--save-every", "1", "--overwrite", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    runs, steps = read_metrics(tmp_path / "o" / "metrics.jsonl")
+    assert len(runs) == 1 and len(steps) == 2  # replaced, not appended
+    replaced = run(*common, "--out", "o", "--overwrite", cwd=tmp_path)
+    assert replaced.returncode == 0, replaced.stderr
+    assert not (tmp_path / "o" / "checkpoint").exists()  # the old run's state went with it

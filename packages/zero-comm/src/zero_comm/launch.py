@@ -5,9 +5,10 @@ Each rank gets the variables :func:`zero_comm.init` reads (the same as torchrun'
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
     ZERO_LAUNCHER=zero-launch, and OMP_NUM_THREADS = cores // N (at least 1) unless set.
 
-SIGINT and SIGTERM are forwarded to every rank. When a rank exits non-zero (or is killed),
-the others are sent SIGTERM, then SIGKILL after ``--grace`` seconds, and zero-launch exits
-non-zero naming that rank. It needs nothing but Python.
+SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to every rank, and the ranks then end
+as they choose (zero-train saves first). Otherwise, when a rank exits non-zero (or is
+killed), the others are sent SIGTERM, then SIGKILL after ``--grace`` seconds, and
+zero-launch exits non-zero naming that rank. It needs nothing but Python.
 """
 
 from __future__ import annotations
@@ -76,8 +77,17 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
             proc.wait()
 
 
+# Relayed to every rank: Ctrl-C, a scheduler's TERM, and the user signals SLURM's
+# --signal sends ahead of a time limit.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SETTLE_S = 2.0  # after one rank fails, how long the others may take to end by themselves
+
+
 def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> int:
-    """Run ``command`` as ``world_size`` ranks; return 0 if all succeed, else non-zero."""
+    """Run ``command`` as ``world_size`` ranks; return 0 if all succeed, else non-zero.
+
+    A signal in FORWARDED_SIGNALS is passed to every rank; if then every rank exits with
+    the same code, that code is returned, without a message (the ranks said why)."""
     if world_size < 1:
         raise ValueError(f"-n must be at least 1, got {world_size}")
     if not command:
@@ -92,7 +102,7 @@ def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> in
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     failure: RankFailure | None = None
     try:
         for rank in range(world_size):
@@ -101,11 +111,23 @@ def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> in
         while failure is None and any(p.poll() is None for p in procs):
             for rank, proc in enumerate(procs):
                 code = proc.poll()
-                if code is not None and code != 0:
+                # After a forwarded signal every rank has it and decides how to end (a
+                # trainer saves, then exits): none is stopped for another's exit code.
+                if code is not None and code != 0 and not forwarded:
                     failure = RankFailure(rank, code)
                     break
             else:
                 time.sleep(0.02)
+        if failure is not None:  # the others may be ending on their own for the same cause
+            settle = time.monotonic() + min(grace, SETTLE_S)
+            while any(p.poll() is None for p in procs) and time.monotonic() < settle:
+                time.sleep(0.02)
+        codes = {p.poll() for p in procs}
+        if (forwarded or failure) and len(codes) == 1 and None not in codes and codes != {0}:
+            # Every rank ended alike (after a signal, or one error all ranks raised, as a
+            # failed save): the ranks said why, so their code, without a message.
+            code = int(codes.pop() or 0)
+            return code if code > 0 else 128 - code
         if failure is None:
             failure = next(
                 (RankFailure(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),

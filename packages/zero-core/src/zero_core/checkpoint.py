@@ -79,31 +79,67 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
                 tensors.append((f"state.{g}.{key}", value))
     if comm.rank == 0:
         tensors += [(f"whole.{name}", t) for name, t in engine.whole_tensors().items()]
-    written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
-    pieces = [_pieces_json(engine, g) for g in groups]
-    everyone = comm.all_gather_object({
-        "file": written.to_json(),
-        "pieces": pieces if writes_master else None,
-        "fingerprint": engine.fingerprint().to_json(),
-    })  # fmt: skip
-    if comm.rank == 0:
-        index = _index(engine, everyone, extra)
-        text = json.dumps(index, indent=1).encode()
-        partial = staging / (INDEX + ".partial")
-        with partial.open("wb") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, staging / INDEX)
-        _fsync_dir(staging)
-        old = final.with_name(final.name + ".old")
-        if final.exists():  # else CKPT.old may be the only complete checkpoint: keep it
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(staging, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
+    entry: dict[str, Any]
+    try:
+        written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
+        entry = {
+            "file": written.to_json(),
+            "pieces": [_pieces_json(engine, g) for g in groups] if writes_master else None,
+            "fingerprint": engine.fingerprint().to_json(),
+        }
+    except OSError as exc:  # a full disk, a quota, a vanished mount: every rank must know
+        entry = {"error": f"{type(exc).__name__}: {exc}"}
+    everyone = comm.all_gather_object(entry)
+    failure = next((f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if "error" in e), "")
+    if comm.rank == 0 and not failure:
+        try:
+            _write_index(staging, _index(engine, everyone, extra))
+            _swap_into_place(staging, final)
+        except OSError as exc:
+            failure = f"rank 0: {type(exc).__name__}: {exc}"
+    failure = comm.all_gather_object(failure)[0] or failure
+    if failure:
+        _abandon(staging, final, failure, comm.rank)
     comm.barrier()
+
+
+def _write_index(staging: Path, index: dict[str, Any]) -> None:
+    text = json.dumps(index, indent=1).encode()
+    partial = staging / (INDEX + ".partial")
+    with partial.open("wb") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, staging / INDEX)
+    _fsync_dir(staging)
+
+
+def _swap_into_place(staging: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # else CKPT.old may be the only complete checkpoint: keep it
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _abandon(staging: Path, final: Path, failure: str, rank: int) -> None:
+    """A save failed on some rank (``failure`` names it): every rank raises the same
+    CheckpointError; rank 0 removes the partial copy. The previous checkpoint is untouched
+    (the swap is the last step and each of its renames is atomic)."""
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    intact = next(
+        (str(c) for c in (final, final.with_name(final.name + ".old")) if (c / INDEX).exists()),
+        None,
+    )
+    kept = f"the previous checkpoint {intact} is intact" if intact else "no earlier checkpoint"
+    raise CheckpointError(
+        f"[rank {rank}] saving checkpoint {final} failed on {failure}; the partial copy "
+        f"{staging} was removed and {kept}. Free space (or point the save elsewhere) and "
+        "save again"
+    )
 
 
 def _fsync_dir(path: Path) -> None:

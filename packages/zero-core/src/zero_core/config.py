@@ -64,6 +64,10 @@ class ZeroConfig:
         backs the loss scale off): "skip" the step on every rank, or "raise" a
         FloatingPointError naming the first parameter (in model order) that went non-finite.
         Either way a NaN never reaches the parameters.
+    cast_forward_inputs: floating-point tensors given to the engine's forward (also inside
+        tuples, lists and dicts) are cast to ``param_dtype`` first, as FSDP2's
+        MixedPrecisionPolicy does, so float32 data feeds a bfloat16 model. False passes
+        them as they are.
     """
 
     stage: int = 2
@@ -82,6 +86,7 @@ class ZeroConfig:
     persistence_threshold: int = 2**12
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
@@ -106,10 +111,9 @@ class ZeroConfig:
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a number or None")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
-        if not isinstance(self.allow_untested_optimizer, bool):
-            raise ValueError(
-                f"allow_untested_optimizer={self.allow_untested_optimizer!r} must be a bool"
-            )
+        for name in ("allow_untested_optimizer", "cast_forward_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.clip_grad_norm is not None and not (
             math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0
         ):

@@ -37,6 +37,7 @@ from zero_comm.determinism import Fingerprint, current_fingerprint
 
 from .config import ZeroConfig
 from .flat_layout import Range
+from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .init_values import InitValues, materialise, named_init_values
 from .loss_scaler import LossScaler, NoLossScaler
@@ -193,6 +194,10 @@ class ZeroEngine(abc.ABC):
 
     # ----------------------------------------------------------- training step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward; floating-point inputs are cast to the compute dtype first
+        unless ``config.cast_forward_inputs`` is False."""
+        if self.config.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.dtype)
         return self.module(*args, **kwargs)
 
     forward = __call__

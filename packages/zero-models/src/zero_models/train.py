@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
+import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from types import FrameType
 
 import torch
 from torch.nn import functional as F
@@ -32,158 +33,25 @@ import zero_core
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
-from .checkpoint_plan import CHECKPOINT_MODES, checkpoint_gpt_blocks
+from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
-from .gpt import GPT, PRESETS, GPTConfig
+from .gpt import GPT
 from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics
 from .tp_layers import vocab_parallel_cross_entropy
 from .tp_mappings import gather_last_dim
-from .tp_plan import check_tp_degree, make_mesh, sharded_parameters, tensor_parallel_gpt
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zero-train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, help="JSON file of option values (flags override it)")
-    p.add_argument("--stage", type=int, default=HIGHEST_STAGE, help="ZeRO stage (default: highest)")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks when run by hand")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides ranks)")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "mpi", "auto"))
-    p.add_argument("--model", default="small", choices=sorted(PRESETS))
-    for name in ("layers", "heads", "width", "context"):
-        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument(
-        "--checkpoint", default="none", choices=CHECKPOINT_MODES,
-        help="activation checkpointing of the blocks; partitioned = ZeRO-R's P_a over --tp",
-    )  # fmt: skip
-    p.add_argument(
-        "--offload-checkpoints", action="store_true",
-        help="keep activation checkpoints in host memory (P_a+cpu; needs --checkpoint)",
-    )  # fmt: skip
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", help="text file, folder, or .bin/.u16 uint16 tokens")
-    p.add_argument("--out", type=Path, default=Path("runs/zero-train"))
-    p.add_argument("--sample-tokens", type=int, default=200)
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=0,
-        help="save a checkpoint to OUT/checkpoint every N steps and at the end",
-    )
-    p.add_argument("--resume", type=Path, help="continue from this checkpoint (any stage, ranks)")
-    p.add_argument(
-        "--threads", type=int,
-        help="intra-op threads per rank (default: OMP_NUM_THREADS, else this node's cores / "
-        "its ranks); results are bitwise reproducible only at the same count",
-    )  # fmt: skip
-    p.add_argument(
-        "--stop-after", type=int, metavar="STEP",
-        help="end after this step, as if cut off there: the schedule stays that of --steps",
-    )  # fmt: skip
-    return p
-
-
-def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
-    """The --config JSON file as flags, to go before the command line's (which win):
-    {"steps": 7, "batch_size": 4} -> ["--steps", "7", "--batch-size", "4"]. Each value is
-    then checked by its option like a typed flag; anything else stops with usage."""
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        p.error(f"--config {path}: cannot read a JSON object from it ({exc})")
-    if not isinstance(values, dict):
-        p.error(f"--config {path}: must hold a JSON object of option values, not {values!r}")
-    options = {a.dest: a for a in p._actions if a.option_strings and a.dest != "help"}
-    unknown = sorted(str(k) for k in set(values) - set(options))
-    if unknown:
-        p.error(f"--config {path}: unknown keys {unknown}")
-    flags: list[str] = []
-    for key, value in values.items():
-        if key == "config" or not isinstance(value, str | int | float) or isinstance(value, bool):
-            p.error(f"--config {path}: {key}={value!r} must be a number or text")
-        flags += [options[key].option_strings[0], str(value)]
-    return flags
-
-
-def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Options from --config, then flags; every check that can fail before launching."""
-    p = parser()
-    args = p.parse_args(argv)
-    if args.config is not None:
-        args = p.parse_args([*config_flags(p, args.config), *(argv or sys.argv[1:])])
-    if args.stage not in (0, 1, 2, 3):
-        p.error(f"--stage {args.stage}: ZeRO stages are 0-3")
-    if args.nproc < 1 or args.steps < 1 or args.grad_accum < 1 or args.batch_size < 1:
-        p.error("--nproc, --steps, --grad-accum and --batch-size must be at least 1")
-    if args.offload_checkpoints and args.checkpoint == "none":
-        p.error("--offload-checkpoints needs --checkpoint full or --checkpoint partitioned")
-    if args.data is not None and not Path(args.data).exists():
-        p.error(f"--data {args.data}: no such file or folder")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads {args.threads} must be at least 1")
-    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
-        p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
-    if args.save_every < 0:
-        p.error(f"--save-every {args.save_every} must be 0 (never) or a number of steps")
-    if args.resume is not None and not any(
-        (folder / "index.json").exists()
-        for folder in (args.resume, args.resume.with_name(args.resume.name + ".old"))
-    ):
-        p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
-    try:
-        config = model_config(args)
-        if args.tp < 1:
-            raise ValueError(f"--tp {args.tp} must be at least 1")
-        launcher = detect_launch_env()
-        world = args.nproc if launcher.launcher == "none" else launcher.world_size
-        if world % args.tp:
-            raise ValueError(
-                f"--tp {args.tp} does not divide the {world} ranks; use --nproc (or -n) that is "
-                f"a multiple of {args.tp}"
-            )
-        check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
-
-
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    return PRESETS[args.model].with_overrides(
-        layers=args.layers, heads=args.heads, width=args.width, context=args.context
-    )
-
-
-def threads_per_rank(requested: int | None, local_ranks: int) -> tuple[int, str]:
-    """The intra-op threads each rank computes with, and where the number came from:
-    --threads, else OMP_NUM_THREADS, else this node's cores shared among its ranks."""
-    cores = os.cpu_count() or 1
-    shared = max(1, cores // max(1, local_ranks))
-    if requested is not None:
-        return requested, "--threads"
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) >= 1:
-        if int(value) == shared:
-            return shared, f"{cores} cores / {local_ranks} ranks on this node"
-        return int(value), "OMP_NUM_THREADS"
-    return shared, f"{cores} cores / {local_ranks} ranks on this node"
-
-
-def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up to --lr, then cosine decay to a tenth of it."""
-    if step < args.warmup:
-        return float(args.lr * (step + 1) / args.warmup)
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return float(args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))))
+from .tp_plan import make_mesh, sharded_parameters, tensor_parallel_gpt
+from .train_options import (
+    CHECKPOINT,
+    DTYPES,
+    EXIT_PREEMPTED,
+    RESULTS,
+    earlier_results,
+    learning_rate,
+    model_config,
+    parse_options,
+    threads_per_rank,
+)
 
 
 def resident_mib() -> float:
@@ -201,7 +69,36 @@ def mib(n: float) -> str:
     return f"{n / 2**20:8.2f}"
 
 
+class PreemptionFlag:
+    """Set by the first of ``signals`` this rank receives (SLURM's SIGTERM at preemption or
+    time limit, a --signal=USR1 warning); the training loop reads it at the end of a step.
+
+    The handler only records the signal: the step in flight finishes, the ranks agree at
+    the step's loss all-reduce (any rank's flag stops all), save, and exit."""
+
+    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+        self.received: signal.Signals | None = None
+        for signum in signals:
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+
+def clear_earlier_results(out: Path) -> None:
+    """--overwrite: remove what another run left in ``out`` (its checkpoint too, so that a
+    later --resume auto cannot pick up that run's state)."""
+    for name in RESULTS:
+        for path in (out / name, out / f"{name}.old", out / f"{name}.saving"):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
 def train(args: argparse.Namespace) -> None:
+    preemption = PreemptionFlag(args.preempt_signals)
     threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
     torch.set_num_threads(threads)
     world = zero_comm.init(args.backend, deterministic=True)
@@ -255,6 +152,11 @@ def train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         first_step = int(engine.load(args.resume).get("step", 0))
     if lead:
+        found = earlier_results(args.out)
+        if args.overwrite and args.resume is None and found:
+            clear_earlier_results(args.out)
+            print(f"zero-train: --overwrite: removed the earlier run's {', '.join(found)} "
+                  f"from {args.out}", flush=True)  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         if args.resume is not None:
             print(f"zero-train: resumed from {args.resume} at step {first_step}", flush=True)
@@ -279,6 +181,7 @@ def train(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tokens_per_step = args.batch_size * args.grad_accum * config.context
     end_step = args.steps if args.stop_after is None else args.stop_after
+    stopping = False
     for step in range(first_step, end_step):
         step_start = time.perf_counter()
         if step == end_step - 1:
@@ -304,37 +207,61 @@ def train(args: argparse.Namespace) -> None:
             del loss
             with tracker.phase("step"):
                 engine.step()
-        mean = torch.tensor([total])
+        # The mean loss, and whether any rank was asked to stop (its flag averages above 0).
+        mean = torch.tensor([total, float(preemption.received is not None)])
         metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+        stopping = bool(mean[1] > 0)
         # Every rank's resident memory and step time, for the soak report (tools/soak.py).
         mine = torch.tensor([resident_mib(), time.perf_counter() - step_start], dtype=torch.float64)
         per_rank = torch.empty(2 * metrics_comm.world_size, dtype=torch.float64)
         metrics_comm.all_gather(per_rank, mine)
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == end_step):
+        due = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == end_step)
+        if due or stopping:
             # The step to start from, and the seed: the data order and the learning rate
             # are functions of those, so a resumed run continues bit for bit.
-            engine.save(args.out / "checkpoint", extra={"step": step + 1, "seed": args.seed})
+            try:
+                engine.save(args.out / CHECKPOINT, extra={"step": step + 1, "seed": args.seed})
+            except zero_core.CheckpointError as exc:  # every rank has it; rank 0 says it
+                if lead:
+                    print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)
+                sys.exit(1)
         elapsed = time.perf_counter() - start
         if lead and metrics is not None:
             rate = tokens_per_step * (step + 1 - first_step) / elapsed
-            history.append((step, float(mean.item())))
+            history.append((step, float(mean[0])))
             table = per_rank.view(-1, 2)
-            record = {"step": step, "loss": mean.item(), "lr": lr,
+            record = {"step": step, "loss": mean[0].item(), "lr": lr,
                       "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                       "step_s": round(float(table[:, 1].max()), 5),
                       "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
             metrics.write(json.dumps(record) + "\n")
             memory = engine.memory_report().total
             line = (
-                f"step {step + 1:5d}/{args.steps}  loss {mean.item():.4f}  "
+                f"step {step + 1:5d}/{args.steps}  loss {mean[0].item():.4f}  "
                 f"{rate:8.0f} tok/s  mem {memory / 2**20:.1f} MiB"
             )
             if sys.stdout.isatty():
                 print("\r" + line, end="", flush=True)
-            elif step % max(1, args.steps // 20) == 0 or step == end_step - 1:
+            elif step % max(1, args.steps // 20) == 0 or step == end_step - 1 or stopping:
                 print(line, flush=True)
+        if stopping:
+            break
     if lead and sys.stdout.isatty():
         print()
+    if stopping:
+        if metrics is not None:
+            metrics.close()
+            print(
+                f"zero-train: {preemption.received.name if preemption.received else 'a signal'}"
+                f" received: stopped after step {step + 1} of {args.steps}, saved "
+                f"{args.out / CHECKPOINT}; the same command with --resume auto goes on from "
+                f"there (exit code {EXIT_PREEMPTED})",
+                flush=True,
+            )
+        for sub_comm in (metrics_comm, mesh.tp, mesh.dp):
+            sub_comm.close()
+        world.close()
+        sys.exit(EXIT_PREEMPTED)
     report(args, engine, metrics_comm, mesh.tp, history, lead)
     phases = metrics_comm.all_gather_object(phase_record(tracker, checkpointing))
     if lead:

@@ -1,0 +1,246 @@
+"""zero-train's options: the command line, a --config file, and every check that can fail
+before a rank starts, so that a wrong option ends in one line of usage, not a traceback
+from every rank.
+
+The results folder (``--out``) belongs to one run: a new run refuses a folder that holds
+another run's results unless told ``--resume auto`` (continue it) or ``--overwrite``
+(replace it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import zero_core
+from zero_comm.launcher_env import detect_launch_env
+
+from .checkpoint_plan import CHECKPOINT_MODES
+from .gpt import PRESETS, GPTConfig
+from .tp_plan import check_tp_degree
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
+CHECKPOINT = "checkpoint"  # OUT/checkpoint: where --save-every and a preemption save
+RESULTS = ("metrics.jsonl", CHECKPOINT, "loss.png")  # what a run leaves in OUT
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped by a signal, saved; run again to go on
+DESCRIPTION = "Train a GPT with ZeRO on the default corpus, or on your data."
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """``folder`` if it holds a complete checkpoint, or its ``.old`` twin if a save was
+    cut off while swapping them; None if neither does."""
+    for candidate in (folder, folder.with_name(folder.name + ".old")):
+        if (candidate / "index.json").exists():
+            return folder  # engine.load falls back to the .old twin by itself
+    return None
+
+
+def earlier_results(out: Path) -> list[str]:
+    """What another run left in ``out`` (names from RESULTS), in RESULTS order."""
+    return [name for name in RESULTS if (out / name).exists()]
+
+
+def preempt_signals(text: str) -> tuple[signal.Signals, ...]:
+    """'TERM,USR1' -> (SIGTERM, SIGUSR1); 'none' -> ()."""
+    if text.strip().lower() == "none":
+        return ()
+    chosen = []
+    for name in text.split(","):
+        full = "SIG" + name.strip().upper().removeprefix("SIG")
+        if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(
+                f"--preempt-signals {text}: {name.strip()!r} is not a signal that can be "
+                "caught; give names like TERM,USR1,USR2 or none"
+            )
+        chosen.append(signal.Signals[full])
+    return tuple(chosen)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zero-train", description=DESCRIPTION)
+    p.add_argument("--config", type=Path, help="JSON file of option values (flags override it)")
+    p.add_argument("--stage", type=int, default=HIGHEST_STAGE, help="ZeRO stage (default: highest)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks when run by hand")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides ranks)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "mpi", "auto"))
+    p.add_argument("--model", default="small", choices=sorted(PRESETS))
+    for name in ("layers", "heads", "width", "context"):
+        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--checkpoint", default="none", choices=CHECKPOINT_MODES,
+        help="activation checkpointing of the blocks; partitioned = ZeRO-R's P_a over --tp",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-checkpoints", action="store_true",
+        help="keep activation checkpoints in host memory (P_a+cpu; needs --checkpoint)",
+    )  # fmt: skip
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", help="text file, folder, or .bin/.u16 uint16 tokens")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/zero-train"),
+        help="folder for metrics, plot and checkpoint (one run's; see --overwrite)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the results of another run found in --out"
+    )
+    p.add_argument("--sample-tokens", type=int, default=200)
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint to OUT/checkpoint every N steps and at the end",
+    )
+    p.add_argument(
+        "--resume", type=Path, metavar="CKPT|auto",
+        help="continue from this checkpoint (any stage, ranks); auto: from OUT/checkpoint if "
+        "there is one, else from the start (a requeued job needs no edit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--preempt-signals", default="TERM,USR1", metavar="SIGNALS",
+        help="signals that make every rank finish its step, save OUT/checkpoint and exit "
+        f"with code {EXIT_PREEMPTED} (SLURM sends TERM; --signal=USR1@90 asks for USR1); "
+        "'none' to leave them fatal",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int,
+        help="intra-op threads per rank (default: OMP_NUM_THREADS, else this node's cores / "
+        "its ranks); results are bitwise reproducible only at the same count",
+    )  # fmt: skip
+    p.add_argument(
+        "--stop-after", type=int, metavar="STEP",
+        help="end after this step, as if cut off there: the schedule stays that of --steps",
+    )  # fmt: skip
+    return p
+
+
+def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
+    """The --config JSON file as flags, to go before the command line's (which win):
+    {"steps": 7, "batch_size": 4} -> ["--steps", "7", "--batch-size", "4"]. Each value is
+    then checked by its option like a typed flag; anything else stops with usage."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"--config {path}: cannot read a JSON object from it ({exc})")
+    if not isinstance(values, dict):
+        p.error(f"--config {path}: must hold a JSON object of option values, not {values!r}")
+    options = {a.dest: a for a in p._actions if a.option_strings and a.dest != "help"}
+    unknown = sorted(str(k) for k in set(values) - set(options))
+    if unknown:
+        p.error(f"--config {path}: unknown keys {unknown}")
+    flags: list[str] = []
+    for key, value in values.items():
+        if key == "config" or not isinstance(value, str | int | float) or isinstance(value, bool):
+            p.error(f"--config {path}: {key}={value!r} must be a number or text")
+        flags += [options[key].option_strings[0], str(value)]
+    return flags
+
+
+def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Options from --config, then flags; every check that can fail before launching."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.config is not None:
+        args = p.parse_args([*config_flags(p, args.config), *(argv or sys.argv[1:])])
+    if args.stage not in (0, 1, 2, 3):
+        p.error(f"--stage {args.stage}: ZeRO stages are 0-3")
+    if args.nproc < 1 or args.steps < 1 or args.grad_accum < 1 or args.batch_size < 1:
+        p.error("--nproc, --steps, --grad-accum and --batch-size must be at least 1")
+    if args.offload_checkpoints and args.checkpoint == "none":
+        p.error("--offload-checkpoints needs --checkpoint full or --checkpoint partitioned")
+    if args.data is not None and not Path(args.data).exists():
+        p.error(f"--data {args.data}: no such file or folder")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads} must be at least 1")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
+    if args.save_every < 0:
+        p.error(f"--save-every {args.save_every} must be 0 (never) or a number of steps")
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        p.error(f"--lr {args.lr} must be a positive learning rate, e.g. --lr 3e-3")
+    if args.warmup < 0 or args.clip < 0:
+        p.error("--warmup and --clip must be 0 or more (--clip 0 turns clipping off)")
+    try:
+        args.preempt_signals = preempt_signals(args.preempt_signals)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file; name a folder for the run's results")
+    if str(args.resume) == "auto":
+        args.resume = newest_checkpoint(args.out / CHECKPOINT)
+    elif args.resume is not None and newest_checkpoint(args.resume) is None:
+        p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
+    found = earlier_results(args.out)
+    if found and args.resume is None and not args.overwrite:
+        p.error(
+            f"--out {args.out} holds the results of another run ({', '.join(found)}); "
+            "continue it with --resume auto, replace it with --overwrite, or name another --out"
+        )
+    try:
+        config = model_config(args)
+        if args.tp < 1:
+            raise ValueError(f"--tp {args.tp} must be at least 1")
+        launcher = detect_launch_env()
+        world = args.nproc if launcher.launcher == "none" else launcher.world_size
+        if world % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} does not divide the {world} ranks; use --nproc (or -n) that is "
+                f"a multiple of {args.tp}"
+            )
+        data_parallel = world // args.tp
+        if args.batch_size % data_parallel:
+            raise ValueError(
+                f"--batch-size {args.batch_size} does not split over {data_parallel} "
+                f"data-parallel ranks; use a multiple of {data_parallel} (e.g. --batch-size "
+                f"{-(-args.batch_size // data_parallel) * data_parallel}) or another --nproc"
+            )
+        check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return PRESETS[args.model].with_overrides(
+        layers=args.layers, heads=args.heads, width=args.width, context=args.context
+    )
+
+
+def threads_per_rank(requested: int | None, local_ranks: int) -> tuple[int, str]:
+    """The intra-op threads each rank computes with, and where the number came from:
+    --threads, else OMP_NUM_THREADS, else this node's cores shared among its ranks."""
+    cores = os.cpu_count() or 1
+    shared = max(1, cores // max(1, local_ranks))
+    if requested is not None:
+        return requested, "--threads"
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) >= 1:
+        if int(value) == shared:
+            return shared, f"{cores} cores / {local_ranks} ranks on this node"
+        return int(value), "OMP_NUM_THREADS"
+    return shared, f"{cores} cores / {local_ranks} ranks on this node"
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to --lr, then cosine decay to a tenth of it."""
+    if step < args.warmup:
+        return float(args.lr * (step + 1) / args.warmup)
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return float(args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))))
