@@ -27,7 +27,8 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 # In dependency order: each package needs only those before it.
 PACKAGES = ("zero-comm", "zero-core", "zero-models")
-TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors")
+TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors",
+             "matplotlib")  # fmt: skip
 MPI_DEPS = ("mpi4py>=3.1", "mpich")
 LINT_DEPS = ("ruff", "mypy", "import-linter")
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
@@ -158,7 +159,7 @@ def train(session: nox.Session) -> None:
 
     Extra arguments go to zero-train: nox -s train -- --stage 1 --steps 100
     """
-    _install(session, "numpy", packages=PACKAGES)
+    _install(session, "numpy", "matplotlib", packages=PACKAGES)
     # The quick start is a demo: running it again replaces its own earlier results (and
     # says so). Any --out, --resume or --overwrite given is the user's choice instead.
     chosen = {"--out", "--resume", "--overwrite"} & {a.split("=")[0] for a in session.posargs}

@@ -29,10 +29,9 @@ from provenance import git_head
 
 from zero_comm.testing import run_on_ranks
 from zero_models import memory_probe
-from zero_models.loss_plot import AXIS_RGB, TEXT_RGB, _Canvas, _text_width, png_bytes
 
 MIB = 2**20
-STATES_RGB, ACTIVATIONS_RGB, MEASURED_RGB = (31, 119, 180), (255, 127, 14), (44, 160, 44)
+STATES, ACTIVATIONS, MEASURED = "tab:blue", "tab:orange", "tab:green"
 
 
 def measure(stage: int, mode: str, tp: int, batch: int) -> dict[str, Any]:
@@ -44,42 +43,32 @@ def measure(stage: int, mode: str, tp: int, batch: int) -> dict[str, Any]:
 
 
 def draw(rows: list[dict[str, Any]], path: Path) -> None:
-    """Stacked bars: predicted (states, activations) and measured (states, the rest)."""
-    width, height, s = 960, 540, 2
-    canvas = _Canvas(width, height)
-    top = max(max(r["predicted"], r["measured"]) for r in rows)
-    x0, y0, y1 = 60 * s // 2, 40, height - 60
-    scale = (y1 - y0) / top
+    """Stacked bars per stage: predicted (model states, activations and buffers) beside
+    measured (model states counted, the rest of the peak)."""
+    import matplotlib
 
-    def bar(x: int, parts: list[tuple[float, tuple[int, int, int]]]) -> None:
-        y = y1
-        for value, rgb in parts:
-            h = round(value * scale)
-            canvas.rect(x, y - h, 60, h, rgb)
-            y -= h
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
 
-    canvas.line((x0, y0), (x0, y1), AXIS_RGB, 2)
-    canvas.line((x0, y1), (width - 20, y1), AXIS_RGB, 2)
-    for tick in range(0, int(top / MIB) + 1, max(1, int(top / MIB) // 5 // 50 * 50 or 50)):
-        y = y1 - round(tick * MIB * scale)
-        canvas.text(4, y - 5, f"{tick}", TEXT_RGB, s)
-    title = "memory per rank by stage, mib: predicted (left) and measured (right)"
-    canvas.text((width - _text_width(title, s)) // 2, 8, title, TEXT_RGB, s)
-    for i, row in enumerate(rows):
-        x = x0 + 40 + i * 220
-        states = row["states_predicted"]
-        bar(x, [(states, STATES_RGB), (row["predicted"] - states, ACTIVATIONS_RGB)])
-        counted = row["states_counted"]
-        bar(x + 70, [(counted, STATES_RGB), (row["measured"] - counted, MEASURED_RGB)])
-        canvas.text(x + 20, y1 + 10, f"stage {row['stage']}", TEXT_RGB, s)
-    legend = [("model states", STATES_RGB), ("activations, buffers: predicted", ACTIVATIONS_RGB),
-              ("measured", MEASURED_RGB)]  # fmt: skip
-    x = x0 + 20
-    for text, rgb in legend:
-        canvas.rect(x, height - 24, 12, 12, rgb)
-        canvas.text(x + 18, height - 22, text, TEXT_RGB, s)
-        x += 40 + _text_width(text, s)
-    path.write_bytes(png_bytes(canvas.rows, width, height))
+    figure, axis = plt.subplots(figsize=(9.6, 5.4), constrained_layout=True)
+    stages = [r["stage"] for r in rows]
+    left = [s - 0.2 for s in stages]
+    right = [s + 0.2 for s in stages]
+    predicted_states = [r["states_predicted"] / MIB for r in rows]
+    counted_states = [r["states_counted"] / MIB for r in rows]
+    axis.bar(left, predicted_states, 0.38, color=STATES, label="model states")
+    axis.bar(left, [r["predicted"] / MIB - p for r, p in zip(rows, predicted_states, strict=True)],
+             0.38, bottom=predicted_states, color=ACTIVATIONS,
+             label="activations, buffers: predicted")  # fmt: skip
+    axis.bar(right, counted_states, 0.38, color=STATES)
+    axis.bar(right, [r["measured"] / MIB - c for r, c in zip(rows, counted_states, strict=True)],
+             0.38, bottom=counted_states, color=MEASURED, label="measured")  # fmt: skip
+    axis.set_xticks(stages, [f"stage {s}" for s in stages])
+    axis.set_ylabel("MiB per rank")
+    axis.set_title("memory per rank by stage: predicted (left) and measured (right)")
+    axis.legend()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from types import FrameType
 
 import torch
 from torch.nn import functional as F
+from tqdm import tqdm
 
 import zero_comm
 import zero_core
@@ -37,7 +38,8 @@ from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
 from .gpt import GPT
 from .phase_memory import phase_record, phase_table
-from .run_metrics import corpus_digest, open_metrics
+from .run_metrics import corpus_digest, open_metrics, read_metrics
+from .run_plots import write_run_plots
 from .tp_layers import vocab_parallel_cross_entropy
 from .tp_mappings import gather_last_dim
 from .tp_plan import make_mesh, sharded_parameters, tensor_parallel_gpt
@@ -182,6 +184,12 @@ def train(args: argparse.Namespace) -> None:
     tokens_per_step = args.batch_size * args.grad_accum * config.context
     end_step = args.steps if args.stop_after is None else args.stop_after
     stopping = False
+    # A progress bar on a terminal; plain lines (every 5% of the run) in a log file.
+    progress = (
+        tqdm(total=end_step, initial=first_step, desc="zero-train", unit="step", file=sys.stdout)
+        if lead and sys.stdout.isatty()
+        else None
+    )
     for step in range(first_step, end_step):
         step_start = time.perf_counter()
         if step == end_step - 1:
@@ -240,14 +248,20 @@ def train(args: argparse.Namespace) -> None:
                 f"step {step + 1:5d}/{args.steps}  loss {mean[0].item():.4f}  "
                 f"{rate:8.0f} tok/s  mem {memory / 2**20:.1f} MiB"
             )
-            if sys.stdout.isatty():
-                print("\r" + line, end="", flush=True)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix_str(
+                    f"loss {mean[0].item():.4f}, {rate:.0f} tok/s, mem {memory / 2**20:.1f} MiB",
+                    refresh=False,
+                )
             elif step % max(1, args.steps // 20) == 0 or step == end_step - 1 or stopping:
                 print(line, flush=True)
         if stopping:
             break
-    if lead and sys.stdout.isatty():
-        print()
+    if progress is not None:
+        progress.close()
+    if metrics is not None:
+        metrics.flush()  # report() reads it back for the plot
     if stopping:
         if metrics is not None:
             metrics.close()
@@ -322,13 +336,12 @@ def report(
     if history:
         (first, start), (last, end) = history[0], history[-1]
         print(f"loss: {start:.3f} at step {first + 1} -> {end:.3f} at step {last + 1}")
-    try:
-        from .loss_plot import write_loss_png
-
-        write_loss_png(args.out / "loss.png", [s for s, _ in history], [v for _, v in history])
+    # The whole run, earlier segments of a resumed one included.
+    why_not = write_run_plots(args.out / "loss.png", read_metrics(args.out / "metrics.jsonl")[1])
+    if why_not is None:
         print(f"wrote {args.out / 'metrics.jsonl'} and {args.out / 'loss.png'}")
-    except ImportError:
-        print(f"wrote {args.out / 'metrics.jsonl'}")
+    else:
+        print(f"wrote {args.out / 'metrics.jsonl'}; {why_not}")
 
 
 @torch.no_grad()
