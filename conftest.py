@@ -8,8 +8,15 @@ savers and trainers it starts hold only then.
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from zero_comm.testing.threads import pin_test_threads
+
+# No per-example deadline: on a shared 2-core machine one example of a pure function took
+# 569 ms once and 4.5 ms when hypothesis retried it (a FlakyFailure). A deadline measures
+# the machine's load, not the code; every test has pytest-timeout's bound instead.
+settings.register_profile("zero", deadline=None)
+settings.load_profile("zero")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -2,6 +2,7 @@
 
     nox                  lint + tests (what CI runs; no GPU needed)
     nox -s train         the quick start: zero-train, a small GPT with ZeRO on 2 local ranks
+    nox -s dev           .venv with the packages, MPI and the tools: zero-train etc. on PATH
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec (MPICH from PyPI unless you have one)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
@@ -14,6 +15,7 @@ Every session installs torch pinned first (TORCH), so that pip never resolves th
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -151,6 +153,21 @@ def tests_nccl(session: nox.Session) -> None:
     if str(session.run("python", "-c", probe, silent=True)).strip() != "1":
         session.skip("no CUDA device visible to torch here: the nccl tests need a GPU")
     _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "nccl")
+
+
+@nox.session(venv_backend="none")
+def dev(session: nox.Session) -> None:
+    """A development environment in .venv: the three packages editable (with plots),
+    mpi4py and MPICH, the test tools. Then: source .venv/bin/activate, and zero-train,
+    zero-estimate, zero-consolidate, zero-launch and mpiexec are on PATH."""
+    venv = Path(".venv")
+    if not (venv / "bin" / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(venv))
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    session.run(*pip, TORCH)
+    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, "-e", "packages/zero-comm",
+                "-e", "packages/zero-core", "-e", "packages/zero-models[plots]")  # fmt: skip
+    session.log("ready: source .venv/bin/activate  (then zero-train --help)")
 
 
 @nox.session

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from provenance import git_head
 
 from zero_comm.testing import run_on_ranks
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/zero-r-memory"))
     parser.add_argument("--batch", type=int, default=32, help="sequences of 128 per rank")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # each rank's, through run_on_ranks: the table's figures were
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for tp in (1, 2):

@@ -37,7 +37,8 @@ def train_and_measure(
     steps: int = 3,
     contiguous: bool = True,
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
+    # The thread count is the caller's (run_on_ranks passes it on): a probe that changed it
+    # would measure another process than the one it is compared with.
     mesh = make_mesh(comm, tp)
     config = PRESETS[preset]
     model = GPT(config, seed=0)
