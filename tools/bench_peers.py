@@ -74,13 +74,9 @@ TOOLS = Path(__file__).resolve().parent
 # ------------------------------------------------------------------ process memory
 def status_kib(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS, VmHWM, VmSize, VmPeak); 0 if absent."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    from zero_core.memory_tracker import process_status_kib
+
+    return process_status_kib(field) or 0
 
 
 def reset_peak_rss() -> bool:

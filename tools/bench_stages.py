@@ -58,8 +58,9 @@ from torch import nn
 
 import zero_comm
 import zero_core
+from zero_core.config import SHORT_DTYPE_NAMES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: SHORT_DTYPE_NAMES[name] for name in ("fp32", "bf16")}  # no loss scaling here
 MIB = 2**20
 MEMORY_FIELDS = (
     "parameters",

@@ -19,6 +19,7 @@ from torch import nn
 
 import zero_core
 from zero_comm import Communicator
+from zero_core.config import DTYPES as CONFIG_DTYPES
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
@@ -27,7 +28,7 @@ OPTIMIZERS = {
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3}),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: CONFIG_DTYPES[name] for name in ("float32", "bfloat16", "float16")}
 
 
 @dataclass(frozen=True)

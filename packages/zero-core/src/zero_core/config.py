@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+# The compute dtypes by their short names (the command lines' --dtype), and every name
+# param_dtype accepts: the one home of these maps.
+SHORT_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}  # fmt: skip
+    **SHORT_DTYPE_NAMES,
+    **{str(dtype).removeprefix("torch."): dtype for dtype in SHORT_DTYPE_NAMES.values()},
+}
 AVAILABLE_STAGES = (0, 1, 2, 3)
 
 

@@ -26,10 +26,11 @@ from .checkpoint import (
     _saved_pieces,
     shard_name,
 )  # fmt: skip
+from .config import SHORT_DTYPE_NAMES
 from .flat_layout import Range
 from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_stream
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = SHORT_DTYPE_NAMES
 
 
 class SavedModel:

@@ -103,7 +103,9 @@ class MemoryTracker:
         return self.current_bytes()
 
 
-def _status_kib(field: str) -> int:
+def process_status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, VmSize, VmPeak); None where
+    there is no such file or field (not Linux). The one reader of that file."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -111,6 +113,13 @@ def _status_kib(field: str) -> int:
                     return int(line.split()[1])
     except OSError:
         pass
+    return None
+
+
+def _status_kib(field: str) -> int:
+    found = process_status_kib(field)
+    if found is not None:
+        return found
     import resource  # not Linux: the lifetime peak is all there is
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

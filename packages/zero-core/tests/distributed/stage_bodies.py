@@ -20,10 +20,12 @@ def parity_suite(comm: Communicator, examples: int) -> int:
 
 
 def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    from zero_core.memory_tracker import process_status_kib
+
+    found = process_status_kib(field)
+    if found is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return found
 
 
 def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[str, int]:

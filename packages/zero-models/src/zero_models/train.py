@@ -33,6 +33,7 @@ import zero_comm
 import zero_core
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
+from zero_core.memory_tracker import process_status_kib
 
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
@@ -58,13 +59,7 @@ from .train_options import (
 
 def resident_mib() -> float:
     """This process's resident memory (Linux /proc; 0 where there is none)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return (process_status_kib("VmRSS") or 0) / 1024
 
 
 def mib(n: float) -> str:

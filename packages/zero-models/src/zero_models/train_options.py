@@ -18,16 +18,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
+from zero_core.config import SHORT_DTYPE_NAMES
 
 from .checkpoint_plan import CHECKPOINT_MODES
 from .gpt import PRESETS, GPTConfig
 from .tp_plan import check_tp_degree
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = SHORT_DTYPE_NAMES
 HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
 CHECKPOINT = "checkpoint"  # OUT/checkpoint: where --save-every and a preemption save
 RESULTS = ("metrics.jsonl", CHECKPOINT, "loss.png")  # what a run leaves in OUT
