@@ -13,15 +13,10 @@ import json
 from collections.abc import Sequence
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
-from .memory_estimate import STAGES, model_state_bytes
+from .memory_estimate import OPTIMIZER_STATE_BYTES, STAGES, model_state_bytes, state_bytes_per_param
 
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-# float32 bytes per parameter an optimizer keeps, besides the fp32 master copy (4; none
-# with fp32 parameters, which are their own master weights at every stage).
-OPTIMIZER_STATE_BYTES = {
-    "adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adagrad": 4, "rmsprop": 4,
-}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -70,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # fmt: skip
     k = args.optimizer_state_bytes
     if k is None:
-        k = (0 if args.dtype == "fp32" else 4) + OPTIMIZER_STATE_BYTES[args.optimizer]
+        k = state_bytes_per_param(DTYPE_BYTES[args.dtype], args.optimizer)
     width = DTYPE_BYTES[args.dtype]
     rows = {
         stage: model_state_bytes(

@@ -19,6 +19,17 @@ from typing import NamedTuple
 
 STAGES = (0, 1, 2, 3)
 ADAM_STATE_BYTES = 12
+# float32 bytes per parameter an optimizer keeps, besides the fp32 master copy.
+OPTIMIZER_STATE_BYTES = {
+    "adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4, "adagrad": 4, "rmsprop": 4,
+}  # fmt: skip
+
+
+def state_bytes_per_param(param_bytes: int, optimizer: str = "adamw") -> int:
+    """The paper's K for ``optimizer`` with parameters of ``param_bytes`` bytes: its float32
+    states, plus a 4-byte float32 master, except for float32 parameters, which are their
+    own master at every stage. Adam in bf16: 4 + 8 = 12; in float32: 8."""
+    return OPTIMIZER_STATE_BYTES[optimizer] + (0 if param_bytes == 4 else 4)
 
 
 class ModelStateBytes(NamedTuple):

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 import zero_core
 from zero_comm import Communicator
 from zero_core.activation_estimate import TransformerShape, activation_bytes
+from zero_core.memory_estimate import state_bytes_per_param
 from zero_models.checkpoint_plan import checkpoint_gpt_blocks
 from zero_models.gpt import GPT, PRESETS
 from zero_models.tp_layers import vocab_parallel_cross_entropy
@@ -83,11 +84,9 @@ def train_and_measure(
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size,
                              batch * config.context)  # fmt: skip
     params_here = sum(p.numel() for p in model.parameters())
-    # float32 compute: every stage steps the parameters (or their shard) themselves, so
-    # K = 8 for AdamW's two moments, no master.
-    states = zero_core.model_state_bytes(
-        params_here, mesh.dp.world_size, stage, optimizer_state_bytes=8, param_bytes=4,
-        grad_bytes=4,
+    states = zero_core.model_state_bytes(  # float32: K = 8, the parameters are the masters
+        params_here, mesh.dp.world_size, stage, optimizer_state_bytes=state_bytes_per_param(4),
+        param_bytes=4, grad_bytes=4,
     ).total  # fmt: skip
     activations = activation_bytes(shape, tp=tp, checkpoint=mode)  # type: ignore[arg-type]
     report = engine.memory_report()

@@ -5,7 +5,6 @@ their forward (Megatron-LM's mappings; mesh-transformer-jax's f_psum / g_psum):
     reduce_from_tp    forward: all-reduce (sum)   backward: identity
     gather_last_dim   forward: all-gather, concat on the last dim
                       backward: this rank's slice of the last dim
-    scatter_last_dim  forward: this rank's slice  backward: all-gather on the last dim
 
 A column-parallel linear is ``Y_i = copy_to_tp(X) A_i`` for A = [A_1 ... A_p]; a
 row-parallel one is ``Y = reduce_from_tp(X_i A_i)`` for A = [A_1; ...; A_p].
@@ -71,17 +70,6 @@ class _GatherLastDim(torch.autograd.Function):
         return _slice_last(grad, ctx.comm), None
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _slice_last(x, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.comm), None
-
-
 def copy_to_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     out: torch.Tensor = _CopyToTP.apply(x, comm)  # type: ignore[no-untyped-call]
     return out
@@ -94,9 +82,4 @@ def reduce_from_tp(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 def gather_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     out: torch.Tensor = _GatherLastDim.apply(x, comm)  # type: ignore[no-untyped-call]
-    return out
-
-
-def scatter_last_dim(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    out: torch.Tensor = _ScatterLastDim.apply(x, comm)  # type: ignore[no-untyped-call]
     return out

@@ -33,6 +33,7 @@ import zero_comm
 import zero_core
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
+from zero_core.memory_estimate import state_bytes_per_param
 from zero_core.memory_tracker import process_status_kib
 
 from .checkpoint_plan import checkpoint_gpt_blocks
@@ -297,8 +298,7 @@ def report(
     sample = generate(engine.module, tp, args)  # every rank takes part (TP collectives)
     psi = sum(p.numel() for _, p in engine.trainable_parameters())
     width = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
-    # Adam's two moments, plus a float32 master unless the parameters are float32 themselves.
-    k = 8 if width == 4 else 12
+    k = state_bytes_per_param(width, "adamw")
     stage0 = zero_core.model_state_bytes(
         psi, 1, 0, optimizer_state_bytes=k, param_bytes=width, grad_bytes=width
     ).total
