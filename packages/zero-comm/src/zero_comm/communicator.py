@@ -30,7 +30,7 @@ import abc
 import pickle
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 import torch
 
@@ -318,6 +318,25 @@ class Communicator(CallCheck):
         return self.deterministic and not exact_in_any_order
 
     # --------------------------------------------------------------- collectives
+    # Each collective's overloads say what async_op gives: a Handle for True, None for
+    # False, so a caller never needs to assert the handle's presence (typing only).
+    @overload
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = ...,
+        *,
+        async_op: Literal[False] = ...,
+        label: str = ...,
+    ) -> None: ...
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ..., *, async_op: Literal[True], label: str = ...
+    ) -> Handle: ...
+    @overload
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOp = ..., *, async_op: bool, label: str = ...
+    ) -> Handle | None: ...
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -349,6 +368,36 @@ class Communicator(CallCheck):
         work = self._all_reduce_native(flat, native_op)
         return self._complete(Handle(self, name, work, finish), async_op)
 
+    @overload
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ...,
+        *,
+        async_op: Literal[False] = ...,
+        label: str = ...,
+    ) -> None: ...
+    @overload
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ...,
+        *,
+        async_op: Literal[True],
+        label: str = ...,
+    ) -> Handle: ...
+    @overload
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOp = ...,
+        *,
+        async_op: bool,
+        label: str = ...,
+    ) -> Handle | None: ...
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -389,6 +438,28 @@ class Communicator(CallCheck):
         work = self._reduce_scatter_native(out, inp, native_op)
         return self._complete(Handle(self, name, work, finish), async_op)
 
+    @overload
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: Literal[False] = ...,
+        label: str = ...,
+    ) -> None: ...
+    @overload
+    def all_gather(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: Literal[True],
+        label: str = ...,
+    ) -> Handle: ...
+    @overload
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
+    ) -> Handle | None: ...
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -407,6 +478,18 @@ class Communicator(CallCheck):
             return self._complete(Handle(self, name, CompletedWork()), async_op)
         return self._complete(Handle(self, name, self._all_gather(out, inp)), async_op)
 
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, async_op: Literal[False] = ..., label: str = ...
+    ) -> None: ...
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, async_op: Literal[True], label: str = ...
+    ) -> Handle: ...
+    @overload
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, *, async_op: bool, label: str = ...
+    ) -> Handle | None: ...
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -424,6 +507,12 @@ class Communicator(CallCheck):
             return self._complete(Handle(self, name, CompletedWork()), async_op)
         return self._complete(Handle(self, name, self._broadcast(tensor.view(-1), src)), async_op)
 
+    @overload
+    def barrier(self, *, async_op: Literal[False] = ...) -> None: ...
+    @overload
+    def barrier(self, *, async_op: Literal[True]) -> Handle: ...
+    @overload
+    def barrier(self, *, async_op: bool) -> Handle | None: ...
     def barrier(self, *, async_op: bool = False) -> Handle | None:
         """Return (or complete the handle) only when every rank has entered the barrier."""
         self._enter("barrier", lambda: (-1, 0, -1, -1))

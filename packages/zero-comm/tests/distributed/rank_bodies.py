@@ -80,7 +80,6 @@ def stats_of_one_step(comm: Communicator, numel: int) -> dict[str, float]:
 def barriers_in_every_form(comm: Communicator) -> int:
     comm.barrier()
     handle = comm.barrier(async_op=True)
-    assert handle is not None
     handle.wait()
     return comm.stats["barrier"].calls
 

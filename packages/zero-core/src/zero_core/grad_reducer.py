@@ -175,7 +175,6 @@ class BucketReducer:
         handle = self.comm.reduce_scatter(
             out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
         )
-        assert handle is not None
         self._pieces_left[index] = 1
         self._track((index, handle, out, None, Range(0, slot.slice_numel)))
 
@@ -200,7 +199,6 @@ class BucketReducer:
             out = self.comm.buffers.take(piece.size, self.dtype)
             label = f"{self.labels[index]}{self._tag} [{piece.start}:{piece.stop}]"
             handle = self.comm.reduce_scatter(out, send, async_op=True, label=label)
-            assert handle is not None
             self._track((index, handle, out, send, piece))
 
     def _track(self, launched: Finish) -> None:

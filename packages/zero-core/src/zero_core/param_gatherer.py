@@ -215,7 +215,6 @@ class ParameterGatherer:
         handles = []
         for full, shard in zip(unit.fulls, unit.shards, strict=True):
             handle = self.comm.all_gather(full, shard, async_op=True, label=unit.label)
-            assert handle is not None
             handles.append(handle)
         self._in_flight[index] = handles
 

@@ -244,7 +244,6 @@ class PartitionedEngine(ZeroEngine):
                     else:
                         gathered, destination = None, full
                         handle = self.comm.all_gather(full, mine, async_op=True)
-                    assert handle is not None
                     in_flight.append((handle, mine, gathered, destination))
                     if len(in_flight) > self.config.max_buckets_in_flight:
                         finish_oldest()
