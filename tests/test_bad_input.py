@@ -118,7 +118,7 @@ def load_into(folder: Path, config: GPTConfig) -> Callable[[], Any]:
 
 
 def train_options(*argv: str) -> Callable[[], Any]:
-    from zero_models.train import parse_options
+    from zero_models.train_options import parse_options
 
     return lambda: parse_options(list(argv))
 

@@ -68,7 +68,7 @@ def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
 
 
 def test_options_from_a_json_config_and_unknown_keys(tmp_path: Path) -> None:
-    from zero_models.train import parse_options
+    from zero_models.train_options import parse_options
 
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"steps": 7, "model": "test", "lr": 0.01}))
@@ -163,7 +163,7 @@ def test_threads_per_rank_comes_from_the_flag_the_variable_or_the_cores(
     requested: int | None, variable: str | None, expected: tuple[int, str] | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    from zero_models.train import threads_per_rank
+    from zero_models.train_options import threads_per_rank
 
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     if variable is None:
@@ -185,7 +185,7 @@ def test_a_json_config_of_any_content_is_accepted_or_stops_with_usage(tmp_path: 
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from zero_models.train import parse_options, parser
+    from zero_models.train_options import parse_options, parser
 
     keys = [a.dest for a in parser()._actions if a.dest not in ("help", "config")]
     scalars = st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats() | st.text(max_size=8)

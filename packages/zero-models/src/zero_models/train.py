@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 from types import FrameType
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -38,13 +39,13 @@ from zero_core.memory_tracker import process_status_kib
 
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
-from .gpt import GPT
+from .gpt import GPT, GPTConfig
 from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics, read_metrics
 from .run_plots import write_run_plots
 from .tp_layers import vocab_parallel_cross_entropy
 from .tp_mappings import gather_last_dim
-from .tp_plan import make_mesh, sharded_parameters, tensor_parallel_gpt
+from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
 from .train_options import (
     CHECKPOINT,
     DTYPES,
@@ -95,22 +96,37 @@ def clear_earlier_results(out: Path) -> None:
                 path.unlink()
 
 
-def train(args: argparse.Namespace) -> None:
-    preemption = PreemptionFlag(args.preempt_signals)
-    threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
-    torch.set_num_threads(threads)
+class Run(NamedTuple):
+    """What one rank trains with: its communicators, the model behind the engine, data."""
+
+    world: zero_comm.Communicator
+    metrics_comm: zero_comm.Communicator  # logging traffic, kept out of the engine's stats
+    mesh: Mesh
+    config: GPTConfig
+    tokens: torch.Tensor
+    engine: zero_core.ZeroEngine
+    sampler: BatchSampler
+    tracker: zero_core.MemoryTracker
+    checkpointing: Any
+
+    def close(self) -> None:
+        for comm in (self.metrics_comm, self.mesh.tp, self.mesh.dp):
+            comm.close()
+        self.world.close()
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """Communicators, the GPT (on meta at stage 3 without TP: no rank holds it whole), the
+    engine and the data sampler of this rank."""
     world = zero_comm.init(args.backend, deterministic=True)
-    metrics_comm = world.split(color=0)  # logging traffic kept out of the engine's stats
+    metrics_comm = world.split(color=0)
     mesh = make_mesh(world, args.tp)
-    comm = mesh.dp
     config = model_config(args)
-    dtype = DTYPES[args.dtype]
     tokens = load_tokens(args.data)
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     init_values = None
     if args.stage == 3 and args.tp == 1:
-        # Built on the meta device: each rank keeps only its shards of each value.
         with torch.device("meta"):
             model = GPT(config, seed=args.seed)
         init_values = model.initial_values(args.seed)
@@ -123,61 +139,105 @@ def train(args: argparse.Namespace) -> None:
     checkpointing = checkpoint_gpt_blocks(
         model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
     )
-    tracker = zero_core.MemoryTracker(world.device)
     engine = zero_core.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
         zero_core.ZeroConfig(
             stage=args.stage,
-            param_dtype=dtype,
+            param_dtype=DTYPES[args.dtype],
             gradient_accumulation_steps=args.grad_accum,
             clip_grad_norm=args.clip or None,
         ),
-        comm,
+        mesh.dp,
         model_parallel=model_parallel,
         init_values=init_values,
     )
     sampler = BatchSampler(
-        tokens,
-        context=config.context,
-        global_batch=args.batch_size,
-        dp_rank=comm.rank,
-        dp_size=comm.world_size,
-        seed=args.seed,
-    )
-    lead = world.rank == 0
-    first_step = 0
+        tokens, context=config.context, global_batch=args.batch_size,
+        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed,
+    )  # fmt: skip
+    tracker = zero_core.MemoryTracker(world.device)
+    return Run(world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing)
+
+
+def announce(args: argparse.Namespace, run: Run, first_step: int, threads: str) -> None:
+    """Rank 0: clear an --overwrite'd folder, then say what is about to train."""
+    found = earlier_results(args.out)
+    if args.overwrite and args.resume is None and found:
+        clear_earlier_results(args.out)
+        print(f"zero-train: --overwrite: removed the earlier run's {', '.join(found)} "
+              f"from {args.out}", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.resume is not None:
-        first_step = int(engine.load(args.resume).get("step", 0))
-    if lead:
-        found = earlier_results(args.out)
-        if args.overwrite and args.resume is None and found:
-            clear_earlier_results(args.out)
-            print(f"zero-train: --overwrite: removed the earlier run's {', '.join(found)} "
-                  f"from {args.out}", flush=True)  # fmt: skip
-        args.out.mkdir(parents=True, exist_ok=True)
-        if args.resume is not None:
-            print(f"zero-train: resumed from {args.resume} at step {first_step}", flush=True)
-        print(
-            f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
-            f"parameters), stage {args.stage}, {world.world_size} ranks ({args.tp} tensor-parallel"
-            f" x {comm.world_size} data-parallel) on {comm.backend}, "
-            f"{args.dtype}, {tokens.numel():,} tokens of data, {threads} "
-            f"thread{'s' if threads > 1 else ''} per rank ({threads_from})",
-            flush=True,
-        )
+        print(f"zero-train: resumed from {args.resume} at step {first_step}", flush=True)
+    config, dp = run.config, run.mesh.dp
+    print(
+        f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
+        f"parameters), stage {args.stage}, {run.world.world_size} ranks ({args.tp} "
+        f"tensor-parallel x {dp.world_size} data-parallel) on {dp.backend}, {args.dtype}, "
+        f"{run.tokens.numel():,} tokens of data, {threads}",
+        flush=True,
+    )
+
+
+def train_step(args: argparse.Namespace, run: Run, step: int) -> float:
+    """One optimizer step (--grad-accum micro-batches); this rank's mean loss."""
+    engine, tracker = run.engine, run.tracker
+    for group in engine.optimizer.param_groups:
+        group["lr"] = learning_rate(step, args)
+    total = 0.0
+    for micro in range(args.grad_accum):
+        inputs, targets = (t.to(run.world.device) for t in run.sampler.batch(step, micro))
+        with tracker.phase("forward"):
+            logits = engine(inputs)
+            if args.tp > 1:
+                loss = vocab_parallel_cross_entropy(logits, targets, run.mesh.tp)
+            else:
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+            del logits  # the loss's graph keeps what backward needs
+        with tracker.phase("backward"):
+            engine.backward(loss)
+        total += loss.item() / args.grad_accum
+        del loss
+        with tracker.phase("step"):
+            engine.step()
+    return total
+
+
+def save_or_exit(args: argparse.Namespace, run: Run, step: int) -> None:
+    """Save OUT/checkpoint after ``step``; a failed save (every rank has the same error)
+    ends the run with one line from rank 0 and exit code 1."""
+    # The step to start from, and the seed: the data order and the learning rate are
+    # functions of those, so a resumed run continues bit for bit.
+    try:
+        run.engine.save(args.out / CHECKPOINT, extra={"step": step + 1, "seed": args.seed})
+    except zero_core.CheckpointError as exc:
+        if run.world.rank == 0:
+            print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def train(args: argparse.Namespace) -> None:
+    preemption = PreemptionFlag(args.preempt_signals)
+    threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
+    torch.set_num_threads(threads)
+    run = build_run(args)
+    engine, metrics_comm = run.engine, run.metrics_comm
+    lead = run.world.rank == 0
+    first_step = 0 if args.resume is None else int(engine.load(args.resume).get("step", 0))
     metrics = None
     if lead:
-        run_record = {
-            "fingerprint": engine.fingerprint().to_json(),
-            "corpus": corpus_digest(tokens),
-            "first_step": first_step,
-            "argv": sys.argv[1:],
-        }
+        plural = "s" if threads > 1 else ""
+        announce(args, run, first_step, f"{threads} thread{plural} per rank ({threads_from})")
+        run_record = {"fingerprint": engine.fingerprint().to_json(),
+                      "corpus": corpus_digest(run.tokens), "first_step": first_step,
+                      "argv": sys.argv[1:]}  # fmt: skip
         metrics = open_metrics(args.out / "metrics.jsonl", run_record, append=first_step > 0)
     history: list[tuple[int, float]] = []
     start = time.perf_counter()
-    tokens_per_step = args.batch_size * args.grad_accum * config.context
+    tokens_per_step = args.batch_size * args.grad_accum * run.config.context
     end_step = args.steps if args.stop_after is None else args.stop_after
     stopping = False
     # A progress bar on a terminal; plain lines (every 5% of the run) in a log file.
@@ -189,28 +249,8 @@ def train(args: argparse.Namespace) -> None:
     for step in range(first_step, end_step):
         step_start = time.perf_counter()
         if step == end_step - 1:
-            comm.stats.reset()  # the last step's traffic is what gets reported
-        lr = learning_rate(step, args)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        total = 0.0
-        for micro in range(args.grad_accum):
-            inputs, targets = (t.to(world.device) for t in sampler.batch(step, micro))
-            with tracker.phase("forward"):
-                logits = engine(inputs)
-                if args.tp > 1:
-                    loss = vocab_parallel_cross_entropy(logits, targets, mesh.tp)
-                else:
-                    loss = F.cross_entropy(
-                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-                    )
-                del logits  # the loss's graph keeps what backward needs
-            with tracker.phase("backward"):
-                engine.backward(loss)
-            total += loss.item() / args.grad_accum
-            del loss
-            with tracker.phase("step"):
-                engine.step()
+            engine.comm.stats.reset()  # the last step's traffic is what gets reported
+        total = train_step(args, run, step)
         # The mean loss, and whether any rank was asked to stop (its flag averages above 0).
         mean = torch.tensor([total, float(preemption.received is not None)])
         metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
@@ -219,48 +259,41 @@ def train(args: argparse.Namespace) -> None:
         mine = torch.tensor([resident_mib(), time.perf_counter() - step_start], dtype=torch.float64)
         per_rank = torch.empty(2 * metrics_comm.world_size, dtype=torch.float64)
         metrics_comm.all_gather(per_rank, mine)
-        due = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == end_step)
-        if due or stopping:
-            # The step to start from, and the seed: the data order and the learning rate
-            # are functions of those, so a resumed run continues bit for bit.
-            try:
-                engine.save(args.out / CHECKPOINT, extra={"step": step + 1, "seed": args.seed})
-            except zero_core.CheckpointError as exc:  # every rank has it; rank 0 says it
-                if lead:
-                    print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)
-                sys.exit(1)
+        if stopping or (
+            args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == end_step)
+        ):
+            save_or_exit(args, run, step)
+        if metrics is None:
+            if stopping:
+                break
+            continue
         elapsed = time.perf_counter() - start
-        if lead and metrics is not None:
-            rate = tokens_per_step * (step + 1 - first_step) / elapsed
-            history.append((step, float(mean[0])))
-            table = per_rank.view(-1, 2)
-            record = {"step": step, "loss": mean[0].item(), "lr": lr,
-                      "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
-                      "step_s": round(float(table[:, 1].max()), 5),
-                      "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
-            metrics.write(json.dumps(record) + "\n")
-            memory = engine.memory_report().total
-            line = (
-                f"step {step + 1:5d}/{args.steps}  loss {mean[0].item():.4f}  "
-                f"{rate:8.0f} tok/s  mem {memory / 2**20:.1f} MiB"
+        rate = tokens_per_step * (step + 1 - first_step) / elapsed
+        loss = mean[0].item()
+        history.append((step, loss))
+        table = per_rank.view(-1, 2)
+        record = {"step": step, "loss": loss, "lr": learning_rate(step, args),
+                  "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
+                  "step_s": round(float(table[:, 1].max()), 5),
+                  "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
+        metrics.write(json.dumps(record) + "\n")
+        memory = engine.memory_report().total / 2**20
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix_str(
+                f"loss {loss:.4f}, {rate:.0f} tok/s, mem {memory:.1f} MiB", refresh=False
             )
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(
-                    f"loss {mean[0].item():.4f}, {rate:.0f} tok/s, mem {memory / 2**20:.1f} MiB",
-                    refresh=False,
-                )
-            elif step % max(1, args.steps // 20) == 0 or step == end_step - 1 or stopping:
-                print(line, flush=True)
+        elif step % max(1, args.steps // 20) == 0 or step == end_step - 1 or stopping:
+            print(f"step {step + 1:5d}/{args.steps}  loss {loss:.4f}  {rate:8.0f} tok/s  "
+                  f"mem {memory:.1f} MiB", flush=True)  # fmt: skip
         if stopping:
             break
     if progress is not None:
         progress.close()
     if metrics is not None:
-        metrics.flush()  # report() reads it back for the plot
+        metrics.close()  # report() reads it back for the plot
     if stopping:
-        if metrics is not None:
-            metrics.close()
+        if lead:
             print(
                 f"zero-train: {preemption.received.name if preemption.received else 'a signal'}"
                 f" received: stopped after step {step + 1} of {args.steps}, saved "
@@ -268,20 +301,14 @@ def train(args: argparse.Namespace) -> None:
                 f"there (exit code {EXIT_PREEMPTED})",
                 flush=True,
             )
-        for sub_comm in (metrics_comm, mesh.tp, mesh.dp):
-            sub_comm.close()
-        world.close()
+        run.close()
         sys.exit(EXIT_PREEMPTED)
-    report(args, engine, metrics_comm, mesh.tp, history, lead)
-    phases = metrics_comm.all_gather_object(phase_record(tracker, checkpointing))
+    report(args, engine, metrics_comm, run.mesh.tp, history, lead)
+    phases = metrics_comm.all_gather_object(phase_record(run.tracker, run.checkpointing))
     if lead:
-        micro_tokens = args.batch_size // comm.world_size * config.context
-        print("\n".join(phase_table(phases, config, micro_tokens, args.tp, args.checkpoint)))
-    if metrics is not None:
-        metrics.close()
-    for sub_comm in (metrics_comm, mesh.tp, mesh.dp):
-        sub_comm.close()
-    world.close()
+        micro_tokens = args.batch_size // run.mesh.dp.world_size * run.config.context
+        print("\n".join(phase_table(phases, run.config, micro_tokens, args.tp, args.checkpoint)))
+    run.close()
 
 
 def report(
