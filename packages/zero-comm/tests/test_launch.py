@@ -295,16 +295,29 @@ sys.exit(6)
     assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
 
 
-def test_ranks_that_all_end_with_one_code_get_it_passed_on_without_blame(
-    rank_dir: Path,
+@pytest.mark.parametrize("reported", [True, False], ids=["reported", "not-reported"])
+def test_a_code_the_command_reports_itself_gets_no_blame_line(
+    rank_dir: Path, reported: bool, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Every rank raises the same error (a failed save, say) and exits 7 on its own, a
-    moment apart: zero-launch waits for them (SETTLE_S), exits 7, and names no rank (they
-    said why themselves)."""
-    code = RANK_PRELUDE + "time.sleep(0.3 * rank)\nsys.exit(7)\n"
-    result = run_launch(launch_command(3, code), _env(rank_dir), rank_dir)
-    assert result.returncode == 7
-    assert "zero-launch:" not in result.stderr, result.stderr
+    """zero-train explains a failed save itself and exits 3: launch(reported_codes={3})
+    stops the other ranks, returns 3 and adds no line of its own; without it, the usual
+    line names the rank."""
+    from zero_comm.launch import launch
+
+    code = RANK_PRELUDE + f"sys.exit(3) if rank == 1 else time.sleep({LONG_SLEEP})\n"
+    env = _env(rank_dir)
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        returned = launch(command, 2, grace=1.0, reported_codes={3} if reported else ())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert returned == 3
+    err = capfd.readouterr().err
+    assert ("zero-launch:" in err) is not reported, err
+    assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 
@@ -80,14 +80,21 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 # Relayed to every rank: Ctrl-C, a scheduler's TERM, and the user signals SLURM's
 # --signal sends ahead of a time limit.
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-SETTLE_S = 2.0  # after one rank fails, how long the others may take to end by themselves
 
 
-def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> int:
+def launch(
+    command: Sequence[str],
+    world_size: int,
+    *,
+    grace: float = 5.0,
+    reported_codes: Collection[int] = (),
+) -> int:
     """Run ``command`` as ``world_size`` ranks; return 0 if all succeed, else non-zero.
 
     A signal in FORWARDED_SIGNALS is passed to every rank; if then every rank exits with
-    the same code, that code is returned, without a message (the ranks said why)."""
+    the same code, that code is returned, without a message (the ranks said why). A rank
+    exiting with one of ``reported_codes`` (codes after which the command itself has told
+    the user why, as zero-train's failed save) stops the others without a message too."""
     if world_size < 1:
         raise ValueError(f"-n must be at least 1, got {world_size}")
     if not command:
@@ -118,16 +125,14 @@ def launch(command: Sequence[str], world_size: int, *, grace: float = 5.0) -> in
                     break
             else:
                 time.sleep(0.02)
-        if failure is not None:  # the others may be ending on their own for the same cause
-            settle = time.monotonic() + min(grace, SETTLE_S)
-            while any(p.poll() is None for p in procs) and time.monotonic() < settle:
-                time.sleep(0.02)
         codes = {p.poll() for p in procs}
-        if (forwarded or failure) and len(codes) == 1 and None not in codes and codes != {0}:
-            # Every rank ended alike (after a signal, or one error all ranks raised, as a
-            # failed save): the ranks said why, so their code, without a message.
+        if forwarded and len(codes) == 1 and None not in codes and codes != {0}:
+            # Every rank ended alike after the signal: the ranks said why; their code.
             code = int(codes.pop() or 0)
             return code if code > 0 else 128 - code
+        if failure is not None and failure.returncode in reported_codes:
+            _stop(procs, grace)  # the command has told the user why: no line of ours
+            return failure.returncode
         if failure is None:
             failure = next(
                 (RankFailure(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),

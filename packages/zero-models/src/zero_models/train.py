@@ -49,6 +49,7 @@ from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
 from .train_options import (
     CHECKPOINT,
     DTYPES,
+    EXIT_FAILED,
     EXIT_PREEMPTED,
     RESULTS,
     earlier_results,
@@ -216,7 +217,7 @@ def save_or_exit(args: argparse.Namespace, run: Run, step: int) -> None:
     except zero_core.CheckpointError as exc:
         if run.world.rank == 0:
             print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(EXIT_FAILED)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -393,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "zero_models.train",
             *(sys.argv[1:] if argv is None else argv),
         ]
-        sys.exit(launch(command, args.nproc))
+        sys.exit(launch(command, args.nproc, reported_codes=(EXIT_FAILED, EXIT_PREEMPTED)))
     train(args)
 
 

@@ -31,6 +31,7 @@ HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
 CHECKPOINT = "checkpoint"  # OUT/checkpoint: where --save-every and a preemption save
 RESULTS = ("metrics.jsonl", CHECKPOINT, "loss.png")  # what a run leaves in OUT
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped by a signal, saved; run again to go on
+EXIT_FAILED = 3  # an error every rank met and rank 0 explained in one line (a failed save)
 DESCRIPTION = "Train a GPT with ZeRO on the default corpus, or on your data."
 
 
