@@ -318,7 +318,7 @@ def _warn_on_other_fingerprint(engine: ZeroEngine, index: dict[str, Any], folder
         "packages/zero-core/README.md. Resume with the saved settings (zero-train "
         "--threads N) for a bitwise continuation.",
         DeterminismWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of engine.load
     )
 
 
