@@ -305,11 +305,17 @@ def run_simulated(
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     shared = _SharedWorld(world_size, timeout)
+    intra_op_threads = torch.get_num_threads()
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
     tracebacks: dict[int, str] = {}
 
     def run_rank(rank: int) -> None:
+        # A new thread starts with OpenMP's and MKL's defaults (the machine's cores), not
+        # the caller's torch.set_num_threads: torch applies that to a thread only at its
+        # first parallel kernel, so a rank's first matmuls would run with another thread
+        # count, hence other bits, than the same matmuls later or in the caller.
+        torch.set_num_threads(intra_op_threads)
         comm = SimulatedCommunicator(
             shared,
             rank,

@@ -160,6 +160,11 @@ class BucketReducer:
         if self.chunk_numel is None:
             return False
         slot = self.slots[index]
+        if slot.persistent is None and len(slot.params) > 1:
+            # Several parameters fit bucket_numel by construction; only the alignment
+            # padding can take the bucket past it. Such a bucket goes whole: the piecewise
+            # path reduces from one parameter's own .grad, which would drop the others.
+            return False
         return self._width(slot) < slot.slice_numel
 
     def _width(self, slot: BucketSlot) -> int:
