@@ -11,6 +11,7 @@ With a deterministic communicator every stage's parameters equal stage 0's bit f
 
 from .activation_checkpoint import ActivationCheckpointing
 from .checkpoint import CheckpointError, DeterminismWarning
+from .checkpoint_reader import complete_checkpoint
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .engine import ZeroEngine
 from .initialize import initialize
@@ -19,6 +20,7 @@ from .memory_estimate import ModelStateBytes, model_state_bytes
 from .memory_tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .safetensors_file import read_state_dict
+from .sharded_state import ShardedState
 
 __version__ = "0.1.0"
 
@@ -31,9 +33,11 @@ __all__ = [
     "MemoryTracker",
     "ModelParallel",
     "ModelStateBytes",
+    "ShardedState",
     "ZeroConfig",
     "ZeroEngine",
     "__version__",
+    "complete_checkpoint",
     "initialize",
     "model_state_bytes",
     "read_state_dict",

@@ -27,36 +27,32 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zero_comm.determinism import fingerprint_differences
 
-from .flat_layout import Range
-from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_file
+from .checkpoint_reader import (
+    FORMAT,
+    INDEX,
+    VERSION,
+    CheckpointError,
+    CheckpointReader,
+    complete_checkpoint,
+    shard_name,
+)
+from .safetensors_file import CorruptFileError, write_file
+from .sharded_state import Checkpointable, ShardedGroupState, ShardedState
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
-
-FORMAT = "zero-checkpoint"
-VERSION = 1
-INDEX = "index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this engine: missing, incomplete, corrupt,
-    or saved from another model; the message names the file and what is wrong."""
-
-
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+__all__ = ["CheckpointError", "DeterminismWarning", "load", "save"]
 
 
 # ------------------------------------------------------------------------------ save
-def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any] | None) -> None:
+def save(
+    engine: Checkpointable, path: str | os.PathLike[str], extra: dict[str, Any] | None
+) -> None:
     """Collective: write ``engine``'s state to directory ``path`` (see the module doc)."""
     comm, final = engine.comm, Path(path)
     if engine.micro_steps:
@@ -70,12 +66,12 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
         staging.mkdir(parents=True)
     comm.barrier()
     tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
-    writes_master = comm.rank == 0 or not engine._replicated_master
-    groups = range(len(engine.master_pieces))
+    state = engine.sharded_state()
+    writes_master = comm.rank == 0 or not state.replicated
     if writes_master:
-        for g in groups:
-            tensors.append((f"master.{g}", engine._master_values(g)))
-            for key, value in _sharded_states(engine, g).items():
+        for g, group in enumerate(state.groups):
+            tensors.append((f"master.{g}", group.master()))
+            for key, value in _sharded_states(group).items():
                 tensors.append((f"state.{g}.{key}", value))
     if comm.rank == 0:
         tensors += [(f"whole.{name}", t) for name, t in engine.whole_tensors().items()]
@@ -84,7 +80,7 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
         written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
         entry = {
             "file": written.to_json(),
-            "pieces": [_pieces_json(engine, g) for g in groups] if writes_master else None,
+            "pieces": [_pieces_json(group) for group in state.groups] if writes_master else None,
             "fingerprint": engine.fingerprint().to_json(),
         }
     except OSError as exc:  # a full disk, a quota, a vanished mount: every rank must know
@@ -93,7 +89,7 @@ def save(engine: ZeroEngine, path: str | os.PathLike[str], extra: dict[str, Any]
     failure = next((f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if "error" in e), "")
     if comm.rank == 0 and not failure:
         try:
-            _write_index(staging, _index(engine, everyone, extra))
+            _write_index(staging, _index(engine, state, everyone, extra))
             _swap_into_place(staging, final)
         except OSError as exc:
             failure = f"rank 0: {type(exc).__name__}: {exc}"
@@ -130,10 +126,7 @@ def _abandon(staging: Path, final: Path, failure: str, rank: int) -> None:
     (the swap is the last step and each of its renames is atomic)."""
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    intact = next(
-        (str(c) for c in (final, final.with_name(final.name + ".old")) if (c / INDEX).exists()),
-        None,
-    )
+    intact = complete_checkpoint(final)
     kept = f"the previous checkpoint {intact} is intact" if intact else "no earlier checkpoint"
     raise CheckpointError(
         f"[rank {rank}] saving checkpoint {final} failed on {failure}; the partial copy "
@@ -150,19 +143,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
-def _param_names(engine: ZeroEngine) -> dict[int, str]:
-    return {id(p): name for name, p in engine.module.named_parameters()}
+def _pieces_json(group: ShardedGroupState) -> list[list[int]]:
+    return [[p.param, p.elements.start, p.elements.stop, p.offset] for p in group.pieces]
 
 
-def _pieces_json(engine: ZeroEngine, group: int) -> list[list[int]]:
-    return [[i, r.start, r.stop, offset] for i, r, offset in engine._shard_pieces(group)]
-
-
-def _sharded_states(engine: ZeroEngine, group: int) -> dict[str, torch.Tensor]:
-    """Each optimizer state as large as its tensor, concatenated over the group's pieces
-    (so it lines up with the group's master)."""
-    pieces = engine.master_pieces[group]
-    states = [engine.optimizer.state.get(piece, {}) for piece, _ in pieces]
+def _sharded_states(group: ShardedGroupState) -> dict[str, torch.Tensor]:
+    """Each optimizer state as large as its tile, concatenated over the group's tiles (so
+    it lines up with the group's master)."""
+    states = group.tile_states
     keys = [
         key
         for key, value in states[0].items()
@@ -171,12 +159,12 @@ def _sharded_states(engine: ZeroEngine, group: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat([state[key].detach().reshape(-1) for state in states]) for key in keys}
 
 
-def _scalar_states(engine: ZeroEngine, group: int) -> dict[str, Any]:
+def _scalar_states(group: ShardedGroupState, g: int) -> dict[str, Any]:
     """Optimizer states that are numbers or 0-d tensors (Adam's step): equal on every
-    piece of the group, saved once."""
+    tile of the group, saved once."""
     out: dict[str, Any] = {}
-    for piece, _ in engine.master_pieces[group]:
-        for key, value in engine.optimizer.state.get(piece, {}).items():
+    for tile_state in group.tile_states:
+        for key, value in tile_state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 continue
             if isinstance(value, torch.Tensor):
@@ -184,11 +172,11 @@ def _scalar_states(engine: ZeroEngine, group: int) -> dict[str, Any]:
             else:
                 entry = {"value": value}
             if out.setdefault(key, entry) != entry:
-                raise RuntimeError(f"optimizer state {key!r} differs within group {group}")
+                raise RuntimeError(f"optimizer state {key!r} differs within group {g}")
     return out
 
 
-def _aliases(engine: ZeroEngine) -> dict[str, str]:
+def _aliases(engine: Checkpointable) -> dict[str, str]:
     """Second names of tied parameters -> the first (state_dict lists both)."""
     first: dict[int, str] = {}
     aliases = {}
@@ -212,20 +200,21 @@ def _json_safe(value: Any) -> Any:
 _UNSAFE = object()
 
 
-def _index(engine: ZeroEngine, everyone: list[Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-    names = _param_names(engine)
+def _index(
+    engine: Checkpointable, state: ShardedState, everyone: list[Any], extra: dict[str, Any] | None
+) -> dict[str, Any]:
     groups = []
-    for g, params in enumerate(engine.groups.params):
+    for g, group in enumerate(state.groups):
         options = {
             key: _json_safe(value)
-            for key, value in engine.optimizer.param_groups[g].items()
-            if key != "params" and _json_safe(value) is not _UNSAFE
+            for key, value in group.options.items()
+            if _json_safe(value) is not _UNSAFE
         }
         groups.append(
             {
-                "params": [[names[id(p)], list(p.shape)] for p in params],
+                "params": [[name, list(shape)] for name, shape in group.params],
                 "options": options,
-                "scalar_states": _scalar_states(engine, g),
+                "scalar_states": _scalar_states(group, g),
             }
         )
     return {
@@ -234,60 +223,62 @@ def _index(engine: ZeroEngine, everyone: list[Any], extra: dict[str, Any] | None
         "world_size": engine.comm.world_size,
         "stage": engine.config.stage,
         "param_dtype": str(engine.dtype).removeprefix("torch."),
-        "optimizer": type(engine.optimizer).__name__,
+        "optimizer": state.optimizer,
         "groups": groups,
         "aliases": _aliases(engine),
         "fingerprint": everyone[0]["fingerprint"],
         "deterministic_reductions": engine.comm.deterministic,
         "ranks": everyone,
         "engine": {
-            "global_steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": dict(vars(engine.loss_scaler)),
+            "global_steps": state.global_steps,
+            "skipped_steps": state.skipped_steps,
+            "loss_scaler": state.loss_scaler,
         },
         "extra": extra or {},
     }
 
 
 # ------------------------------------------------------------------------------ load
-def load(engine: ZeroEngine, path: str | os.PathLike[str]) -> dict[str, Any]:
+def load(engine: Checkpointable, path: str | os.PathLike[str]) -> dict[str, Any]:
     """Collective: restore ``engine`` from the checkpoint at ``path``, whatever world size
     and stage saved it; returns the ``extra`` dict given to save. Each rank reads only the
-    byte ranges of the pieces it holds."""
-    folder = _complete_checkpoint(Path(path))
-    index = _read_index(folder)
-    _check_compatible(engine, index, folder)
-    files: dict[int, TensorFile] = {}
-
-    def file_of(rank: int) -> TensorFile:
-        if rank not in files:
-            expected = WrittenFile.from_json(index["ranks"][rank]["file"])
-            files[rank] = TensorFile(folder / shard_name(rank), expected)
-        return files[rank]
-
+    byte ranges of the pieces it holds, straight into the engine's master tiles."""
+    reader = CheckpointReader(path)
+    index, folder = reader.index, reader.folder
+    state = engine.sharded_state()
+    _check_compatible(state, index, folder)
     try:
-        for g in range(len(engine.master_pieces)):
-            saved = _saved_pieces(index, g)
-            _fill_master(engine, g, saved, file_of)
-            _load_optimizer_group(engine, index, g, saved, file_of)
-        whole = engine.whole_tensors()
-        for name, tensor in whole.items():
-            value = file_of(0).read(f"whole.{name}")
-            with torch.no_grad():
-                tensor.copy_(value)
+        with torch.no_grad():
+            for g, group in enumerate(state.groups):
+                _fill_master(reader, group, g)
+                group.tile_states = _tile_states(reader, group, g)
+                group.options = _options(index["groups"][g]["options"], group.options)
+            for name, tensor in engine.whole_tensors().items():
+                tensor.copy_(reader.file_of(0).read(f"whole.{name}"))
         if index["world_size"] == engine.comm.world_size:
-            torch.set_rng_state(file_of(engine.comm.rank).read("rng.cpu"))
+            torch.set_rng_state(reader.file_of(engine.comm.rank).read("rng.cpu"))
     except CorruptFileError as exc:
         raise CheckpointError(f"checkpoint {folder}: {exc}") from exc
-    state = index["engine"]
-    engine.global_steps = int(state["global_steps"])
-    engine.skipped_steps = int(state["skipped_steps"])
-    for key, value in state["loss_scaler"].items():
-        setattr(engine.loss_scaler, key, value)
-    engine.zero_grad()
-    engine._publish_parameters()
+    saved = index["engine"]
+    state.global_steps = int(saved["global_steps"])
+    state.skipped_steps = int(saved["skipped_steps"])
+    state.loss_scaler = _loss_scaler_state(saved["loss_scaler"])
+    engine.load_sharded_state(state)
     _warn_on_other_fingerprint(engine, index, folder)
     return dict(index["extra"])
+
+
+def _loss_scaler_state(saved: dict[str, Any]) -> dict[str, float | int]:
+    """The loss scaler's state_dict() from an index. Checkpoints written before the
+    scaler had one saved all its attributes; of those only a dynamic scale's progress is
+    state (a bfloat16 run's fixed scale of 1 must not turn a float16 run's dynamic
+    scaling off)."""
+    if "_good_steps" not in saved:
+        return dict(saved)
+    if not saved.get("dynamic", False):
+        return {}
+    return {"scale": saved["scale"], "good_steps": saved["_good_steps"],
+            "overflows_left": saved["_overflows_left"]}  # fmt: skip
 
 
 class DeterminismWarning(UserWarning):
@@ -295,7 +286,7 @@ class DeterminismWarning(UserWarning):
     on correctly, but not bit for bit as the uninterrupted run would have."""
 
 
-def _warn_on_other_fingerprint(engine: ZeroEngine, index: dict[str, Any], folder: Path) -> None:
+def _warn_on_other_fingerprint(engine: Checkpointable, index: dict[str, Any], folder: Path) -> None:
     """Collective: rank 0 warns once, naming each difference of any rank's fingerprint from
     the one its state was saved under (the same rank's if the world size is unchanged)."""
     comm = engine.comm
@@ -322,36 +313,9 @@ def _warn_on_other_fingerprint(engine: ZeroEngine, index: dict[str, Any], folder
     )
 
 
-def _complete_checkpoint(folder: Path) -> Path:
-    """``folder`` if it holds an index; ``folder.old`` if a save was killed while
-    swapping the two; else a CheckpointError saying what is there."""
-    if (folder / INDEX).exists():
-        return folder
-    old = folder.with_name(folder.name + ".old")
-    if (old / INDEX).exists():
-        return old
-    staging = folder.with_name(folder.name + ".saving")
-    hint = f" ({staging} is an unfinished save)" if staging.exists() else ""
-    raise CheckpointError(f"no checkpoint at {folder}: {folder / INDEX} does not exist{hint}")
-
-
-def _read_index(folder: Path) -> dict[str, Any]:
-    try:
-        index: dict[str, Any] = json.loads((folder / INDEX).read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{folder / INDEX}: not valid JSON ({exc})") from exc
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError(
-            f"{folder / INDEX}: format {index.get('format')!r} version {index.get('version')!r}"
-            f" is not {FORMAT!r} version {VERSION}"
-        )
-    return index
-
-
-def _check_compatible(engine: ZeroEngine, index: dict[str, Any], folder: Path) -> None:
+def _check_compatible(state: ShardedState, index: dict[str, Any], folder: Path) -> None:
     """Same parameters (names, shapes) in the same optimizer groups, same optimizer."""
-    names = _param_names(engine)
-    mine = [[[names[id(p)], list(p.shape)] for p in params] for params in engine.groups.params]
+    mine = [[[name, list(shape)] for name, shape in group.params] for group in state.groups]
     theirs = [group["params"] for group in index["groups"]]
     if len(mine) != len(theirs):
         raise CheckpointError(
@@ -369,7 +333,7 @@ def _check_compatible(engine: ZeroEngine, index: dict[str, Any], folder: Path) -
                     f"checkpoint {folder} is of another model: group {g} parameter {i} is "
                     f"{_describe(there)} there and {_describe(here)} here"
                 )
-    optimizer = type(engine.optimizer).__name__
+    optimizer = state.optimizer
     if index["optimizer"] != optimizer:
         raise CheckpointError(
             f"checkpoint {folder} holds {index['optimizer']} states; this engine uses "
@@ -381,81 +345,57 @@ def _describe(entry: list[Any] | None) -> str:
     return "missing" if entry is None else f"{entry[0]} {tuple(entry[1])}"
 
 
-Saved = dict[int, list[tuple[int, int, int, int]]]  # param -> (rank, start, stop, offset)
+def _fill_master(reader: CheckpointReader, group: ShardedGroupState, g: int) -> None:
+    """Read this rank's master of group ``g`` straight into its tiles (each parameter
+    piece lies within one tile), in place: no second copy of the master."""
+    for tile, where in group.master_tiles:
+        start, stop = where.start or 0, where.stop
+        inside = [
+            piece._replace(offset=piece.offset - start)
+            for piece in group.pieces
+            if start <= piece.offset < stop
+        ]
+        reader.fill(tile, inside, g, f"master.{g}")
 
 
-def _saved_pieces(index: dict[str, Any], group: int) -> Saved:
-    saved: Saved = {}
-    for rank, entry in enumerate(index["ranks"]):
-        if entry["pieces"] is None:
-            continue
-        for i, start, stop, offset in entry["pieces"][group]:
-            saved.setdefault(i, []).append((rank, start, stop, offset))
-    return saved
-
-
-def _fill(
-    target: torch.Tensor,
-    needed: list[tuple[int, Range, int]],
-    saved: Saved,
-    file_of: Callable[[int], TensorFile],
-    name: str,
-) -> None:
-    """Copy into ``target`` (flat) each needed piece (param, range, offset in target)
-    from the saved pieces that overlap it."""
-    for i, wanted, offset in needed:
-        covered = 0
-        for rank, start, stop, at in saved.get(i, []):
-            lo, hi = max(start, wanted.start), min(stop, wanted.stop)
-            if lo >= hi:
-                continue
-            values = file_of(rank).read(name, at + lo - start, at + hi - start)
-            target[offset + lo - wanted.start : offset + hi - wanted.start] = values
-            covered += hi - lo
-        if covered != wanted.size:
-            raise CheckpointError(f"{name}: parameter {i} elements {wanted} are not all saved")
-
-
-def _fill_master(
-    engine: ZeroEngine, group: int, saved: Saved, file_of: Callable[[int], TensorFile]
-) -> None:
-    """Read this rank's master of ``group`` straight into the pieces the optimizer steps
-    (each parameter piece lies within one of them): in place, whether the master is one
-    tensor or, with float32 parameters at stages 1 and 2, slices of the parameters."""
-    needed = engine._shard_pieces(group)
-    with torch.no_grad():
-        for piece, where in engine.master_pieces[group]:
-            start, stop = where.start or 0, where.stop
-            inside = [(i, r, offset - start) for i, r, offset in needed if start <= offset < stop]
-            _fill(piece.detach().view(-1), inside, saved, file_of, f"master.{group}")
-
-
-def _load_optimizer_group(
-    engine: ZeroEngine, index: dict[str, Any], group: int, saved: Saved,
-    file_of: Callable[[int], TensorFile],
-) -> None:  # fmt: skip
-    """Rebuild the optimizer state of every piece of ``group`` from the saved shards."""
-    entry = index["groups"][group]
-    first = next((r for r, e in enumerate(index["ranks"]) if e["pieces"] is not None), 0)
-    prefix = f"state.{group}."
-    keys = [n[len(prefix) :] for n in file_of(first).names if n.startswith(prefix)]
-    numel = sum(piece.numel() for piece, _ in engine.master_pieces[group])
+def _tile_states(
+    reader: CheckpointReader, group: ShardedGroupState, g: int
+) -> list[dict[str, Any]]:
+    """The optimizer state of each tile of group ``g``: views of one flat buffer per
+    saved state (read piece by piece), and the group's scalar states."""
+    prefix = f"state.{g}."
+    first = reader.file_of(reader.first_writer())
     buffers = {}
-    for key in keys:
-        buffers[key] = torch.zeros(numel, dtype=file_of(first).entry(prefix + key)[0])
-        _fill(buffers[key], engine._shard_pieces(group), saved, file_of, prefix + key)
-    scalars = entry["scalar_states"]
-    for piece, where in engine.master_pieces[group]:
-        state: dict[str, Any] = {key: buf[where].view_as(piece) for key, buf in buffers.items()}
-        for key, scalar in scalars.items():
-            value = scalar["value"]
-            if "dtype" in scalar:
-                value = torch.tensor(value, dtype=getattr(torch, scalar["dtype"]))
-            state[key] = value
-        if state:
-            engine.optimizer.state[piece] = state
-    for key, value in entry["options"].items():
-        current = engine.optimizer.param_groups[group].get(key)
-        engine.optimizer.param_groups[group][key] = (
-            tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
+    for name in first.names:
+        if name.startswith(prefix):
+            buffers[name[len(prefix) :]] = buffer = torch.zeros(
+                group.numel, dtype=first.entry(name)[0]
+            )
+            reader.fill(buffer, group.pieces, g, name)
+    scalars = {}
+    for key, scalar in reader.index["groups"][g]["scalar_states"].items():
+        value = scalar["value"]
+        scalars[key] = (
+            torch.tensor(value, dtype=getattr(torch, scalar["dtype"]))
+            if "dtype" in scalar
+            else value
         )
+    states: list[dict[str, Any]] = []
+    for tile, where in group.master_tiles:
+        tile_state: dict[str, Any] = {key: buf[where].view_as(tile) for key, buf in buffers.items()}
+        # A scalar tensor per tile, as the optimizer keeps it (not one shared by all).
+        tile_state.update(
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+        )
+        states.append(tile_state if buffers or scalars else {})
+    return states
+
+
+def _options(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The saved hyper-parameters, as this optimizer keeps them (JSON gives lists for
+    tuples such as Adam's betas)."""
+    return {
+        key: tuple(value) if isinstance(current.get(key), tuple) and isinstance(value, list)
+        else value
+        for key, value in saved.items()
+    }  # fmt: skip

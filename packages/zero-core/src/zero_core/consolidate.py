@@ -18,35 +18,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
-    CheckpointError,
-    _complete_checkpoint,
-    _fill,
-    _read_index,
-    _saved_pieces,
-    shard_name,
-)  # fmt: skip
+from .checkpoint_reader import CheckpointError, CheckpointReader
 from .config import SHORT_DTYPE_NAMES
-from .flat_layout import Range
-from .safetensors_file import CorruptFileError, TensorFile, WrittenFile, write_stream
+from .safetensors_file import CorruptFileError, write_stream
 
 DTYPES = SHORT_DTYPE_NAMES
 
 
-class SavedModel:
+class SavedModel(CheckpointReader):
     """The logical contents of a checkpoint: full parameters (float32 masters, or any
     sharded optimizer state) and whole tensors, read one at a time."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.folder = _complete_checkpoint(Path(path))
-        self.index = _read_index(self.folder)
-        self._files: dict[int, TensorFile] = {}
-
-    def file_of(self, rank: int) -> TensorFile:
-        if rank not in self._files:
-            expected = WrittenFile.from_json(self.index["ranks"][rank]["file"])
-            self._files[rank] = TensorFile(self.folder / shard_name(rank), expected)
-        return self._files[rank]
 
     def parameters(self) -> list[tuple[int, int, str, list[int]]]:
         """(group, index in group, name, shape) of every trainable parameter."""
@@ -65,10 +46,8 @@ class SavedModel:
         shape = self.parameters_of(group)[index][3]
         numel = math.prod(shape)
         tensor_name = f"master.{group}" if what == "master" else f"state.{group}.{what}"
-        value = torch.empty(numel)
         try:
-            _fill(value, [(index, Range(0, numel), 0)], _saved_pieces(self.index, group),
-                  self.file_of, tensor_name)  # fmt: skip
+            value = self.read_whole(group, index, numel, tensor_name)
         except CorruptFileError as exc:
             raise CheckpointError(f"checkpoint {self.folder}: {exc}") from exc
         return value.view(shape)

@@ -44,6 +44,7 @@ from .loss_scaler import LossScaler, NoLossScaler
 from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
+from .sharded_state import ShardedGroupState, ShardedState, ShardPiece
 
 
 class ZeroEngine(abc.ABC):
@@ -109,11 +110,6 @@ class ZeroEngine(abc.ABC):
         bucket boundaries so the optimizer's temporaries are bounded by the bucket size,
         not the model."""
         return [[(master, slice(0, master.numel()))] for master in self.masters]
-
-    def _master_values(self, group: int) -> torch.Tensor:
-        """This rank's float32 master of ``group``, flat, at the offsets of
-        ``_shard_pieces`` (what a checkpoint saves): the master tensor itself here."""
-        return self.masters[group].detach().view(-1)
 
     def _before_backward(self, first_micro_step: bool) -> None:
         """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
@@ -305,6 +301,70 @@ class ZeroEngine(abc.ABC):
     def _shard_pieces(self, group: int) -> list[tuple[int, Range, int]]:
         """The parameter pieces in this rank's master of ``group``: (parameter index in
         the group, element range of that parameter, offset in the master)."""
+
+    def sharded_state(self) -> ShardedState:
+        """This rank's part of the training state (see zero_core.sharded_state): views of
+        the master weights and the optimizer's own state dicts, no copies."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        groups = []
+        for g, tiles in enumerate(self.master_pieces):
+            groups.append(
+                ShardedGroupState(
+                    params=[(names[id(p)], tuple(p.shape)) for p in self.groups.params[g]],
+                    pieces=[ShardPiece(i, r, at) for i, r, at in self._shard_pieces(g)],
+                    master_tiles=[(tile.detach().view(-1), where) for tile, where in tiles],
+                    tile_states=[self.optimizer.state.get(tile, {}) for tile, _ in tiles],
+                    options={
+                        k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"
+                    },
+                )
+            )
+        return ShardedState(
+            groups=groups,
+            replicated=self._replicated_master,
+            optimizer=type(self.optimizer).__name__,
+            global_steps=self.global_steps,
+            skipped_steps=self.skipped_steps,
+            loss_scaler=self.loss_scaler.state_dict(),
+        )
+
+    def load_sharded_state(self, state: ShardedState) -> None:
+        """Collective: continue from ``state``, laid out as :meth:`sharded_state` lays out
+        this engine's (same groups, tiles and pieces). Master tiles that are not already
+        this engine's own views are copied in; tile states become the optimizer's state;
+        the parameters are then republished from the masters on every rank."""
+        if len(state.groups) != len(self.master_pieces):
+            raise ValueError(
+                f"a state of {len(state.groups)} optimizer groups cannot load into an engine "
+                f"of {len(self.master_pieces)}"
+            )
+        with torch.no_grad():
+            for g, (group, tiles) in enumerate(zip(state.groups, self.master_pieces, strict=True)):
+                if len(group.master_tiles) != len(tiles) or len(group.tile_states) != len(tiles):
+                    raise ValueError(
+                        f"group {g}: {len(group.master_tiles)} master tiles and "
+                        f"{len(group.tile_states)} tile states given for {len(tiles)} tiles"
+                    )
+                for (source, _), (tile, _) in zip(group.master_tiles, tiles, strict=True):
+                    target = tile.detach().view(-1)
+                    if source.shape != target.shape:
+                        raise ValueError(
+                            f"group {g}: a master tile of {source.numel()} elements given "
+                            f"for one of {target.numel()}"
+                        )
+                    if source.data_ptr() != target.data_ptr():
+                        target.copy_(source)
+                for (tile, _), tile_state in zip(tiles, group.tile_states, strict=True):
+                    if tile_state:
+                        self.optimizer.state[tile] = dict(tile_state)
+                    else:
+                        self.optimizer.state.pop(tile, None)
+                self.optimizer.param_groups[g].update(group.options)
+        self.global_steps = state.global_steps
+        self.skipped_steps = state.skipped_steps
+        self.loss_scaler.load_state_dict(state.loss_scaler)
+        self.zero_grad()
+        self._publish_parameters()
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see

@@ -8,6 +8,8 @@ Every rank sees the same overflow flag (the engine reduces it), so scales stay e
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class LossScaler:
     """A fixed (``dynamic=False``) or dynamic loss scale."""
@@ -45,8 +47,25 @@ class LossScaler:
             self._overflows_left = self.hysteresis
 
     def state_dict(self) -> dict[str, float | int]:
+        """What a dynamic scale has learnt (empty for a fixed one: its scale is
+        configuration, and a resumed run takes it from its own configuration)."""
+        if not self.dynamic:
+            return {}
         return {"scale": self.scale, "good_steps": self._good_steps,
                 "overflows_left": self._overflows_left}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Continue from :meth:`state_dict`. An empty state (saved by a fixed scale, or by
+        a bfloat16 or float32 run, which has none) keeps this scaler as configured; a
+        fixed scaler ignores a dynamic one's state."""
+        if not state or not self.dynamic:
+            return
+        missing = {"scale", "good_steps", "overflows_left"} - set(state)
+        if missing:
+            raise ValueError(f"loss scaler state {dict(state)} lacks {sorted(missing)}")
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._overflows_left = int(state["overflows_left"])
 
 
 class NoLossScaler(LossScaler):

@@ -85,12 +85,6 @@ class PartitionedEngine(ZeroEngine):
         master = self.masters[group].detach()
         return [master[b.local_offset : b.local_offset + b.slice_numel] for b in buckets]
 
-    def _master_values(self, group: int) -> torch.Tensor:
-        if not self._masters_in_buckets:
-            return super()._master_values(group)
-        slices = self._master_slices(group)
-        return torch.cat(slices) if slices else torch.zeros(0)
-
     def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
         """One optimizer tensor per bucket slice: aliases of the master slices (the
         optimizer's in-place updates land in them), so its temporaries stay within a

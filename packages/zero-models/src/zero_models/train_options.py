@@ -36,12 +36,9 @@ DESCRIPTION = "Train a GPT with ZeRO on the default corpus, or on your data."
 
 
 def newest_checkpoint(folder: Path) -> Path | None:
-    """``folder`` if it holds a complete checkpoint, or its ``.old`` twin if a save was
-    cut off while swapping them; None if neither does."""
-    for candidate in (folder, folder.with_name(folder.name + ".old")):
-        if (candidate / "index.json").exists():
-            return folder  # engine.load falls back to the .old twin by itself
-    return None
+    """``folder`` if a complete checkpoint was saved there (engine.load falls back to its
+    ``.old`` twin by itself if a save was cut off while swapping them); None if not."""
+    return folder if zero_core.complete_checkpoint(folder) is not None else None
 
 
 def earlier_results(out: Path) -> list[str]:

@@ -1,0 +1,99 @@
+"""What one rank holds of the training state, as plain data: the contract between an engine
+(:meth:`ZeroEngine.sharded_state`, :meth:`ZeroEngine.load_sharded_state`) and whatever
+saves or restores it (zero_core.checkpoint), which needs nothing else of the engine.
+
+Per optimizer group, the rank's float32 master is a flat tensor that the optimizer steps
+in *tiles* (views, in order; one tile at stage 0, one per bucket slice at stages 1-3),
+and the master and every optimizer state as large as it are laid out by *pieces*:
+
+    ShardPiece(param=i, elements=Range(a, b), offset=o)
+        elements [a, b) of parameter i of the group (flattened) sit at [o, o + b - a)
+
+    16 elements, 2 parameters (p0: 10, p1: 6), N = 2, one bucket, no padding:
+        rank 0 master | p0[0:8]         |   pieces (0, [0, 8), 0)
+        rank 1 master | p0[8:10] p1[0:6] |   pieces (0, [8, 10), 0), (1, [0, 6), 2)
+
+Stage 0 ranks all hold the whole master (``replicated``): one copy is enough to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator
+from zero_comm.determinism import Fingerprint
+
+from .config import ZeroConfig
+from .flat_layout import Range
+
+
+class ShardPiece(NamedTuple):
+    """Elements ``elements`` of parameter ``param`` (its index in the group) at
+    ``offset`` in the rank's flat master of that group."""
+
+    param: int
+    elements: Range
+    offset: int
+
+
+@dataclass
+class ShardedGroupState:
+    """One optimizer group's part of this rank's state.
+
+    ``master_tiles``: (flat float32 view, where it sits in the group's master), covering
+    the master in order; writing into a view from :meth:`ZeroEngine.sharded_state`
+    writes into the engine. ``tile_states``: the optimizer's state of each tile, as
+    ``optimizer.state[tile]`` holds it (tensors shaped like the tile, and scalars such as
+    Adam's step); empty dicts before the first step."""
+
+    params: list[tuple[str, tuple[int, ...]]]  # name and shape of each parameter
+    pieces: list[ShardPiece]
+    master_tiles: list[tuple[torch.Tensor, slice]]
+    tile_states: list[dict[str, Any]]
+    options: dict[str, Any]  # the param group's hyper-parameters (lr, betas, ...)
+
+    @property
+    def numel(self) -> int:
+        return sum(tile.numel() for tile, _ in self.master_tiles)
+
+    def master(self) -> torch.Tensor:
+        """The whole flat master (a copy when it is more than one tile)."""
+        tiles = [tile.detach().reshape(-1) for tile, _ in self.master_tiles]
+        if len(tiles) == 1:
+            return tiles[0]
+        return torch.cat(tiles) if tiles else torch.zeros(0)
+
+
+@dataclass
+class ShardedState:
+    """This rank's whole training state, apart from what every rank holds whole
+    (frozen parameters and buffers: :meth:`ZeroEngine.whole_tensors`)."""
+
+    groups: list[ShardedGroupState]
+    replicated: bool  # every rank holds the same master and states (stage 0)
+    optimizer: str  # the optimizer's class name
+    global_steps: int
+    skipped_steps: int
+    loss_scaler: dict[str, float | int] = field(default_factory=dict)
+
+
+class Checkpointable(Protocol):
+    """What zero_core.checkpoint uses of an engine."""
+
+    comm: Communicator
+    config: ZeroConfig
+    dtype: torch.dtype
+    module: nn.Module
+    micro_steps: int
+
+    def sharded_state(self) -> ShardedState: ...
+
+    def load_sharded_state(self, state: ShardedState) -> None: ...
+
+    def whole_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def fingerprint(self) -> Fingerprint: ...
