@@ -35,6 +35,9 @@ MPI_DEPS = ("mpi4py>=3.1", "mpich")
 LINT_DEPS = ("ruff", "mypy", "import-linter")
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
 CROSS_PACKAGE_TESTS = "tests"
+# The default run (nox, and so CI): under 20 minutes on a 2-core machine. The marked cases
+# have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl.
+DEFAULT_MARKS = "not nccl and not faults and not slow"
 
 
 def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
@@ -96,7 +99,7 @@ def _pytest_noting_failures(
     report = reports / f"junit-{label}.xml"
     report.unlink(missing_ok=True)
     try:
-        _pytest(session, *args, "-m", "not nccl and not faults", f"--junitxml={report}")
+        _pytest(session, *args, "-m", DEFAULT_MARKS, f"--junitxml={report}")
     except CommandFailed:
         failures[label] = _failed_tests(report)
 
@@ -135,6 +138,14 @@ def faults(session: nox.Session) -> None:
     optimizer step and a save, on gloo and under mpiexec; zero-launch and zero-train."""
     _install(session, *TEST_DEPS, *MPI_DEPS)
     _pytest(session, f"{CROSS_PACKAGE_TESTS}/test_faults.py")
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The costly variants the default run leaves out (four-rank collective matrices,
+    repeated zero-train runs): pytest -m slow over every test folder."""
+    _install(session, *TEST_DEPS, *MPI_DEPS)
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "slow and not nccl")
 
 
 @nox.session

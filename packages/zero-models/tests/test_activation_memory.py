@@ -165,7 +165,12 @@ def test_checkpointing_an_input_without_grad_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("stage", "mode", "tp"),
-    [(0, "none", 2), (3, "partitioned", 2), (2, "none", 1), (3, "full", 1)],
+    [
+        pytest.param(0, "none", 2, marks=pytest.mark.slow),  # stage 3 covers the same layers
+        (3, "partitioned", 2),
+        pytest.param(2, "none", 1, marks=pytest.mark.slow),
+        (3, "full", 1),
+    ],
 )
 def test_the_step_peak_is_within_ten_percent_of_the_prediction(
     stage: int, mode: str, tp: int, monkeypatch: pytest.MonkeyPatch

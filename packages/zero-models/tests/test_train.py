@@ -96,6 +96,9 @@ def test_under_mpiexec_the_launchers_ranks_are_used(tmp_path: Path) -> None:
     assert "2 ranks (1 tensor-parallel x 2 data-parallel) on mpi" in result.stdout
 
 
+# The SIGTERM test (resume auto) and tests/test_faults.py resume zero-train bit for bit in
+# the default run; zero-core's checkpoint tests resume at every stage and world size.
+@pytest.mark.slow
 def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
     """6 steps (stage 3, 2 ranks); a run of 3 steps that saves; resumed from that
     checkpoint at stage 3 and at stage 1: steps 4-6 have exactly the losses (full float
@@ -123,6 +126,8 @@ def losses_of(metrics: Path) -> list[float]:
     return [record["loss"] for record in read_metrics(metrics)[1]]
 
 
+# The golden-loss prefix (test_golden_losses) checks a run's bits against a stored run.
+@pytest.mark.slow
 def test_two_runs_of_the_same_command_give_the_same_bits(tmp_path: Path) -> None:
     """The default thread count (cores / ranks, OMP_NUM_THREADS unset) is fixed per rank
     and reported; two runs of one command have equal run records and equal losses."""
@@ -141,6 +146,9 @@ def test_two_runs_of_the_same_command_give_the_same_bits(tmp_path: Path) -> None
     assert [r["loss"] for r in steps_a] == [r["loss"] for r in steps_b]
 
 
+# zero-core's test_a_resume_under_other_threads_warns_once_naming_the_difference checks the
+# warning itself; this is the same through zero-train.
+@pytest.mark.slow
 def test_a_resume_with_other_threads_warns_and_names_both(tmp_path: Path) -> None:
     common = ["--model", "test", "--steps", "4", "--batch-size", "4", "--sample-tokens", "4"]
     saved = run(*common, "--threads", "1", "--stop-after", "2", "--save-every", "2",
@@ -250,6 +258,8 @@ def test_sigterm_saves_exits_75_and_resume_auto_continues_bit_for_bit(tmp_path: 
     )
 
 
+# --resume auto with a checkpoint is checked by the SIGTERM test in the default run.
+@pytest.mark.slow
 def test_resume_auto_without_a_checkpoint_starts_fresh_and_overwrite_replaces(
     tmp_path: Path,
 ) -> None:

@@ -10,7 +10,10 @@ then all ranks agree on the outcome (an all-gather of pass/fail), so a failure o
 fails every rank and none is left waiting in a later collective. Each rank writes a small
 JSON result; the caller raises :class:`RanksFailed` unless *every* rank reported success.
 A rank that never reports (failed to start, failed to initialise, crashed, was killed by
-the timeout) is a failure, never a pass.
+the timeout) is a failure, never a pass. A rank that fails before its communicator exists
+leaves its peers waiting in the rendezvous (under mpiexec nothing stops them), so once one
+reports such a failure the run is stopped ``INIT_FAILURE_GRACE`` seconds later instead of
+at the peers' communicator timeout.
 
 Every rank computes with the caller's intra-op thread count (``torch.get_num_threads()``
 here, passed to each rank), and reports its fingerprint (zero_comm.determinism) after the
@@ -20,6 +23,7 @@ difference, because a bitwise comparison of its results with the caller's would 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ import torch
 from zero_comm.determinism import current_fingerprint, fingerprint_differences
 
 LAUNCHERS = ("spawn", "mpiexec", "torchrun")
+INIT_FAILURE_GRACE = 3.0  # seconds the launcher gets to stop by itself after such a failure
 
 
 class RanksFailed(AssertionError):
@@ -131,19 +137,11 @@ def run_on_ranks(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            timed_out = True
+        output, stopped = _wait_for_ranks(proc, Path(result_dir), timeout)
         reports = _read_reports(Path(result_dir), world_size)
     text = output.decode(errors="replace")
-    problems = []
+    problems = [stopped] if stopped else []
     mine = current_fingerprint()
-    if timed_out:
-        problems.append(f"the run exceeded {timeout}s and every rank was killed")
     for rank, report in enumerate(reports):
         if report is None:
             problems.append(f"rank {rank} never reported (failed to start or initialise, or died)")
@@ -166,6 +164,71 @@ def run_on_ranks(
             + f"\n--- output (last 4000 characters) ---\n{text[-4000:]}"
         )
     return [r for r in reports if r is not None]
+
+
+def _wait_for_ranks(
+    proc: subprocess.Popen[bytes], results: Path, timeout: float
+) -> tuple[bytes, str]:
+    """The launcher's output once it exits, and why it was stopped ("" if it was not):
+    at ``timeout``, or ``INIT_FAILURE_GRACE`` after a rank reported failing to initialise."""
+    deadline = time.monotonic() + timeout
+    init_failed_at: float | None = None
+    stopped = ""
+    while True:
+        try:
+            output, _ = proc.communicate(timeout=0.25)
+            return output, stopped
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if init_failed_at is None and _an_initialisation_failed(results):
+            init_failed_at = now
+        if now > deadline:
+            stopped = f"the run exceeded {timeout}s and every rank was killed"
+        elif init_failed_at is not None and now - init_failed_at > INIT_FAILURE_GRACE:
+            stopped = (
+                "a rank failed before its communicator existed, and the launcher had not "
+                f"stopped the others {INIT_FAILURE_GRACE:.0f}s later: every rank was killed"
+            )
+        if stopped:
+            _kill_process_tree(proc.pid)
+            try:
+                output, _ = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a process that kept the pipe: give up on it
+                output = b""
+            return output, stopped
+
+
+def _an_initialisation_failed(results: Path) -> bool:
+    for path in results.glob("rank*.json"):
+        try:
+            if json.loads(path.read_text()).get("stage") == "init":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant (an MPI launcher's ranks may
+    sit in groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        doomed.append(current)
+        queue.extend(children.get(current, []))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for victim in doomed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def _read_reports(result_dir: Path, world_size: int) -> list[dict[str, Any] | None]:

@@ -68,7 +68,7 @@ def main() -> None:
         )
     except BaseException:
         # Not initialised: no agreement is possible; the launcher stops the others.
-        _write(args.results, rank, {"ok": False, "error": traceback.format_exc()})
+        _write(args.results, rank, {"ok": False, "stage": "init", "error": traceback.format_exc()})
         raise
     error = ""
     value = None
