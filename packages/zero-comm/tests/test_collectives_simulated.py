@@ -309,3 +309,23 @@ def test_deferred_outputs_expose_a_missing_wait() -> None:
 
     assert run_simulated(2, body, defer_outputs=True, deterministic=False) == [[1.0] * 4] * 2
     assert run_simulated(2, body, defer_outputs=False, deterministic=False) == [[2.0] * 4] * 2
+
+
+def test_options_are_checked_once_and_every_subgroup_inherits_them() -> None:
+    """One CommOptions travels from init to every split: deterministic, the consistency
+    check (as changed at run time) and the timeout are the parent's."""
+    from zero_comm import CommOptions
+
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        CommOptions(timeout=0)
+    with pytest.raises(ValueError, match="check_consistency"):
+        CommOptions(check_consistency="sometimes")
+
+    def body(comm: Communicator) -> list[CommOptions]:
+        comm.check_consistency = "off"
+        child = comm.split(comm.rank % 2)
+        return [comm.options, child.options, child.split(0).options]
+
+    results = run_simulated(4, body, deterministic=True, timeout=7.5)
+    expected = CommOptions(deterministic=True, check_consistency="off", timeout=7.5)
+    assert results == [[expected] * 3] * 4

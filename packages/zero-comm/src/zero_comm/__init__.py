@@ -10,6 +10,7 @@ With ``deterministic=True`` every float reduction adds rank contributions in ran
 results are bit-identical on every backend and to the same sum done in one process.
 """
 
+from .comm_options import CommOptions
 from .communicator import Communicator, Handle
 from .errors import (
     BackendUnavailableError,
@@ -31,6 +32,7 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CommError",
+    "CommOptions",
     "CommStats",
     "CommTimeoutError",
     "Communicator",

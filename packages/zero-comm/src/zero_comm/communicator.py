@@ -43,6 +43,7 @@ from .call_check import (
     CallCheck,
     label_code,
 )
+from .comm_options import CommOptions
 from .errors import CommError
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
@@ -131,17 +132,15 @@ class Communicator(CallCheck):
         world_size: int,
         backend: str,
         device: torch.device,
-        deterministic: bool,
-        check_consistency: bool | str,
-        timeout: float,
+        options: CommOptions,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.device = device
-        self.deterministic = deterministic
-        self._init_call_check(check_consistency)
-        self.timeout = timeout
+        self.deterministic = options.deterministic
+        self._init_call_check(options.check_consistency)
+        self.timeout = options.timeout
         self.stats = CommStats(world_size)
         self.buffers = BufferPool(device)
         self._sequence = 0
@@ -149,6 +148,11 @@ class Communicator(CallCheck):
         self._pending: deque[Handle] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
+
+    @property
+    def options(self) -> CommOptions:
+        """This communicator's options now (what a subgroup split from it inherits)."""
+        return CommOptions(self.deterministic, self.check_consistency, self.timeout)
 
     def __repr__(self) -> str:
         return (

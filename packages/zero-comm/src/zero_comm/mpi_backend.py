@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .comm_options import CommOptions
 from .communicator import Communicator, Work
 from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from .peers import Peer, describe_dead, this_peer
@@ -69,9 +70,7 @@ class MPICommunicator(Communicator):
         self,
         mpi_comm: Any,
         *,
-        deterministic: bool,
-        check_consistency: bool | str,
-        timeout: float,
+        options: CommOptions,
     ) -> None:
         self._MPI = import_mpi()
         self.mpi_comm = mpi_comm
@@ -80,9 +79,7 @@ class MPICommunicator(Communicator):
             world_size=mpi_comm.Get_size(),
             backend="mpi",
             device=torch.device("cpu"),
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            timeout=timeout,
+            options=options,
         )
         mpi = self._MPI
         self._typed = {
@@ -100,16 +97,9 @@ class MPICommunicator(Communicator):
         self._call_sends: list[tuple[Any, torch.Tensor]] = []
 
     @classmethod
-    def create_world(
-        cls, *, deterministic: bool, check_consistency: bool | str, timeout: float
-    ) -> MPICommunicator:
+    def create_world(cls, options: CommOptions) -> MPICommunicator:
         mpi = import_mpi()
-        world = cls(
-            mpi.COMM_WORLD.Dup(),
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            timeout=timeout,
-        )
+        world = cls(mpi.COMM_WORLD.Dup(), options=options)
         world.peers = [Peer(*p) for p in world.mpi_comm.allgather(tuple(this_peer()))]
         _FailureNotice.listen()
         return world
@@ -239,12 +229,7 @@ class MPICommunicator(Communicator):
         return self.mpi_comm.Ibarrier()  # type: ignore[no-any-return]
 
     def _split(self, color: int, key: int) -> Communicator:
-        child = MPICommunicator(
-            self.mpi_comm.Split(color, key),
-            deterministic=self.deterministic,
-            check_consistency=self.check_consistency,
-            timeout=self.timeout,
-        )
+        child = MPICommunicator(self.mpi_comm.Split(color, key), options=self.options)
         child.peers = [Peer(*p) for p in child.mpi_comm.allgather(tuple(this_peer()))]
         return child
 

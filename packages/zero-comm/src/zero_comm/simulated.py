@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .comm_options import CommOptions
 from .communicator import Communicator, CompletedWork, Work
 from .errors import CommError, CommTimeoutError
 from .ordered import chunk_numel
@@ -104,8 +105,7 @@ class SimulatedCommunicator(Communicator):
         shared: _SharedWorld,
         rank: int,
         *,
-        deterministic: bool = True,
-        check_consistency: bool | str = True,
+        options: CommOptions,
         defer_outputs: bool = False,
     ) -> None:
         super().__init__(
@@ -113,9 +113,7 @@ class SimulatedCommunicator(Communicator):
             world_size=shared.world_size,
             backend="simulated",
             device=torch.device("cpu"),
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            timeout=shared.timeout,
+            options=options,
         )
         self._shared = shared
         self._splits = 0
@@ -258,11 +256,7 @@ class SimulatedCommunicator(Communicator):
             )
         self._exchange(None)  # every child exists before anyone uses it
         return SimulatedCommunicator(
-            child,
-            new_rank,
-            deterministic=self.deterministic,
-            check_consistency=self.check_consistency,
-            defer_outputs=self.defer_outputs,
+            child, new_rank, options=self.options, defer_outputs=self.defer_outputs
         )
 
 
@@ -304,6 +298,7 @@ def run_simulated(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    options = CommOptions(deterministic, check_consistency, timeout)
     shared = _SharedWorld(world_size, timeout)
     intra_op_threads = torch.get_num_threads()
     results: list[Any] = [None] * world_size
@@ -316,13 +311,7 @@ def run_simulated(
         # first parallel kernel, so a rank's first matmuls would run with another thread
         # count, hence other bits, than the same matmuls later or in the caller.
         torch.set_num_threads(intra_op_threads)
-        comm = SimulatedCommunicator(
-            shared,
-            rank,
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            defer_outputs=defer_outputs,
-        )
+        comm = SimulatedCommunicator(shared, rank, options=options, defer_outputs=defer_outputs)
         try:
             results[rank] = body(comm)
         except BaseException as exc:

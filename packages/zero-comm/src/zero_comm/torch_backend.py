@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm_options import CommOptions
 from .communicator import Communicator, Work
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
 from .launcher_env import LaunchEnv
@@ -36,18 +37,14 @@ class TorchCommunicator(Communicator):
         *,
         backend: str,
         device: torch.device,
-        deterministic: bool,
-        check_consistency: bool | str,
-        timeout: float,
+        options: CommOptions,
     ) -> None:
         super().__init__(
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             backend=backend,
             device=device,
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            timeout=timeout,
+            options=options,
         )
         self.group = group
         # The digest check's channel: keys under this prefix in the rendezvous store.
@@ -61,10 +58,7 @@ class TorchCommunicator(Communicator):
         cls,
         backend: str,
         env: LaunchEnv,
-        *,
-        deterministic: bool,
-        check_consistency: bool | str,
-        timeout: float,
+        options: CommOptions,
     ) -> TorchCommunicator:
         """Rendezvous and create the world process group, or reuse an existing one."""
         if backend == "nccl":
@@ -92,7 +86,7 @@ class TorchCommunicator(Communicator):
                     f"{existing!r}; ask zero_comm.init for backend={existing!r}"
                 )
         else:
-            store = rendezvous_store(env, timeout)
+            store = rendezvous_store(env, options.timeout)
             peers = read_peers(store, env.world_size)
             _WorldSession.start(store, env.rank, env.world_size)
             dist.init_process_group(
@@ -100,16 +94,9 @@ class TorchCommunicator(Communicator):
                 store=store,
                 rank=env.rank,
                 world_size=env.world_size,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=datetime.timedelta(seconds=options.timeout),
             )
-        world = cls(
-            dist.group.WORLD,
-            backend=backend,
-            device=device,
-            deterministic=deterministic,
-            check_consistency=check_consistency,
-            timeout=timeout,
-        )
+        world = cls(dist.group.WORLD, backend=backend, device=device, options=options)
         world.peers = peers
         world._calls_store = (
             _WorldSession._current.store
@@ -246,12 +233,7 @@ class TorchCommunicator(Communicator):
             sort_ranks=False,
         )
         child = TorchCommunicator(
-            group,
-            backend=self.backend,
-            device=self.device,
-            deterministic=self.deterministic,
-            check_consistency=self.check_consistency,
-            timeout=self.timeout,
+            group, backend=self.backend, device=self.device, options=self.options
         )
         if self.peers is not None:
             child.peers = [peer for _, _, _, peer in chosen]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from typing import Any
 
 import torch
 
 from . import host_watch
+from .comm_options import DEFAULT_TIMEOUT_S, CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError
 from .launcher_env import LaunchEnv, detect_launch_env
@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 _watchdogs: list[subprocess.Popen[bytes]] = []  # kept referenced while this rank lives
-DEFAULT_TIMEOUT_S = 300.0
 
 
 def resolve_backend(backend: str, env: LaunchEnv) -> str:
@@ -74,14 +73,10 @@ def init(
             collective. "digest": only calls not agreed on before in the same place, out of
             band (after a training loop's first step, nearly free). False / "off".
     """
-    if timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    options = CommOptions(deterministic, check_consistency, timeout)  # checks them
     env = detect_launch_env()
     chosen = resolve_backend(backend, env)
     log.debug("zero_comm.init: %s, backend %s (asked %s)", env, chosen, backend)
-    options: dict[str, Any] = dict(
-        deterministic=deterministic, check_consistency=check_consistency, timeout=timeout
-    )
     # An MPI launcher kills the survivors of a dead rank before they can name it: a
     # watchdog per host does (host_watch.py). Started before the backend (and before MPI
     # initialises, which forking after may upset), joined once the backend's set-up has
@@ -102,13 +97,13 @@ def init(
     return comm
 
 
-def _create(chosen: str, env: LaunchEnv, options: dict[str, Any]) -> Communicator:
+def _create(chosen: str, env: LaunchEnv, options: CommOptions) -> Communicator:
     if chosen == "mpi":
         from .mpi_backend import MPICommunicator, mpi_world_check
 
         if env.launcher != "none":
             mpi_world_check(env.rank)
-        comm: Communicator = MPICommunicator.create_world(**options)
+        comm: Communicator = MPICommunicator.create_world(options)
         if comm.world_size != env.world_size:
             raise BackendUnavailableError(
                 f"[rank {env.rank}] MPI sees {comm.world_size} ranks but the {env.launcher} "
@@ -117,4 +112,4 @@ def _create(chosen: str, env: LaunchEnv, options: dict[str, Any]) -> Communicato
         return comm
     from .torch_backend import TorchCommunicator
 
-    return TorchCommunicator.create(chosen, env, **options)
+    return TorchCommunicator.create(chosen, env, options)
