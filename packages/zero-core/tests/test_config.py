@@ -52,8 +52,11 @@ def test_deepspeed_dict() -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"train_batch_size": 8}, "'train_batch_size' is not supported"),
-        ({"zero_optimization": {"offload_optimizer": {}}}, "zero_optimization.offload_optimizer"),
+        ({"train_batch_size": 8}, "'train_batch_size' configures the training loop"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer.device='cpu'",
+        ),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable one of them"),
     ],
 )

@@ -13,6 +13,7 @@ from .activation_checkpoint import ActivationCheckpointing
 from .checkpoint import CheckpointError, DeterminismWarning
 from .checkpoint_reader import complete_checkpoint
 from .config import AVAILABLE_STAGES, ZeroConfig
+from .deepspeed_config import DeepSpeedSetup, read_deepspeed
 from .engine import ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
@@ -28,6 +29,7 @@ __all__ = [
     "AVAILABLE_STAGES",
     "ActivationCheckpointing",
     "CheckpointError",
+    "DeepSpeedSetup",
     "DeterminismWarning",
     "MemoryReport",
     "MemoryTracker",
@@ -40,5 +42,6 @@ __all__ = [
     "complete_checkpoint",
     "initialize",
     "model_state_bytes",
+    "read_deepspeed",
     "read_state_dict",
 ]

@@ -60,13 +60,14 @@ def save(
             f"[rank {comm.rank}] save() after {engine.micro_steps} backward calls without "
             "step(): save at an accumulation boundary, after step()"
         )
+    state = engine.sharded_state()
+    _scheduler_json(state.lr_scheduler)  # every rank alike, before anything is written
     staging = final.with_name(final.name + ".saving")
     if comm.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     comm.barrier()
     tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
-    state = engine.sharded_state()
     writes_master = comm.rank == 0 or not state.replicated
     if writes_master:
         for g, group in enumerate(state.groups):
@@ -194,7 +195,20 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         items = [_json_safe(v) for v in value]
         return None if any(i is _UNSAFE for i in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        entries = {k: _json_safe(v) for k, v in value.items()}
+        return _UNSAFE if any(v is _UNSAFE for v in entries.values()) else entries
     return _UNSAFE
+
+
+def _scheduler_json(state: dict[str, Any] | None) -> Any:
+    value = _json_safe(state)
+    if value is _UNSAFE:
+        raise CheckpointError(
+            f"the learning-rate scheduler's state_dict() {state!r} is not JSON data, so a "
+            "checkpoint cannot keep it: give the scheduler a state_dict of numbers and lists"
+        )
+    return value
 
 
 _UNSAFE = object()
@@ -233,6 +247,7 @@ def _index(
             "global_steps": state.global_steps,
             "skipped_steps": state.skipped_steps,
             "loss_scaler": state.loss_scaler,
+            "lr_scheduler": _scheduler_json(state.lr_scheduler),
         },
         "extra": extra or {},
     }
@@ -263,6 +278,7 @@ def load(engine: Checkpointable, path: str | os.PathLike[str]) -> dict[str, Any]
     state.global_steps = int(saved["global_steps"])
     state.skipped_steps = int(saved["skipped_steps"])
     state.loss_scaler = _loss_scaler_state(saved["loss_scaler"])
+    state.lr_scheduler = saved.get("lr_scheduler")
     engine.load_sharded_state(state)
     _warn_on_other_fingerprint(engine, index, folder)
     return dict(index["extra"])

@@ -135,8 +135,17 @@ class ZeroConfig:
 
     @classmethod
     def from_deepspeed(cls, config: Mapping[str, Any]) -> ZeroConfig:
-        """Read the supported keys of a DeepSpeed config dict; reject every other key."""
-        return cls(**_translate_deepspeed(config))
+        """The engine's settings from a DeepSpeed config dict; an unknown key is an error
+        that names it. Batch sizes, the optimizer and the scheduler are the training
+        loop's: ``zero_core.read_deepspeed`` reads the whole config, these included."""
+        for key in TRAINER_KEYS:
+            if key in config:
+                raise ValueError(
+                    f"DeepSpeed config key {key!r} configures the training loop, not the "
+                    "engine: read the config with zero_core.read_deepspeed (or pass it "
+                    "whole to zero_core.initialize(model, config=...))"
+                )
+        return cls(**translate_deepspeed(config)[0])
 
 
 DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
@@ -158,45 +167,77 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
     },
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "clip_grad_norm",
+    "zero_allow_untested_optimizer": "allow_untested_optimizer",
 }
+# Read by zero_core.deepspeed_config (they configure the training loop, not the engine).
+TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler")
+# Accepted and without effect here: logging and profiling, and what zero_core always does
+# (overlap, contiguous buckets, reduce-scatter) or does its own way.
+NO_EFFECT_KEYS = (
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler", "comet",
+)  # fmt: skip
+NO_EFFECT_ZERO_KEYS = (
+    "overlap_comm", "contiguous_gradients", "allgather_partitions", "reduce_scatter",
+    "allgather_bucket_size", "sub_group_size", "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "round_robin_gradients", "offload_optimizer", "offload_param",
+)  # fmt: skip
+NO_EFFECT_PRECISION_KEYS = ("auto_cast", "consecutive_hysteresis")
 
 
-def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
+def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The ZeroConfig settings of a DeepSpeed config's engine keys, and one line for each
+    key accepted without effect (or whose "auto" means zero_core's default). The
+    trainer's keys (TRAINER_KEYS) are skipped: zero_core.deepspeed_config reads them."""
     if not isinstance(config, Mapping):
         raise ValueError(f"a DeepSpeed config must be a dict, got {type(config).__name__}")
     out: dict[str, Any] = {}
+    notes: list[str] = []
     for key, value in config.items():
+        if key in TRAINER_KEYS:
+            continue
+        if key in NO_EFFECT_KEYS:
+            notes.append(f"{key}: accepted, no effect (logging and profiling are zero-train's)")
+            continue
         if key not in DEEPSPEED_KEYS:
             raise ValueError(
                 f"DeepSpeed config key {key!r} is not supported by zero_core; supported: "
-                f"{', '.join(sorted(DEEPSPEED_KEYS))}. Remove it (batch sizes belong to your "
-                "data loader)"
+                f"{', '.join(sorted([*DEEPSPEED_KEYS, *TRAINER_KEYS]))} and the logging "
+                f"keys {', '.join(NO_EFFECT_KEYS)}. Remove it"
             )
         target = DEEPSPEED_KEYS[key]
         if isinstance(target, str):
-            out[target] = value
+            if value == "auto":
+                notes.append(f"{key}: 'auto' means zero_core's default")
+            else:
+                out[target] = value
             continue
         if not isinstance(value, Mapping):
             raise ValueError(f"DeepSpeed config {key!r} must be a dict, got {value!r}")
         for sub, sub_value in value.items():
+            if _no_effect(key, sub, sub_value, notes):
+                continue
             if sub not in target:
                 raise ValueError(
                     f"DeepSpeed config key {key}.{sub} is not supported by zero_core; "
                     f"supported under {key!r}: {', '.join(target)}"
                 )
             name = target[sub]
-            if name is not None:
+            if sub_value == "auto" and sub != "enabled":
+                notes.append(f"{key}.{sub}: 'auto' means zero_core's default")
+            elif name is not None:
                 out[name] = sub_value
     if out.get("clip_grad_norm") == 0:
         out["clip_grad_norm"] = None  # DeepSpeed's default, meaning no clipping
-    bf16 = config.get("bf16", {}).get("enabled", False) is True
-    fp16 = config.get("fp16", {}).get("enabled", False) is True
+    bf16 = _enabled(config, "bf16")
+    fp16 = _enabled(config, "fp16")
     if bf16 and fp16:
         raise ValueError("bf16.enabled and fp16.enabled are both true; enable one of them")
     if fp16:
         out["param_dtype"] = torch.float16
         power = config["fp16"].get("initial_scale_power")
-        if power is not None:
+        if power is not None and power != "auto":
             if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power < 128:
                 raise ValueError(f"fp16.initial_scale_power={power!r} must be an integer 0-127")
             out["initial_loss_scale"] = 2.0**power
@@ -210,4 +251,46 @@ def _translate_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
         size = out.get(name)
         if isinstance(size, float) and size.is_integer():
             out[name] = int(size)  # DeepSpeed configs write 5e8
-    return out
+    return out, notes
+
+
+def _enabled(config: Mapping[str, Any], section: str) -> bool:
+    value = config.get(section, {}).get("enabled", False)
+    if value == "auto":
+        raise ValueError(
+            f"{section}.enabled is 'auto' and nothing resolved it: write true or false (a "
+            "trainer passes its own setting: read_deepspeed(..., auto={'"
+            + section
+            + ".enabled': True})"
+        )
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.enabled={value!r} must be true or false")
+    return value
+
+
+def _no_effect(section: str, key: str, value: Any, notes: list[str]) -> bool:
+    """Whether ``section.key`` is accepted without effect (noted); raises where a value
+    asks for what zero_core does not do."""
+    if section == "zero_optimization" and key in ("offload_optimizer", "offload_param"):
+        device = value.get("device", "none") if isinstance(value, Mapping) else value
+        if device not in ("none", None):
+            raise ValueError(
+                f"zero_optimization.{key}.device={device!r}: offloading to host memory or "
+                "disk is not available yet; remove the section or set device to 'none'"
+            )
+        notes.append(f"zero_optimization.{key}: device 'none', nothing to offload")
+        return True
+    if section == "zero_optimization" and key in NO_EFFECT_ZERO_KEYS:
+        notes.append(f"zero_optimization.{key}: accepted, no effect (zero_core's own way)")
+        return True
+    if section == "fp16" and key == "consecutive_hysteresis":
+        if value not in (False, "auto"):
+            raise ValueError(
+                "fp16.consecutive_hysteresis=true is not supported: zero_core counts every "
+                "overflow since the last growth; remove it or set it to false"
+            )
+        return True
+    if section in ("fp16", "bf16") and key in NO_EFFECT_PRECISION_KEYS:
+        notes.append(f"{section}.{key}: accepted, no effect (inputs are cast by default)")
+        return True
+    return False

@@ -82,6 +82,9 @@ class ZeroEngine(abc.ABC):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        # A learning-rate scheduler over self.optimizer that step() advances after every
+        # applied update (a DeepSpeed config's; or set your own); saved in checkpoints.
+        self.lr_scheduler: Any = None
         initial = self._take_initial_state()
         self._init_values = None  # consumed; do not keep the caller's tensors alive
         self._frozen = [not p.requires_grad for p in self.module.parameters()]
@@ -281,6 +284,8 @@ class ZeroEngine(abc.ABC):
         self._publish_parameters()
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.zero_grad()
         return True
 
@@ -326,6 +331,7 @@ class ZeroEngine(abc.ABC):
             global_steps=self.global_steps,
             skipped_steps=self.skipped_steps,
             loss_scaler=self.loss_scaler.state_dict(),
+            lr_scheduler=None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
         )
 
     def load_sharded_state(self, state: ShardedState) -> None:
@@ -363,6 +369,8 @@ class ZeroEngine(abc.ABC):
         self.global_steps = state.global_steps
         self.skipped_steps = state.skipped_steps
         self.loss_scaler.load_state_dict(state.loss_scaler)
+        if self.lr_scheduler is not None and state.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
         self.zero_grad()
         self._publish_parameters()
 

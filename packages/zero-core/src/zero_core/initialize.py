@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ from torch import nn
 from zero_comm import Communicator
 
 from .config import ZeroConfig
+from .deepspeed_config import DeepSpeedSetup, read_deepspeed
 from .engine import ZeroEngine, check_model
 from .init_values import InitValues
 from .model_parallel import ModelParallel
@@ -26,9 +28,9 @@ ENGINES: dict[int, type[ZeroEngine]] = {
 
 def initialize(
     model: nn.Module,
-    optimizer: OptimizerSpec,
-    config: ZeroConfig | Mapping[str, Any],
-    comm: Communicator,
+    optimizer: OptimizerSpec | None = None,
+    config: ZeroConfig | DeepSpeedSetup | Mapping[str, Any] | None = None,
+    comm: Communicator | None = None,
     *,
     optimizer_kwargs: Mapping[str, Any] | None = None,
     model_parallel: ModelParallel | None = None,
@@ -43,8 +45,10 @@ def initialize(
             ``params -> Optimizer``. It must be elementwise (SGD, Adam, AdamW, ...). The
             engine builds its own optimizer of that class over its master weights: attach
             learning-rate schedulers to ``engine.optimizer``, not to the one passed here.
-        config: a :class:`ZeroConfig`, or a DeepSpeed-style dict (see
-            ``ZeroConfig.from_deepspeed``).
+        config: a :class:`ZeroConfig`, or a whole DeepSpeed config (a dict, or
+            ``read_deepspeed``'s result). A DeepSpeed config's optimizer section builds the
+            optimizer when ``optimizer`` is None (as ``deepspeed.initialize`` does), and its
+            scheduler becomes ``engine.lr_scheduler``, stepped by every applied step.
         comm: the data-parallel communicator; ``deterministic=True`` makes every stage
             equal stage 0 bit for bit.
         model_parallel: with tensor parallelism, the tensor-parallel group and the
@@ -54,10 +58,45 @@ def initialize(
             each one as it arrives, so no rank holds the whole model. Rank 0's values are
             broadcast, as with a model built whole.
     """
-    if not isinstance(config, ZeroConfig):
-        config = ZeroConfig.from_deepspeed(config)
+    if comm is None:
+        raise TypeError("initialize needs comm=: the communicator (zero_comm.init(...))")
+    setup = None
+    if isinstance(config, DeepSpeedSetup):
+        setup = config
+    elif config is None or not isinstance(config, ZeroConfig):
+        setup = read_deepspeed(config or {}, world_size=comm.world_size)
+    if setup is not None:
+        config, optimizer, optimizer_kwargs = _from_deepspeed(setup, optimizer, optimizer_kwargs)
+    assert isinstance(config, ZeroConfig)
+    if optimizer is None:
+        raise TypeError(
+            "initialize needs an optimizer: pass one, or a DeepSpeed config with an "
+            "'optimizer' section"
+        )
     check_model(model, comm, values_given=init_values is not None)
     groups = resolve_param_groups(
         model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
     )
-    return ENGINES[config.stage](model, groups, config, comm, model_parallel, init_values)
+    engine = ENGINES[config.stage](model, groups, config, comm, model_parallel, init_values)
+    if setup is not None:
+        engine.lr_scheduler = setup.build_scheduler(engine.optimizer)
+        if setup.no_effect and comm.rank == 0:
+            warnings.warn(
+                "DeepSpeed config keys accepted without effect: " + "; ".join(setup.no_effect),
+                stacklevel=2,
+            )
+    return engine
+
+
+def _from_deepspeed(
+    setup: DeepSpeedSetup, optimizer: OptimizerSpec | None, kwargs: Mapping[str, Any] | None
+) -> tuple[ZeroConfig, OptimizerSpec | None, Mapping[str, Any] | None]:
+    if setup.optimizer is None:
+        return setup.zero, optimizer, kwargs
+    if optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed and the DeepSpeed config has an 'optimizer' section: "
+            "use one of them"
+        )
+    optimizer_class, options = setup.optimizer
+    return setup.zero, optimizer_class, options

@@ -79,6 +79,7 @@ class ShardedState:
     global_steps: int
     skipped_steps: int
     loss_scaler: dict[str, float | int] = field(default_factory=dict)
+    lr_scheduler: dict[str, Any] | None = None  # the scheduler's state_dict(), if any
 
 
 class Checkpointable(Protocol):
