@@ -273,3 +273,35 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_overwrite_replaces(
     replaced = run(*common, "--out", "o", "--overwrite", cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr
     assert not (tmp_path / "o" / "checkpoint").exists()  # the old run's state went with it
+
+
+def test_a_deepspeed_config_drives_the_run(tmp_path: Path) -> None:
+    """Hugging Face's shape of config: its stage, precision, batch sizes, optimizer and
+    WarmupLR schedule replace the flags, 'auto' takes the flags' values; the metrics'
+    learning rates are the schedule's."""
+    import math
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto", "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                 "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "steps_per_print": 10,
+    }  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    result = run("--model", "test", "--steps", "3", "--sample-tokens", "4", "--deepspeed",
+                 "ds.json", "--out", "o", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "stage 2" in result.stdout and "bf16" in result.stdout
+    assert "accepted without effect" in result.stderr and "steps_per_print" in result.stderr
+    _, steps = read_metrics(tmp_path / "o" / "metrics.jsonl")
+    assert [s["lr"] for s in steps] == [0.0, 1e-3 / 4, 1e-3 * 2 / 4]
+    assert all(math.isfinite(s["loss"]) for s in steps)
+
+    (tmp_path / "bad.json").write_text(json.dumps({**config, "train_batch_size": 6}))
+    refused = run("--model", "test", "--deepspeed", "bad.json", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "train_batch_size=6 does not divide into 2 x 2 ranks" in refused.stderr

@@ -78,9 +78,14 @@ def read_deepspeed(
             raise ValueError(f"DeepSpeed config {config}: {exc}") from exc
         if not isinstance(config, Mapping):
             raise ValueError("a DeepSpeed config must be a JSON object")
-    resolved = _resolve_auto(config, dict(auto or {}), "")
+    auto = dict(auto or {})
+    resolved = {
+        key: value if key in BATCH_KEYS else _resolve_auto(value, auto, key)
+        for key, value in config.items()
+    }
+    micro, total, accumulation = _batch_sizes(_batch_entries(resolved, auto), world_size)
+    resolved.pop("gradient_accumulation_steps", None)  # the batch rule's, set below
     settings, notes = translate_deepspeed(resolved)
-    micro, total, accumulation = _batch_sizes(resolved, world_size)
     if accumulation is not None:
         settings["gradient_accumulation_steps"] = accumulation
     return DeepSpeedSetup(
@@ -100,6 +105,22 @@ def _resolve_auto(value: Any, auto: dict[str, Any], path: str) -> Any:
     if value == "auto" and path in auto:
         return auto[path]
     return value
+
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def _batch_entries(config: Mapping[str, Any], auto: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch keys the config gives, with its "auto" ones taken from ``auto`` only as
+    far as the given ones leave the three undetermined (so a trainer's batch flags never
+    contradict what the config fixes)."""
+    given = {k: config[k] for k in BATCH_KEYS if config.get(k) not in (None, "auto")}
+    for key in BATCH_KEYS:
+        if len(given) >= 2 or "train_batch_size" in given:
+            break
+        if config.get(key) == "auto" and key in auto:
+            given[key] = auto[key]
+    return given
 
 
 def _positive_int(path: str, value: Any) -> int | None:

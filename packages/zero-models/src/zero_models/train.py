@@ -55,6 +55,7 @@ from .train_options import (
     earlier_results,
     learning_rate,
     model_config,
+    own_schedule,
     parse_options,
     threads_per_rank,
 )
@@ -140,10 +141,15 @@ def build_run(args: argparse.Namespace) -> Run:
     checkpointing = checkpoint_gpt_blocks(
         model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
     )
+    setup = getattr(args, "deepspeed_setup", None)
+    own_optimizer = setup is None or setup.optimizer is None
     engine = zero_core.initialize(
         model,
-        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)),
-        zero_core.ZeroConfig(
+        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if own_optimizer
+        else None,
+        setup
+        or zero_core.ZeroConfig(
             stage=args.stage,
             param_dtype=DTYPES[args.dtype],
             gradient_accumulation_steps=args.grad_accum,
@@ -181,11 +187,16 @@ def announce(args: argparse.Namespace, run: Run, first_step: int, threads: str) 
     )
 
 
+def current_lr(engine: zero_core.ZeroEngine) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"])
+
+
 def train_step(args: argparse.Namespace, run: Run, step: int) -> float:
     """One optimizer step (--grad-accum micro-batches); this rank's mean loss."""
     engine, tracker = run.engine, run.tracker
-    for group in engine.optimizer.param_groups:
-        group["lr"] = learning_rate(step, args)
+    if own_schedule(args):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
     total = 0.0
     for micro in range(args.grad_accum):
         inputs, targets = (t.to(run.world.device) for t in run.sampler.batch(step, micro))
@@ -251,6 +262,7 @@ def train(args: argparse.Namespace) -> None:
         step_start = time.perf_counter()
         if step == end_step - 1:
             engine.comm.stats.reset()  # the last step's traffic is what gets reported
+        step_lr = learning_rate(step, args) if own_schedule(args) else current_lr(engine)
         total = train_step(args, run, step)
         # The mean loss, and whether any rank was asked to stop (its flag averages above 0).
         mean = torch.tensor([total, float(preemption.received is not None)])
@@ -273,7 +285,7 @@ def train(args: argparse.Namespace) -> None:
         loss = mean[0].item()
         history.append((step, loss))
         table = per_rank.view(-1, 2)
-        record = {"step": step, "loss": loss, "lr": learning_rate(step, args),
+        record = {"step": step, "loss": loss, "lr": step_lr,
                   "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                   "step_s": round(float(table[:, 1].max()), 5),
                   "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip

@@ -65,6 +65,11 @@ def preempt_signals(text: str) -> tuple[signal.Signals, ...]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zero-train", description=DESCRIPTION)
     p.add_argument("--config", type=Path, help="JSON file of option values (flags override it)")
+    p.add_argument(
+        "--deepspeed", type=Path, metavar="FILE",
+        help="a DeepSpeed config (JSON): its stage, precision, batch sizes, clipping, "
+        "optimizer and scheduler replace the flags; its 'auto' values take the flags'",
+    )  # fmt: skip
     p.add_argument("--stage", type=int, default=HIGHEST_STAGE, help="ZeRO stage (default: highest)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks when run by hand")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides ranks)")
@@ -209,9 +214,38 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"{-(-args.batch_size // data_parallel) * data_parallel}) or another --nproc"
             )
         check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
+        if args.deepspeed is not None:
+            apply_deepspeed(args, data_parallel)
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
+    """Read --deepspeed for ``data_parallel`` ranks (its "auto" values from the flags) and
+    let it set stage, precision, batch, accumulation and clipping; the engine builds the
+    config's optimizer and scheduler (``args.deepspeed_setup``). Raises ValueError."""
+    flags = {
+        "train_micro_batch_size_per_gpu": args.batch_size // data_parallel,
+        "gradient_accumulation_steps": args.grad_accum,
+        "train_batch_size": args.batch_size * args.grad_accum,
+        "bf16.enabled": args.dtype == "bf16", "fp16.enabled": args.dtype == "fp16",
+        "gradient_clipping": args.clip, "zero_optimization.stage": args.stage,
+        "optimizer.params.lr": args.lr, "optimizer.params.betas": [0.9, 0.95],
+        "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.1,
+        "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": args.lr,
+        "scheduler.params.warmup_num_steps": max(args.warmup, 2),
+        "scheduler.params.total_num_steps": args.steps,
+    }  # fmt: skip
+    setup = zero_core.read_deepspeed(args.deepspeed, world_size=data_parallel, auto=flags)
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    args.stage = setup.zero.stage
+    args.dtype = names[setup.zero.param_dtype]
+    args.grad_accum = setup.zero.gradient_accumulation_steps
+    if setup.micro_batch_size is not None:
+        args.batch_size = setup.micro_batch_size * data_parallel
+    args.clip = setup.zero.clip_grad_norm or 0.0
+    args.deepspeed_setup = setup
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -233,6 +267,13 @@ def threads_per_rank(requested: int | None, local_ranks: int) -> tuple[int, str]
             return shared, f"{cores} cores / {local_ranks} ranks on this node"
         return int(value), "OMP_NUM_THREADS"
     return shared, f"{cores} cores / {local_ranks} ranks on this node"
+
+
+def own_schedule(args: argparse.Namespace) -> bool:
+    """Whether zero-train sets the learning rate itself (not when --deepspeed brings an
+    optimizer or a scheduler: then the config's own rate and schedule rule)."""
+    setup = getattr(args, "deepspeed_setup", None)
+    return setup is None or (setup.optimizer is None and setup.scheduler is None)
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
