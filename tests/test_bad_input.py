@@ -198,9 +198,17 @@ def rows(tmp: Path) -> list[Row]:
         ),
         (
             "unknown DeepSpeed sub-key",
-            lambda: ZeroConfig.from_deepspeed({"zero_optimization": {"offload_param": {}}}),
+            lambda: ZeroConfig.from_deepspeed({"zero_optimization": {"cpu_offload": True}}),
             ValueError,
-            r"zero_optimization\.offload_param",
+            r"zero_optimization\.cpu_offload is not supported",
+        ),
+        (
+            "DeepSpeed offload to a device",
+            lambda: ZeroConfig.from_deepspeed(
+                {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+            ),
+            ValueError,
+            r"offload_param\.device='cpu'.*set device to 'none'",
         ),
         (
             "bf16 and fp16",
