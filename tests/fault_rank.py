@@ -83,11 +83,11 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
             lambda _m, _i, out: out.register_hook(lambda g: die(folder)) and None
         )
     elif where == "collective":
-        gatherer: Any = engine.gatherer  # type: ignore[attr-defined]
+        gatherer: Any = engine.parameters.gatherer  # type: ignore[attr-defined]
         start = gatherer._start_gather
 
-        def start_then_die(index: int) -> None:
-            start(index)
+        def start_then_die(unit: Any) -> None:
+            start(unit)
             die(folder)
 
         gatherer._start_gather = start_then_die

@@ -18,7 +18,7 @@ from parity import ParityCase, build_engine, loss_of, micro_batch
 from zero_comm import Communicator, run_simulated
 from zero_core import MemoryReport, ZeroEngine, model_state_bytes
 from zero_core.grad_norm import BLOCK
-from zero_core.partitioned import PartitionedEngine
+from zero_core.replicated_params import ReplicatedParameters
 
 State = dict[str, torch.Tensor]
 CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam", two_groups=True,
@@ -34,8 +34,8 @@ def one_step_then_backward(comm: Communicator, stage: int) -> tuple[object, dict
     traffic = {name: c["volume_elements"] for name, c in comm.stats.as_dict().items()}
     engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
     sizes = {"psi": sum(p.numel() for _, p in engine.trainable_parameters()),
-             "pieces": sum(len(pieces) for pieces in engine.master_pieces)}  # fmt: skip
-    if isinstance(engine, PartitionedEngine):
+             "pieces": sum(len(tiles) for tiles in engine.masters.tiles)}  # fmt: skip
+    if engine.policy.shard_optimizer_states:
         sizes["padded"] = sum(layout.padded_numel for layout in engine.layouts)
         sizes["shard"] = sum(layout.shard_numel for layout in engine.layouts)
         sizes["buckets"] = sum(len(layout.buckets) for layout in engine.layouts)
@@ -95,14 +95,14 @@ def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n:
         )
         if stage != 3:  # stage 3's parameters are placeholders between uses
             assert all(torch.equal(params[k], reference_params[k]) for k in params)
-        pieces = [piece for group in engine.master_pieces for piece, _ in group]
-        held = getattr(engine, "param_shards", None) or list(engine.module.parameters())
+        pieces = [tile for tiles in engine.masters.tiles for tile, _ in tiles]
+        held = getattr(engine.parameters, "param_shards", None) or list(engine.module.parameters())
         assert {p.untyped_storage().data_ptr() for p in pieces} <= {
             h.untyped_storage().data_ptr() for h in held
         }, "the optimizer steps a tensor that is not the parameters' storage"
         if stage in (1, 2):
-            assert isinstance(engine, PartitionedEngine)
-            for layout, buckets in zip(engine.layouts, engine.param_buckets, strict=True):
+            assert isinstance(engine.parameters, ReplicatedParameters)
+            for layout, buckets in zip(engine.layouts, engine.parameters.buckets, strict=True):
                 padding = [full.clone() for full in buckets]
                 for k, flat in layout.param_places():
                     padding[k][flat.start : flat.stop] = 0.0

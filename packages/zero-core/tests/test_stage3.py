@@ -86,7 +86,7 @@ def test_a_change_of_module_order_is_detected_and_results_stay_exact() -> None:
             engine.module.order = order
             engine.backward(engine(torch.ones(2, 8)).sum())
             engine.step()
-        return engine.gatherer.order_changes  # type: ignore[attr-defined,no-any-return]
+        return engine.parameters.gatherer.order_changes  # type: ignore[attr-defined,no-any-return]
 
     changes = run_simulated(3, body, defer_outputs=True)
     assert changes[0] >= 1 and len(set(changes)) == 1
@@ -160,13 +160,13 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
     def peak(comm: Communicator, prefetch: int, max_live: int) -> int:
         case = ParityCase(widths=widths, persistence_threshold=0)
         engine = build_engine(case, comm, 3)
-        engine.gatherer.prefetch_numel = prefetch  # type: ignore[attr-defined]
-        engine.gatherer.max_live_numel = max_live  # type: ignore[attr-defined]
+        engine.parameters.gatherer.prefetch_numel = prefetch  # type: ignore[attr-defined]
+        engine.parameters.gatherer.max_live_numel = max_live  # type: ignore[attr-defined]
         for step in range(3):
             x, target = micro_batch(case, step * 2 + comm.rank)
             engine.backward(loss_of(case, engine(x), target))
             engine.step()
-        return engine.gatherer.peak_live_numel  # type: ignore[attr-defined,no-any-return]
+        return engine.parameters.gatherer.peak_live_numel  # type: ignore[attr-defined,no-any-return]
 
     assert run_simulated(2, lambda comm: peak(comm, 0, 1 << 30))[0] <= 2 * unit
     assert run_simulated(2, lambda comm: peak(comm, 1 << 30, 3 * unit))[0] <= 3 * unit + unit
@@ -264,9 +264,9 @@ def test_memory_report_counts_persistent_parameters_whole() -> None:
         engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), target))
         engine.step()
         shard = sum(layout.shard_numel for layout in engine.layouts)  # type: ignore[attr-defined]
-        plan = engine.plan  # type: ignore[attr-defined]
-        persistent = engine.gatherer.units[plan.persistent]  # type: ignore[attr-defined]
-        assert sorted(p.numel() for p, _, _ in persistent.params) == [5, 129]
+        plan = engine.parameters.plan  # type: ignore[attr-defined]
+        persistent = engine.parameters.gatherer.units[plan.persistent]  # type: ignore[attr-defined]
+        assert sorted(slot.numel for slot in persistent.slots) == [5, 129]
         return engine.memory_report().parameters, shard, persistent.numel
 
     for parameters, shard, persistent in run_simulated(3, body):

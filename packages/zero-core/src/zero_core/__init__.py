@@ -14,7 +14,7 @@ from .checkpoint import CheckpointError, DeterminismWarning
 from .checkpoint_reader import complete_checkpoint
 from .config import AVAILABLE_STAGES, ZeroConfig
 from .deepspeed_config import DeepSpeedSetup, read_deepspeed
-from .engine import ZeroEngine
+from .engine import Engine, ZeroEngine
 from .initialize import initialize
 from .memory import MemoryReport
 from .memory_estimate import ModelStateBytes, model_state_bytes
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "DeepSpeedSetup",
     "DeterminismWarning",
+    "Engine",
     "MemoryReport",
     "MemoryTracker",
     "ModelParallel",

@@ -177,18 +177,6 @@ def _scalar_states(group: ShardedGroupState, g: int) -> dict[str, Any]:
     return out
 
 
-def _aliases(engine: Checkpointable) -> dict[str, str]:
-    """Second names of tied parameters -> the first (state_dict lists both)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
 def _json_safe(value: Any) -> Any:
     if isinstance(value, bool | int | float | str) or value is None:
         return value
@@ -239,7 +227,7 @@ def _index(
         "param_dtype": str(engine.dtype).removeprefix("torch."),
         "optimizer": state.optimizer,
         "groups": groups,
-        "aliases": _aliases(engine),
+        "aliases": engine.tied_parameter_names(),
         "fingerprint": everyone[0]["fingerprint"],
         "deterministic_reductions": engine.comm.deterministic,
         "ranks": everyone,

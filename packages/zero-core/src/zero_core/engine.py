@@ -17,13 +17,27 @@ One step, for every stage, in this order (the order is part of the bit-for-bit c
                      optimizer.step() on float32 master weights (full, or this rank's shard)
                      compute parameters = master weights cast to the compute dtype
 
-Subclasses hold the policy of their stage: where gradients and master weights live, and
-which collectives move them.
+The engine runs this protocol only. Where each state lives and which collectives move it
+is its components' business, chosen by the stage's frozen StagePolicy (stage_policy):
+
+    Engine
+      slots       ParamTable            one ParamSlot per trainable parameter (param_table)
+      layouts     [GroupLayout]         per optimizer group: buckets, each rank's shard
+      parameters  ReplicatedParameters  whole, views of bucket buffers (replicated_params)
+                | ShardedParameters     this rank's shard, gathered per unit (sharded_params)
+      gradients   AllReducedGradients   whole, all-reduced (allreduced_gradients)
+                | ReduceScatteredGradients   this rank's slice (reduce_scattered_gradients)
+      masters     MasterWeights         float32, this rank's shard; tiles the optimizer steps
+      optimizer   the user's optimizer class over the master tiles
+      loss_scaler LossScaler | NoLossScaler
+
+A new placement (host or disk tiers for masters and optimizer states, a shard group
+smaller than the data-parallel group) is another component chosen by the policy; see
+docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import abc
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,19 +49,27 @@ from torch import nn
 from zero_comm import Communicator, ReduceOp
 from zero_comm.determinism import Fingerprint, current_fingerprint
 
+from .allreduced_gradients import AllReducedGradients
 from .config import ZeroConfig
-from .flat_layout import Range
+from .fetch_units import plan_units
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
-from .init_values import InitValues, materialise, named_init_values
+from .init_values import InitValues
+from .initial_state import take_initial_state, whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
+from .master_weights import MasterWeights
 from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
-from .sharded_state import ShardedGroupState, ShardedState, ShardPiece
+from .param_table import ParamSlot, ParamTable
+from .reduce_scattered_gradients import ReduceScatteredGradients
+from .replicated_params import ReplicatedParameters
+from .sharded_params import ShardedParameters
+from .sharded_state import ShardedGroupState, ShardedState
+from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
 
 
-class ZeroEngine(abc.ABC):
+class Engine:
     """A model, its optimizer and a communicator, trained as one data-parallel replica."""
 
     def __init__(
@@ -56,15 +78,16 @@ class ZeroEngine(abc.ABC):
         groups: ParamGroups,
         config: ZeroConfig,
         comm: Communicator,
+        policy: StagePolicy,
         model_parallel: ModelParallel | None = None,
         init_values: InitValues | None = None,
     ) -> None:
         self.model_parallel = model_parallel
-        self._init_values = init_values
         self.module = module
         self.config = config
         self.comm = comm
         self.groups = groups
+        self.policy = policy
         self.dtype = config.param_dtype
         self.loss_scaler: LossScaler = (
             LossScaler(
@@ -85,111 +108,88 @@ class ZeroEngine(abc.ABC):
         # A learning-rate scheduler over self.optimizer that step() advances after every
         # applied update (a DeepSpeed config's; or set your own); saved in checkpoints.
         self.lr_scheduler: Any = None
-        initial = self._take_initial_state()
-        self._init_values = None  # consumed; do not keep the caller's tensors alive
-        self._frozen = [not p.requires_grad for p in self.module.parameters()]
-        self._cast_module()
-        # Per group, the float32 tensor holding this rank's master weights; empty where
-        # they are no one tensor (float32 parameters at stages 1 and 2: this rank's slice
-        # of each parameter bucket). ``master_pieces``, the tensors the optimizer steps,
-        # tile each group's master in order at every stage.
-        self.masters = self._build(initial)
-        self.master_pieces = self._master_pieces()
-        self.optimizer = groups.build(
-            [[piece for piece, _ in pieces] for pieces in self.master_pieces]
+        split = model_parallel.sharded if model_parallel is not None else ()
+        self.slots = ParamTable(module, groups.params, split)
+        self._frozen = [not p.requires_grad for p in module.parameters()]
+        self._build_components(init_values)
+        self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
+
+    def _build_components(self, init_values: InitValues | None) -> None:
+        """Lay the groups out, then build the components the policy chooses, filled with
+        rank 0's initial values one parameter at a time."""
+        policy, comm, config = self.policy, self.comm, self.config
+        sharded_params = policy.parameters is ParameterPlacement.SHARDED
+        plan = None
+        if sharded_params:
+            plan = plan_units(self.module, self.slots, config.persistence_threshold)
+            for slot in self.slots:
+                slot.unit = plan.slot_units[slot.index]
+        self.layouts = [
+            policy.group_layout(
+                [slot.numel for slot in group],
+                comm.world_size,
+                config.bucket_numel,
+                units=None if plan is None else [slot.unit or 0 for slot in group],
+            )
+            for group in self.slots.by_group
+        ]
+        shard_rank = comm.rank if policy.shard_optimizer_states else 0
+        self.slots.place(self.layouts, shard_rank)
+        self.parameters: ReplicatedParameters | ShardedParameters
+        if plan is not None:
+            self.parameters = ShardedParameters(
+                self.slots, self.layouts, plan, self.dtype, comm, config
+            )
+        else:
+            self.parameters = ReplicatedParameters(
+                self.slots, self.layouts, self.dtype, comm, config
+            )
+        aliased = policy.masters(self.dtype) is MasterPlacement.ALIASED
+        self.masters = MasterWeights(
+            self.layouts,
+            shard_rank,
+            self.parameters.owned_slices() if aliased else None,
+            comm.device,
         )
 
-    # ----------------------------------------------------------- stage policy
-    @abc.abstractmethod
-    def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """Lay out parameters and gradients; return the float32 master tensor of each group
-        (none where the master is no one tensor; see ``masters``).
+        def keep(slot: ParamSlot, value: torch.Tensor) -> None:
+            self.parameters.fill(slot, value)
+            self.masters.fill(slot, value)
 
-        ``initial`` maps id(parameter) to its float32 value, identical on every rank."""
+        take_initial_state(self.module, self.slots, init_values, comm, self.dtype, keep)
+        self.parameters.finish_build()
+        self.gradients: AllReducedGradients | ReduceScatteredGradients
+        if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
+            self.gradients = AllReducedGradients(self.slots, self.layouts, self.dtype, comm, config)
+        else:
+            self.gradients = ReduceScatteredGradients(
+                self.slots,
+                self.layouts,
+                self.dtype,
+                comm,
+                config,
+                full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,
+                reduce_order=self.parameters.reduce_order(),
+            )
+            self.gradients.gradient_listeners.append(self.parameters.gradient_arrived)
+        self._module_hooks = (
+            [] if policy.module_hooks is None else policy.module_hooks(self.module, self.parameters)
+        )
 
-    def _master_pieces(self) -> list[list[tuple[torch.Tensor, slice]]]:
-        """Per group, the tensors the optimizer steps and where each sits in the group's
-        master, in order, covering it: here the whole master. Partitioned stages cut it at
-        bucket boundaries so the optimizer's temporaries are bounded by the bucket size,
-        not the model."""
-        return [[(master, slice(0, master.numel()))] for master in self.masters]
-
-    def _before_backward(self, first_micro_step: bool) -> None:
-        """Called just before autograd runs (stage 2 arms its gradient hooks here)."""
-        return None
-
-    @abc.abstractmethod
-    def _reduce_gradients(self, first_micro_step: bool) -> None:
-        """After a backward: reduce this micro-step's gradients and accumulate them."""
-
-    @abc.abstractmethod
-    def _float32_gradients(self) -> list[torch.Tensor]:
-        """Per group, the accumulated gradient matching that group's master tensor, as a
-        new float32 tensor."""
-
-    @abc.abstractmethod
-    def _row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        """The grad_norm row sums of the whole (all ranks') gradient, in parameter order."""
-
-    @abc.abstractmethod
-    def _param_ranges(self, group: int) -> list[tuple[nn.Parameter, slice]]:
-        """Where each parameter's elements sit in this rank's gradient of ``group``."""
-
-    @abc.abstractmethod
-    def _any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank (the same answer on every rank)."""
-
-    @abc.abstractmethod
-    def _publish_parameters(self) -> None:
-        """Copy the updated master weights into the compute parameters of every rank."""
-
-    @abc.abstractmethod
-    def _clear_gradients(self) -> None:
-        """Forget accumulated gradients."""
-
-    @abc.abstractmethod
-    def _full_master_values(self) -> dict[int, torch.Tensor]:
-        """Collective: id(parameter) -> its full float32 master value, on every rank."""
-
-    @abc.abstractmethod
-    def _gradient_tensors(self) -> list[torch.Tensor | None]:
-        """The gradient storage this rank holds, for the memory report."""
-
-    # ----------------------------------------------------------- shared set-up
+    # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
-        for g, params in enumerate(self.groups.params):
-            for p in params:
-                yield g, p
-
-    def _take_initial_state(self) -> dict[int, torch.Tensor]:
-        """Rank 0's parameters and buffers on every rank (after ``init_values``, if given,
-        filled them in); float32 copies of the trainables."""
-        if self._init_values is not None:
-            for _, tensor, value in named_init_values(self.module, self._init_values):
-                materialise(tensor, value, self.comm.device)
-        for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-            data = tensor.data
-            if not data.is_contiguous():
-                data = data.contiguous()
-                tensor.data = data
-            self.comm.broadcast(data, src=0)
-        return {
-            id(p): p.detach().to(torch.float32, copy=True) for _, p in self.trainable_parameters()
-        }
+        """(optimizer group, parameter) for every trainable parameter, in group order."""
+        for slot in self.slots:
+            yield slot.group, slot.param
 
     def whole_tensors(self) -> dict[str, torch.Tensor]:
         """Frozen parameters and buffers by state-dict name: what every rank holds whole
         at every stage (the trainable parameters are the engine's to lay out)."""
-        trainable = {id(p) for _, p in self.trainable_parameters()}
-        out: dict[str, torch.Tensor] = {
-            name: p for name, p in self.module.named_parameters() if id(p) not in trainable
-        }
-        out.update(self.module.named_buffers())
-        return out
+        return whole_tensors(self.module, self.slots)
 
-    def _cast_module(self) -> None:
-        """Parameters and floating buffers to the compute dtype."""
-        self.module.to(self.dtype)
+    def tied_parameter_names(self) -> dict[str, str]:
+        """A tied parameter's later names, each with the first name it shares storage with."""
+        return dict(self.slots.names.aliases)
 
     # ----------------------------------------------------------- training step
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -219,10 +219,16 @@ class ZeroEngine(abc.ABC):
         self.micro_step_label = (
             f" (micro-step {self.micro_steps + 1} of {self.config.gradient_accumulation_steps})"
         )
-        self._before_backward(first_micro_step=self.micro_steps == 0)
-        scale = self.loss_scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
-        self._reduce_gradients(first_micro_step=self.micro_steps == 0)
+        first = self.micro_steps == 0
+        self.gradients.before_backward(first, self.micro_step_label)
+        self.parameters.before_backward()
+        try:
+            scale = self.loss_scaler.scale
+            (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+            self.gradients.after_backward(first)
+        finally:
+            self.gradients.end_backward()
+            self.parameters.end_backward()
         self.micro_steps += 1
 
     def _check_requires_grad(self) -> None:
@@ -244,8 +250,8 @@ class ZeroEngine(abc.ABC):
         if not self.is_accumulation_boundary:
             if (
                 self.micro_steps == 0
-                and not self._keeps_grad_views
-                and any(p.grad is not None for _, p in self.trainable_parameters())
+                and not self.gradients.grads_are_views
+                and any(slot.param.grad is not None for slot in self.slots)
             ):
                 raise RuntimeError(
                     f"[rank {self.comm.rank}] gradients are waiting in .grad but the engine "
@@ -254,11 +260,11 @@ class ZeroEngine(abc.ABC):
             return False
         denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
         denominator *= self.loss_scaler.scale
-        gradients = self._float32_gradients()
+        gradients = self.gradients.float32_gradients()
         for g in gradients:
             g.div_(denominator)
         finite = all(all_finite(g, self.config.bucket_numel) for g in gradients)
-        overflow = self._any_rank(not finite)
+        overflow = self.gradients.any_rank(not finite)
         if self.model_parallel is not None:
             overflow = self._any_model_parallel_rank(overflow)
         if overflow:
@@ -274,14 +280,14 @@ class ZeroEngine(abc.ABC):
             if coefficient is not None:
                 for g in gradients:
                     g.mul_(coefficient)
-        for pieces, g in zip(self.master_pieces, gradients, strict=True):
-            for piece, where in pieces:
-                piece.grad = g[where]
+        for tiles, g in zip(self.masters.tiles, gradients, strict=True):
+            for tile, where in tiles:
+                tile.grad = g[where]
         self.optimizer.step()
-        for pieces in self.master_pieces:
-            for piece, _ in pieces:
-                piece.grad = None
-        self._publish_parameters()
+        for tiles in self.masters.tiles:
+            for tile, _ in tiles:
+                tile.grad = None
+        self.parameters.publish(self.masters)
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1
         if self.lr_scheduler is not None:
@@ -293,30 +299,20 @@ class ZeroEngine(abc.ABC):
         """Drop accumulated gradients (done automatically after every applied step)."""
         self.micro_steps = 0
         for p in self.module.parameters():
-            if p.grad is not None and not self._keeps_grad_views:
+            if p.grad is not None and not self.gradients.grads_are_views:
                 p.grad = None
-        self._clear_gradients()
-
-    _keeps_grad_views = False
+        self.gradients.clear()
 
     # ------------------------------------------------------------ checkpoints
-    _replicated_master = False  # stage 0: every rank holds the same master and states
-
-    @abc.abstractmethod
-    def _shard_pieces(self, group: int) -> list[tuple[int, Range, int]]:
-        """The parameter pieces in this rank's master of ``group``: (parameter index in
-        the group, element range of that parameter, offset in the master)."""
-
     def sharded_state(self) -> ShardedState:
         """This rank's part of the training state (see zero_core.sharded_state): views of
         the master weights and the optimizer's own state dicts, no copies."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
         groups = []
-        for g, tiles in enumerate(self.master_pieces):
+        for g, tiles in enumerate(self.masters.tiles):
             groups.append(
                 ShardedGroupState(
-                    params=[(names[id(p)], tuple(p.shape)) for p in self.groups.params[g]],
-                    pieces=[ShardPiece(i, r, at) for i, r, at in self._shard_pieces(g)],
+                    params=[(slot.name, slot.shape) for slot in self.slots.by_group[g]],
+                    pieces=self.masters.shard_pieces(g),
                     master_tiles=[(tile.detach().view(-1), where) for tile, where in tiles],
                     tile_states=[self.optimizer.state.get(tile, {}) for tile, _ in tiles],
                     options={
@@ -326,7 +322,7 @@ class ZeroEngine(abc.ABC):
             )
         return ShardedState(
             groups=groups,
-            replicated=self._replicated_master,
+            replicated=not self.policy.shard_optimizer_states,
             optimizer=type(self.optimizer).__name__,
             global_steps=self.global_steps,
             skipped_steps=self.skipped_steps,
@@ -339,13 +335,13 @@ class ZeroEngine(abc.ABC):
         this engine's (same groups, tiles and pieces). Master tiles that are not already
         this engine's own views are copied in; tile states become the optimizer's state;
         the parameters are then republished from the masters on every rank."""
-        if len(state.groups) != len(self.master_pieces):
+        if len(state.groups) != len(self.masters.tiles):
             raise ValueError(
                 f"a state of {len(state.groups)} optimizer groups cannot load into an engine "
-                f"of {len(self.master_pieces)}"
+                f"of {len(self.masters.tiles)}"
             )
         with torch.no_grad():
-            for g, (group, tiles) in enumerate(zip(state.groups, self.master_pieces, strict=True)):
+            for g, (group, tiles) in enumerate(zip(state.groups, self.masters.tiles, strict=True)):
                 if len(group.master_tiles) != len(tiles) or len(group.tile_states) != len(tiles):
                     raise ValueError(
                         f"group {g}: {len(group.master_tiles)} master tiles and "
@@ -372,7 +368,7 @@ class ZeroEngine(abc.ABC):
         if self.lr_scheduler is not None and state.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         self.zero_grad()
-        self._publish_parameters()
+        self.parameters.publish(self.masters)
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see
@@ -418,30 +414,19 @@ class ZeroEngine(abc.ABC):
         Without ``modify`` the values are for reading: changes are not kept (stage 3
         drops them on exit, the others at the next step; but float32 parameters at stages
         0-2 are master weights, so do not change them there without ``modify``)."""
-        trainable = {id(p) for _, p in self.trainable_parameters()}
-        wanted = [p for _, p in self.trainable_parameters()] if params is None else params
-        wanted = [p for p in wanted if id(p) in trainable]
-        self._gather_for_user(wanted)
+        every = list(self.slots)
+        wanted = every if params is None else [s for s in map(self.slots.get, params) if s]
+        self.parameters.gather_for_user(wanted)
         try:
             yield
             if modify:
                 if modifier_rank is not None:
-                    for p in wanted:
-                        self.comm.broadcast(p.data, src=modifier_rank)
-                self._write_back({id(p) for p in wanted})
+                    for slot in wanted:
+                        self.comm.broadcast(slot.param.data, src=modifier_rank)
+                self.masters.write_back(wanted, self.parameters.full_bucket)
+                self.parameters.after_write_back(self.masters)
         finally:
-            self._release_for_user(wanted)
-
-    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
-        return None
-
-    def _release_for_user(self, params: list[nn.Parameter]) -> None:
-        return None
-
-    @abc.abstractmethod
-    def _write_back(self, wanted: set[int]) -> None:
-        """Copy the compute values of the parameters whose ids are in ``wanted`` into
-        this rank's part of the master weights."""
+            self.parameters.release_for_user(wanted)
 
     # ---------------------------------------------------------------- reports
     @property
@@ -455,36 +440,30 @@ class ZeroEngine(abc.ABC):
         Trainable parameters come from the master weights; frozen parameters and floating
         buffers are converted to float32. With ``rank`` given, only that rank gets the dict
         (the others get an empty one)."""
-        masters = self._full_master_values()
+        masters = self.masters.full_values(self.comm, self.slots)
         if rank is not None and rank != self.comm.rank:
             return {}
         result: dict[str, torch.Tensor] = {}
         for name, value in self.module.state_dict(keep_vars=True).items():
-            if id(value) in masters:
-                result[name] = masters[id(value)].clone()
+            slot = self.slots.get(value)
+            if slot is not None:
+                result[name] = masters[slot.index].clone()
             elif value.is_floating_point():
                 result[name] = value.detach().to(torch.float32, copy=True)
             else:
                 result[name] = value.detach().clone()
         return result
 
-    # float32 compute parameters that are the master weights themselves (no second copy);
-    # set by every stage when the parameters are float32, so the report does not count the
-    # same bytes twice.
-    _masters_are_parameters = False
-
-    def _master_bytes(self) -> int:
-        return 0 if self._masters_are_parameters else tensor_bytes(self.masters)
-
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds now, by category (views of one storage count once). With
         float32 parameters the master weights are the parameters (stage 0), this rank's
         slice of them (stages 1 and 2) or the compute shard (stage 3), and count once,
-        under ``parameters``."""
+        under ``parameters``; at stage 3 ``parameters`` counts the compute shards, the
+        persistent unit, the units gathered now and the frozen parameters."""
         return MemoryReport(
-            parameters=tensor_bytes(self.module.parameters()),
-            gradients=tensor_bytes(self._gradient_tensors()),
-            master_weights=self._master_bytes(),
+            parameters=tensor_bytes(self.parameters.report_tensors(self.module)),
+            gradients=tensor_bytes(self.gradients.tensors()),
+            master_weights=self.masters.bytes,
             optimizer_states=optimizer_state_bytes(self.optimizer),
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,
@@ -493,12 +472,13 @@ class ZeroEngine(abc.ABC):
     def _first_nonfinite(self, gradients: list[torch.Tensor]) -> str:
         """Collective: the message naming the first parameter, in model order, whose reduced
         gradient is not finite on any rank (the same message on every rank)."""
-        order = {id(p): i for i, p in enumerate(self.module.parameters())}
-        first = len(order)
-        for group, g in enumerate(gradients):
-            for param, where in self._param_ranges(group):
-                if not bool(torch.isfinite(g[where]).all()):
-                    first = min(first, order[id(param)])
+        first = len(self._frozen)
+        for slot in self.slots:
+            g = gradients[slot.group]
+            for piece in slot.pieces:
+                where = piece.local_range
+                if not bool(torch.isfinite(g[where.start : where.stop]).all()):
+                    first = min(first, slot.model_index)
         token = torch.tensor([first], dtype=torch.int64)
         self.comm.all_reduce(token, ReduceOp.MIN)
         names = [name for name, _ in self.module.named_parameters()]
@@ -514,15 +494,13 @@ class ZeroEngine(abc.ABC):
         model parallelism, every model-parallel rank's (see model_parallel.py)."""
         mp = self.model_parallel
         if mp is None:
-            return self._row_sums(gradients)
-        counted = []
-        for group, g in enumerate(gradients):
-            masked = g.clone()
-            for param, where in self._param_ranges(group):
-                if not mp.counts_for_norm(param):
-                    masked[where] = 0.0
-            counted.append(masked)
-        rows = self._row_sums(counted)
+            return self.gradients.row_sums(gradients)
+        counted = [g.clone() for g in gradients]
+        for slot in self.slots:
+            if not mp.counts_for_norm(slot.tensor_parallel):
+                for piece in slot.pieces:
+                    counted[slot.group][piece.local_range.start : piece.local_range.stop] = 0.0
+        rows = self.gradients.row_sums(counted)
         everyone = torch.empty(mp.comm.world_size * rows.numel(), dtype=rows.dtype)
         mp.comm.all_gather(everyone, rows)
         return everyone
@@ -533,10 +511,9 @@ class ZeroEngine(abc.ABC):
         self.model_parallel.comm.all_reduce(token, ReduceOp.MAX)
         return bool(token.item())
 
-    def any_rank_int(self, flag: bool) -> bool:
-        token = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm.device)
-        self.comm.all_reduce(token, ReduceOp.MAX)
-        return bool(token.item())
+
+# The name this class had before the engine became one class (kept: it is public API).
+ZeroEngine = Engine
 
 
 def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
@@ -546,17 +523,6 @@ def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
     flat = tensor.reshape(-1)
     parts = torch.split(flat, chunk_numel)
     return all(bool(torch.isfinite(part).all()) for part in parts)
-
-
-def restore_grad_view(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``param.grad`` the engine's flat-buffer ``view`` again (stages 0 and 1 keep
-    gradients as views that autograd fills in place): zeros if backward gave it no
-    gradient, a copy if something replaced the view."""
-    if param.grad is None:
-        view.zero_()
-    elif param.grad.data_ptr() != view.data_ptr():
-        view.copy_(param.grad.reshape(-1))
-    param.grad = view.view(param.shape)
 
 
 def check_model(module: nn.Module, comm: Communicator, *, values_given: bool = False) -> None:

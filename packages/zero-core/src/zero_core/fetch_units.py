@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .param_table import ParamTable
+
 PERSISTENT = "(persistent parameters)"
 
 
@@ -33,14 +35,13 @@ class UnitPlan:
 
     names: each unit's label (the module's qualified name; "(root)" for the model itself,
         PERSISTENT for the persistent unit, which is last when it exists).
-    param_unit: id(parameter) -> its unit, for every trainable parameter.
-    module_units: id(module) -> the non-persistent units it needs, for every module that
-        needs one.
+    slot_units: the unit of each trainable parameter, by slot index (param_table).
+    module_units: every module that needs a non-persistent unit, with those units.
     """
 
     names: tuple[str, ...]
-    param_unit: dict[int, int]
-    module_units: dict[int, tuple[int, ...]]
+    slot_units: tuple[int, ...]
+    module_units: tuple[tuple[nn.Module, tuple[int, ...]], ...]
     persistent: int | None
 
     @property
@@ -48,34 +49,40 @@ class UnitPlan:
         return len(self.names)
 
 
-def plan_units(module: nn.Module, trainable: set[int], persistence_threshold: int) -> UnitPlan:
-    """Units of ``module`` for the parameters whose ids are in ``trainable``."""
+def plan_units(module: nn.Module, slots: ParamTable, persistence_threshold: int) -> UnitPlan:
+    """Units of ``module`` for its trainable parameters (``slots``)."""
     names: list[str] = []
-    param_unit: dict[int, int] = {}
-    persistent_params: list[int] = []
-    needs: dict[int, list[int]] = {}
+    slot_units: list[int | None] = [None] * len(slots)
+    persistent_slots: list[int] = []
+    module_units: list[tuple[nn.Module, tuple[int, ...]]] = []
     for name, sub in module.named_modules():
         own: int | None = None  # the unit of parameters first registered on ``sub``
+        needs: list[int] = []
         for p in sub._parameters.values():
-            if p is None or id(p) not in trainable:
+            slot = None if p is None else slots.get(p)
+            if slot is None:
                 continue
-            if id(p) not in param_unit:
-                if p.numel() <= persistence_threshold:
-                    persistent_params.append(id(p))
-                    param_unit[id(p)] = -1  # numbered once every other unit is
+            if slot_units[slot.index] is None:
+                if slot.numel <= persistence_threshold:
+                    persistent_slots.append(slot.index)
+                    slot_units[slot.index] = -1  # numbered once every other unit is
                     continue
                 if own is None:
                     names.append(name or "(root)")
                     own = len(names) - 1
-                param_unit[id(p)] = own
-            unit = param_unit[id(p)]
-            if unit >= 0 and unit not in needs.setdefault(id(sub), []):
-                needs[id(sub)].append(unit)
+                slot_units[slot.index] = own
+            unit = slot_units[slot.index]
+            assert unit is not None
+            if unit >= 0 and unit not in needs:
+                needs.append(unit)
+        if needs:
+            module_units.append((sub, tuple(needs)))
     persistent = None
-    if persistent_params:
+    if persistent_slots:
         persistent = len(names)
         names.append(PERSISTENT)
-        for key in persistent_params:
-            param_unit[key] = persistent
-    module_units = {key: tuple(units) for key, units in needs.items() if units}
-    return UnitPlan(tuple(names), param_unit, module_units, persistent)
+        for index in persistent_slots:
+            slot_units[index] = persistent
+    assert all(unit is not None for unit in slot_units), "every slot is a parameter of module"
+    units = tuple(unit for unit in slot_units if unit is not None)
+    return UnitPlan(tuple(names), units, tuple(module_units), persistent)

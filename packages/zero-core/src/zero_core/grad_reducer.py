@@ -38,17 +38,19 @@ from zero_comm import Communicator, Handle
 
 from .flat_layout import Range
 from .group_layout import piece_numel
+from .param_table import ParamSlot
 
 Finish = tuple[int, Handle, torch.Tensor, torch.Tensor | None, Range]
 
 
 @dataclass
 class BucketSlot:
-    """One bucket: its parameters' places, where its reduced slice goes, its staging."""
+    """One bucket: its parameters (each slot's ``flat`` is its place in the bucket), where
+    its reduced slice goes, its staging."""
 
     numel: int  # padded bucket elements
     slice_numel: int
-    params: list[tuple[torch.nn.Parameter, Range]]
+    params: list[ParamSlot]
     target: torch.Tensor  # slice_numel elements: this rank's accumulated gradient slice
     persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
 
@@ -79,8 +81,9 @@ class BucketReducer:
         self.slots = slots
         self.dtype = dtype
         self.max_in_flight = max_in_flight
-        self.place = {
-            id(p): (index, flat) for index, slot in enumerate(slots) for p, flat in slot.params
+        # By slot index (param_table): the bucket of every parameter.
+        self._bucket_of: dict[int, int] = {
+            member.index: index for index, slot in enumerate(slots) for member in slot.params
         }
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
         self._arrived = [0] * len(slots)
@@ -90,7 +93,7 @@ class BucketReducer:
         self._pieces_left = [0] * len(slots)
         self._first = True
         self._tag = ""
-        self._seen: set[int] = set()
+        self._seen: set[int] = set()  # slot indices with a gradient in this micro-step
         self._position = {index: at for at, index in enumerate(self.launch_order)}
 
     def begin(self, first_micro_step: bool, tag: str = "") -> None:
@@ -113,15 +116,16 @@ class BucketReducer:
             self._staging[index] = staging
         return staging
 
-    def grad_ready(self, param: torch.nn.Parameter) -> None:
-        """Hook: ``param.grad`` holds this micro-step's gradient; move it into its bucket."""
-        index, flat = self.place[id(param)]
-        again = id(param) in self._seen
+    def grad_ready(self, member: ParamSlot) -> None:
+        """Hook: ``member``'s ``.grad`` holds this micro-step's gradient; move it into its
+        bucket."""
+        index, flat, param = self._bucket_of[member.index], member.flat, member.param
+        again = member.index in self._seen
         if again and self._position[index] < self._next:
             raise RuntimeError(
-                f"[rank {self.comm.rank}] a parameter of shape {tuple(param.shape)} received a "
-                "second gradient after its bucket was already reduced (reentrant activation "
-                "checkpointing does this); use checkpoint(..., use_reentrant=False), or stage 1"
+                f"[rank {self.comm.rank}] parameter {member.name} received a second gradient "
+                "after its bucket was already reduced (reentrant activation checkpointing "
+                "does this); use checkpoint(..., use_reentrant=False), or stage 1"
             )
         if param.grad is not None and self._oversized(index):
             held = self._held[index]
@@ -138,13 +142,13 @@ class BucketReducer:
                 region.copy_(param.grad.reshape(-1))
             param.grad = None
         if not again:
-            self._seen.add(id(param))
+            self._seen.add(member.index)
             self._arrived[index] += 1
         self._launch_ready()
 
-    def mark_ready(self, param: torch.nn.Parameter) -> None:
+    def mark_ready(self, member: ParamSlot) -> None:
         """Stage 1: the gradient is already in place in the persistent bucket."""
-        self._arrived[self.place[id(param)][0]] += 1
+        self._arrived[self._bucket_of[member.index]] += 1
         self._launch_ready()
 
     def _complete(self, index: int) -> bool:
@@ -192,7 +196,7 @@ class BucketReducer:
         else:
             held = self._held[index]
             source = held if held is not None else torch.zeros(0, dtype=self.dtype)
-            offset = slot.params[0][1].start  # an oversized bucket holds one parameter
+            offset = slot.params[0].flat.start  # an oversized bucket holds one parameter
         width = self._width(slot)
         starts = range(0, slot.slice_numel, width)
         self._pieces_left[index] = len(starts)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .flat_layout import FlatLayout, Range, round_up
 from .grad_norm import BLOCK
@@ -36,6 +37,19 @@ def piece_numel(padded_numel: int, bucket_numel: int, world_size: int) -> int:
     if padded_numel <= bucket_numel:
         return slice_numel
     return min(slice_numel, max(bucket_numel // world_size, MIN_PIECE_NUMEL))
+
+
+class LocalPiece(NamedTuple):
+    """The part of one parameter in one rank's local shard of a group, in four index
+    spaces: which parameter (its index in the group), which bucket, the elements of the
+    parameter (param_range), where they sit in the rank's local shard (local_range) and
+    in the bucket (flat_range)."""
+
+    param_index: int
+    bucket: int
+    param_range: Range
+    local_range: Range
+    flat_range: Range
 
 
 @dataclass(frozen=True)
@@ -65,28 +79,41 @@ class GroupLayout:
         world_size: int,
         bucket_numel: int,
         tags: Sequence[object] | None = None,
+        alignment: int = BLOCK,
     ) -> GroupLayout:
         """Pack parameters into buckets of about ``bucket_numel`` elements. With ``tags``
         (one per parameter; stage 3 uses the fetch unit), a bucket holds parameters of
-        one tag only, in parameter order; otherwise it holds consecutive parameters."""
+        one tag only, in parameter order; otherwise it holds consecutive parameters.
+        ``alignment``: where every parameter starts and what a shard is a multiple of
+        (BLOCK for the partitioned stages' gradient norm; 1 packs without gaps)."""
         members: dict[object, list[list[int]]] = {}
         filled: dict[object, int] = {}
         order: list[list[int]] = []
         for index, numel in enumerate(numels):
             tag = tags[index] if tags is not None else None
             runs = members.setdefault(tag, [])
-            start = round_up(filled.get(tag, 0), BLOCK)
+            start = round_up(filled.get(tag, 0), alignment)
             if not runs or (runs[-1] and start + numel > bucket_numel):
                 runs.append([])
                 order.append(runs[-1])
                 start = 0
             runs[-1].append(index)
             filled[tag] = start + numel
-        return cls.of_buckets(numels, world_size, order)
+        return cls.of_buckets(numels, world_size, order, alignment)
+
+    @classmethod
+    def whole(cls, numels: Sequence[int]) -> GroupLayout:
+        """One bucket holding every parameter end to end, without gaps, owned whole by
+        one rank (world size 1): the layout of a replicated group (stage 0)."""
+        return cls.of_buckets(numels, 1, [list(range(len(numels)))] if numels else [], 1)
 
     @classmethod
     def of_buckets(
-        cls, numels: Sequence[int], world_size: int, members: Sequence[Sequence[int]]
+        cls,
+        numels: Sequence[int],
+        world_size: int,
+        members: Sequence[Sequence[int]],
+        alignment: int = BLOCK,
     ) -> GroupLayout:
         """Buckets holding exactly ``members`` (indices into ``numels``; every parameter in
         one bucket), in that order."""
@@ -98,8 +125,8 @@ class GroupLayout:
             layout = FlatLayout.of(
                 [numels[i] for i in bucket_members],
                 world_size,
-                alignment=BLOCK,
-                param_alignment=BLOCK,
+                alignment=alignment,
+                param_alignment=alignment,
             )
             buckets.append(Bucket(tuple(bucket_members), layout, offset))
             offset += layout.shard_numel
@@ -125,22 +152,37 @@ class GroupLayout:
                 places[position] = (k, flat)
         return places
 
+    def local_pieces(self, rank: int) -> list[LocalPiece]:
+        """The non-empty parts of parameters in rank ``rank``'s local shard, in local order:
+        the one computation of "which elements of which parameter does this shard hold"
+        that masters, gradients, parameter shards and checkpoints all use.
+
+            bucket k slice of rank r:   local [off, off + S)  =  flat [r*S, (r+1)*S)
+            a parameter at flat [a, b) contributes flat [a, b) & [r*S, (r+1)*S)
+        """
+        pieces = []
+        for k, bucket in enumerate(self.buckets):
+            for piece in bucket.layout.shard_pieces(rank):
+                pieces.append(
+                    LocalPiece(
+                        bucket.param_indices[piece.param_index],
+                        k,
+                        piece.param_range,
+                        piece.local_range.shift(-bucket.local_offset),
+                        piece.flat_range,
+                    )
+                )
+        return pieces
+
     def row_keys(self, rank: int) -> list[tuple[int, int]]:
         """For each BLOCK row of rank ``rank``'s local shard: (parameter index, row within
         the parameter), or (len(numels), 0) for a row of padding. Sorting rows by these
         keys lists them in parameter order, whatever the bucketing (see grad_norm)."""
-        keys: list[tuple[int, int]] = []
-        padding = (len(self.numels), 0)
-        for bucket in self.buckets:
-            mine = bucket.layout.shard_flat_range(rank)
-            row_keys = [padding] * (mine.size // BLOCK)
-            for index, flat in zip(
-                bucket.param_indices, bucket.layout.param_flat_ranges(), strict=True
-            ):
-                piece = flat.intersect(mine)
-                if not piece.size:
-                    continue
-                for row in range(piece.start // BLOCK, -(-piece.stop // BLOCK)):
-                    row_keys[row - mine.start // BLOCK] = (index, row - flat.start // BLOCK)
-            keys += row_keys
+        rows = self.shard_numel // BLOCK
+        keys = [(len(self.numels), 0)] * rows
+        for piece in self.local_pieces(rank):
+            first = piece.param_range.start // BLOCK
+            start = piece.local_range.start // BLOCK
+            for row in range(-(-piece.param_range.size // BLOCK)):
+                keys[start + row] = (piece.param_index, first + row)
         return keys

@@ -1,4 +1,4 @@
-"""``initialize``: a model, an optimizer, a config and a communicator, to a ZeroEngine."""
+"""``initialize``: a model, an optimizer, a config and a communicator, to an Engine."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ from zero_comm import Communicator
 
 from .config import ZeroConfig
 from .deepspeed_config import DeepSpeedSetup, read_deepspeed
-from .engine import ZeroEngine, check_model
+from .engine import Engine, check_model
 from .init_values import InitValues
 from .model_parallel import ModelParallel
 from .optimizer_spec import OptimizerSpec, resolve_param_groups
-from .stage0 import DataParallelEngine
-from .stage1 import Stage1Engine
-from .stage2 import Stage2Engine
-from .stage3 import Stage3Engine
+from .stage0 import POLICY as STAGE0
+from .stage1 import POLICY as STAGE1
+from .stage2 import POLICY as STAGE2
+from .stage3 import POLICY as STAGE3
+from .stage_policy import StagePolicy
 
-ENGINES: dict[int, type[ZeroEngine]] = {
-    0: DataParallelEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine,
-}  # fmt: skip
+POLICIES: dict[int, StagePolicy] = {0: STAGE0, 1: STAGE1, 2: STAGE2, 3: STAGE3}
 
 
 def initialize(
@@ -35,7 +34,7 @@ def initialize(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     model_parallel: ModelParallel | None = None,
     init_values: InitValues | None = None,
-) -> ZeroEngine:
+) -> Engine:
     """Wrap ``model`` for ZeRO training on the ranks of ``comm``.
 
     Args:
@@ -77,7 +76,8 @@ def initialize(
     groups = resolve_param_groups(
         model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
     )
-    engine = ENGINES[config.stage](model, groups, config, comm, model_parallel, init_values)
+    policy = POLICIES[config.stage]
+    engine = Engine(model, groups, config, comm, policy, model_parallel, init_values)
     if setup is not None:
         engine.lr_scheduler = setup.build_scheduler(engine.optimizer)
         if setup.no_effect and comm.rank == 0:

@@ -23,12 +23,14 @@ from zero_comm import Communicator
 @dataclass(frozen=True)
 class ModelParallel:
     comm: Communicator
-    sharded: frozenset[int]  # id() of the parameters split across ``comm``
+    sharded: tuple[torch.nn.Parameter, ...]  # the parameters split across ``comm``
 
     @classmethod
     def of(cls, comm: Communicator, sharded_parameters: list[torch.nn.Parameter]) -> ModelParallel:
-        return cls(comm, frozenset(id(p) for p in sharded_parameters))
+        return cls(comm, tuple(sharded_parameters))
 
-    def counts_for_norm(self, param: torch.nn.Parameter) -> bool:
-        """Whether this rank's copy of ``param`` enters the global norm."""
-        return id(param) in self.sharded or self.comm.rank == 0
+    def counts_for_norm(self, split: bool) -> bool:
+        """Whether this rank's copy of a parameter enters the global norm, given whether
+        the parameter is ``split`` across the model-parallel group (the engine's
+        ParamSlot.tensor_parallel)."""
+        return split or self.comm.rank == 0

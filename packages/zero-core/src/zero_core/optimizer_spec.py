@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .param_table import ParamNames
+
 OptimizerSpec = torch.optim.Optimizer | type[torch.optim.Optimizer] | Callable[..., Any]
 
 # Optimizers whose update of an element depends on that element's history alone, so a
@@ -90,27 +92,28 @@ def resolve_param_groups(
             f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or set "
             "ZeroConfig(allow_untested_optimizer=True) if you know it is elementwise"
         )
-    names = {id(p): name for name, p in model.named_parameters()}
-    seen: set[int] = set()
+    names = ParamNames(model)
+    seen: set[str] = set()
     params, options = [], []
     for index, group in enumerate(instance.param_groups):
         members = []
         for p in group["params"]:
-            if id(p) not in names:
+            name = names.name(p)
+            if name is None:
                 raise ValueError(
                     f"optimizer group {index} holds a parameter of shape {tuple(p.shape)} that "
                     "is not in the model; build the optimizer from model.parameters()"
                 )
             if not p.requires_grad:
                 raise ValueError(
-                    f"parameter {names[id(p)]} has requires_grad=False but is in optimizer "
+                    f"parameter {name} has requires_grad=False but is in optimizer "
                     f"group {index}; remove frozen parameters from the optimizer"
                 )
-            seen.add(id(p))
+            seen.add(name)
             members.append(p)
         params.append(tuple(members))
         options.append({k: v for k, v in group.items() if k != "params"})
-    missing = [names[id(p)] for p in trainable if id(p) not in seen]
+    missing = [name for p in trainable if (name := names.name(p) or "?") not in seen]
     if missing:
         raise ValueError(
             f"trainable parameters {missing[:5]} are in no optimizer group; add them or set "

@@ -13,6 +13,12 @@ Releasing resizes the storage to zero instead of dropping the tensor, so views a
 saved in forward (``weight.t()`` for a matmul) point at the same storage when backward
 gathers it again.
 
+States. Each unit is in one :class:`UnitState` at a time, and every transition checks
+the state it starts from (a wrong one raises, naming the unit):
+
+    RELEASED --start_gather--> GATHERING --wait--> GATHERED --release--> RELEASED
+    PERSISTENT (the persistent unit: gathered for good; regather refreshes it)
+
 Passes. Forward and backward are each a *pass*; the units demanded during a pass are
 recorded, and the next pass of the same kind prefetches along that record: after a demand
 at position i, the units at i+1, i+2, ... are gathered asynchronously while at most
@@ -29,41 +35,73 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
-from torch import nn
 
 from zero_comm import Communicator, Handle
 
-from .flat_layout import Range
+from .param_table import ParamSlot
 
 
-@dataclass
+class UnitState(Enum):
+    RELEASED = "released"
+    GATHERING = "gathering"  # all-gathers launched, not yet waited for
+    GATHERED = "gathered"
+    PERSISTENT = "persistent"
+
+
+class Pass(Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)
 class GatherUnit:
-    """One unit: its buckets' full buffers and this rank's shards, and its parameters'
-    places (bucket index within the unit, flat range in that bucket)."""
+    """One unit: its buckets' full buffers and this rank's shards, its slots (and the
+    bucket, within the unit, of each), and its run-time state."""
 
     label: str
     fulls: list[torch.Tensor]
     shards: list[torch.Tensor]
-    params: list[tuple[nn.Parameter, int, Range]]
+    slots: list[ParamSlot]
+    slot_buckets: list[int]
     persistent: bool = False
-    trainable_count: int = 0
+    state: UnitState = UnitState.RELEASED
+    users: int = 0  # modules running now that need the unit
+    grads_seen: int = 0  # gradients of its slots in this backward
+    handles: list[Handle] = field(default_factory=list)  # while GATHERING
     views: list[torch.Tensor] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.numel = sum(full.numel() for full in self.fulls)
         self.views = [
-            self.fulls[k][flat.start : flat.stop].view(p.shape) for p, k, flat in self.params
+            self.fulls[k][s.flat.start : s.flat.stop].view(s.shape)
+            for s, k in zip(self.slots, self.slot_buckets, strict=True)
         ]
         self.placeholders = [
-            torch.full((1,), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
-            for p, _, _ in self.params
+            torch.full((1,), float("nan"), dtype=s.param.dtype, device=s.param.device).expand(
+                s.shape
+            )
+            for s in self.slots
         ]
         if not self.persistent:  # views are made while the storage exists, then it goes
             for full in self.fulls:
                 full.untyped_storage().resize_(0)
+
+    @property
+    def holds_storage(self) -> bool:
+        return self.state is not UnitState.RELEASED
+
+    def expect(self, *states: UnitState, doing: str) -> None:
+        """Raise unless the unit is in one of ``states``."""
+        if self.state not in states:
+            allowed = " or ".join(s.value for s in states)
+            raise RuntimeError(
+                f"{self.label}: cannot {doing} a unit that is {self.state.value} (it must be "
+                f"{allowed}); this is a bug in the engine's gather bookkeeping"
+            )
 
 
 class ParameterGatherer:
@@ -81,28 +119,28 @@ class ParameterGatherer:
         self.units = units
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self.gathered = [False] * len(units)
-        self.users = [0] * len(units)
-        self.grads_seen = [0] * len(units)
-        self._in_flight: dict[int, list[Handle]] = {}
         self._ahead: set[int] = set()  # prefetched, not yet demanded in this pass
-        self.traces: dict[str, list[int]] = {}
-        self.phase: str | None = None
+        self.traces: dict[Pass, list[int]] = {}
+        self.phase: Pass | None = None
         self._recording: list[int] = []
         self._position = 0
         self._trace: list[int] | None = None
         self.order_changes = 0
         self.live_numel = 0
         self.peak_live_numel = 0
-        for index, unit in enumerate(units):
+        for unit in units:
             if unit.persistent:
-                self._allocate(index)
-                self._attach(index)
+                self._resize(unit, gathered=True)
+                unit.state = UnitState.PERSISTENT
+                self._attach(unit)
             else:
-                self._free(index)
+                self._detach(unit)
+
+    def is_gathered(self, index: int) -> bool:
+        return self.units[index].state in (UnitState.GATHERED, UnitState.PERSISTENT)
 
     # ------------------------------------------------------------------ passes
-    def begin_pass(self, phase: str) -> None:
+    def begin_pass(self, phase: Pass) -> None:
         """Start a forward or backward pass: demands are recorded and, when a record of
         the previous pass of this kind exists, prefetched along it."""
         self.end_pass()
@@ -110,16 +148,18 @@ class ParameterGatherer:
         self._recording = []
         self._position = 0
         self._trace = self.traces.get(phase)
-        self.grads_seen = [0] * len(self.units)
-        self.users = [0] * len(self.units)
+        for unit in self.units:
+            unit.grads_seen = 0
+            unit.users = 0
 
     def end_pass(self) -> None:
         """Wait for every prefetch, release every non-persistent unit, keep the record."""
-        for index in list(self._in_flight):
-            self._wait(index)
-        for index, unit in enumerate(self.units):
-            if not unit.persistent and self.gathered[index]:
-                self.release(index)
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING:
+                self._wait(unit)
+        for unit in self.units:
+            if unit.state is UnitState.GATHERED:
+                self._release(unit)
         if self.phase is not None:
             self.traces[self.phase] = self._recording
         self.phase = None
@@ -129,15 +169,15 @@ class ParameterGatherer:
     def fetch(self, indices: Iterable[int]) -> None:
         """Make the units ``indices`` gathered now (a module is about to run)."""
         for index in indices:
-            if self.units[index].persistent:
+            unit = self.units[index]
+            if unit.persistent:
                 continue
             self._record(index)
             self._ahead.discard(index)
-            if index in self._in_flight:
-                self._wait(index)
-            elif not self.gathered[index]:
-                self._start_gather(index)
-                self._wait(index)
+            if unit.state is UnitState.RELEASED:
+                self._start_gather(unit)
+            if unit.state is UnitState.GATHERING:
+                self._wait(unit)
             self._prefetch()
 
     def enter(self, indices: Iterable[int]) -> None:
@@ -145,37 +185,42 @@ class ParameterGatherer:
         indices = list(indices)
         self.fetch(indices)
         for index in indices:
-            self.users[index] += 1
+            self.units[index].users += 1
 
     def leave(self, indices: Iterable[int], *, free: bool) -> None:
         """That module finished; with ``free``, release the units nobody else holds."""
         for index in indices:
-            self.users[index] = max(0, self.users[index] - 1)
+            unit = self.units[index]
+            unit.users = max(0, unit.users - 1)
             if free:
                 self.release_if_unused(index)
 
     def release_if_unused(self, index: int) -> None:
-        if self.users[index] == 0:
-            self.release(index)
-
-    def release(self, index: int) -> None:
-        """Free unit ``index``'s full buffers; its parameters become placeholders."""
-        if self.units[index].persistent or not self.gathered[index]:
-            return
-        if index in self._in_flight:
-            self._wait(index)
-        self._free(index)
+        """Release unit ``index`` if no running module holds it and it holds storage
+        (a unit that is already released, or persistent, stays as it is)."""
+        unit = self.units[index]
+        if unit.users == 0 and unit.state in (UnitState.GATHERING, UnitState.GATHERED):
+            if unit.state is UnitState.GATHERING:
+                self._wait(unit)
+            self._release(unit)
 
     def gradient_arrived(self, index: int) -> bool:
         """A trainable parameter of unit ``index`` got its gradient in this backward;
         True when that was the last one (nothing in backward needs the unit any more)."""
-        self.grads_seen[index] += 1
-        return self.grads_seen[index] == self.units[index].trainable_count
+        unit = self.units[index]
+        unit.grads_seen += 1
+        return unit.grads_seen == len(unit.slots)
 
     def regather(self, index: int) -> None:
-        """Gather a gathered unit again (the persistent unit, after the optimizer step)."""
-        self._start_gather(index)
-        self._wait(index)
+        """Gather the persistent unit again (after the optimizer step)."""
+        unit = self.units[index]
+        unit.expect(UnitState.PERSISTENT, doing="regather")
+        handles = [
+            self.comm.all_gather(full, shard, async_op=True, label=unit.label)
+            for full, shard in zip(unit.fulls, unit.shards, strict=True)
+        ]
+        for handle in handles:
+            handle.wait()
 
     # ---------------------------------------------------------------- internals
     def _record(self, index: int) -> None:
@@ -198,50 +243,51 @@ class ParameterGatherer:
         ahead = sum(self.units[i].numel for i in self._ahead)
         for index in trace[self._position :]:
             unit = self.units[index]
-            if self.gathered[index] or index in self._in_flight:
+            if unit.state is not UnitState.RELEASED:
                 continue
             if ahead + unit.numel > self.prefetch_numel:
                 return
             if self.live_numel + unit.numel > self.max_live_numel:
                 return
-            self._start_gather(index)
+            self._start_gather(unit)
             self._ahead.add(index)
             ahead += unit.numel
 
-    def _start_gather(self, index: int) -> None:
-        unit = self.units[index]
-        if not self.gathered[index]:
-            self._allocate(index)
-        handles = []
-        for full, shard in zip(unit.fulls, unit.shards, strict=True):
-            handle = self.comm.all_gather(full, shard, async_op=True, label=unit.label)
-            handles.append(handle)
-        self._in_flight[index] = handles
+    def _start_gather(self, unit: GatherUnit) -> None:
+        unit.expect(UnitState.RELEASED, doing="start gathering")
+        self._resize(unit, gathered=True)
+        unit.handles = [
+            self.comm.all_gather(full, shard, async_op=True, label=unit.label)
+            for full, shard in zip(unit.fulls, unit.shards, strict=True)
+        ]
+        unit.state = UnitState.GATHERING
 
-    def _wait(self, index: int) -> None:
-        for handle in self._in_flight.pop(index):
+    def _wait(self, unit: GatherUnit) -> None:
+        unit.expect(UnitState.GATHERING, doing="wait for")
+        for handle in unit.handles:
             handle.wait()
-        self._attach(index)
+        unit.handles = []
+        unit.state = UnitState.GATHERED
+        self._attach(unit)
 
-    def _allocate(self, index: int) -> None:
-        unit = self.units[index]
+    def _release(self, unit: GatherUnit) -> None:
+        unit.expect(UnitState.GATHERED, doing="release")
+        self._detach(unit)
+        self._resize(unit, gathered=False)
+        unit.state = UnitState.RELEASED
+
+    def _resize(self, unit: GatherUnit, *, gathered: bool) -> None:
+        """Give the unit's full buffers their storage, or take it away."""
         for full in unit.fulls:
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-        self.gathered[index] = True
-        self.live_numel += 0 if unit.persistent else unit.numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            full.untyped_storage().resize_(full.numel() * full.element_size() if gathered else 0)
+        if not unit.persistent:
+            self.live_numel += unit.numel if gathered else -unit.numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
-    def _attach(self, index: int) -> None:
-        unit = self.units[index]
-        for (p, _, _), view in zip(unit.params, unit.views, strict=True):
-            p.data = view
+    def _attach(self, unit: GatherUnit) -> None:
+        for slot, view in zip(unit.slots, unit.views, strict=True):
+            slot.param.data = view
 
-    def _free(self, index: int) -> None:
-        unit = self.units[index]
-        for (p, _, _), placeholder in zip(unit.params, unit.placeholders, strict=True):
-            p.data = placeholder
-        for full in unit.fulls:
-            full.untyped_storage().resize_(0)
-        if self.gathered[index]:
-            self.live_numel -= unit.numel
-        self.gathered[index] = False
+    def _detach(self, unit: GatherUnit) -> None:
+        for slot, placeholder in zip(unit.slots, unit.placeholders, strict=True):
+            slot.param.data = placeholder

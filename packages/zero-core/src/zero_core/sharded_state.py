@@ -1,5 +1,5 @@
 """What one rank holds of the training state, as plain data: the contract between an engine
-(:meth:`ZeroEngine.sharded_state`, :meth:`ZeroEngine.load_sharded_state`) and whatever
+(:meth:`Engine.sharded_state`, :meth:`Engine.load_sharded_state`) and whatever
 saves or restores it (zero_core.checkpoint), which needs nothing else of the engine.
 
 Per optimizer group, the rank's float32 master is a flat tensor that the optimizer steps
@@ -45,7 +45,7 @@ class ShardedGroupState:
     """One optimizer group's part of this rank's state.
 
     ``master_tiles``: (flat float32 view, where it sits in the group's master), covering
-    the master in order; writing into a view from :meth:`ZeroEngine.sharded_state`
+    the master in order; writing into a view from :meth:`Engine.sharded_state`
     writes into the engine. ``tile_states``: the optimizer's state of each tile, as
     ``optimizer.state[tile]`` holds it (tensors shaped like the tile, and scalars such as
     Adam's step); empty dicts before the first step."""
@@ -71,7 +71,7 @@ class ShardedGroupState:
 @dataclass
 class ShardedState:
     """This rank's whole training state, apart from what every rank holds whole
-    (frozen parameters and buffers: :meth:`ZeroEngine.whole_tensors`)."""
+    (frozen parameters and buffers: :meth:`Engine.whole_tensors`)."""
 
     groups: list[ShardedGroupState]
     replicated: bool  # every rank holds the same master and states (stage 0)
@@ -96,5 +96,7 @@ class Checkpointable(Protocol):
     def load_sharded_state(self, state: ShardedState) -> None: ...
 
     def whole_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def tied_parameter_names(self) -> dict[str, str]: ...
 
     def fingerprint(self) -> Fingerprint: ...

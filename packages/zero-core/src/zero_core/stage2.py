@@ -26,78 +26,18 @@ copy until its turn, at worst every bucket until the end of backward.
 Unlike DeepSpeed's stage 2 there is no extra float32 gradient partition: the float32
 gradient exists only inside step().
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ (N-1)/N.
+
+Components (engine.Engine): reduce_scattered_gradients (sharded, by hooks),
+replicated_params, master_weights.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from .stage_policy import GradientPlacement, ParameterPlacement, StagePolicy
 
-import torch
-
-from .partitioned import PartitionedEngine
-
-
-class Stage2Engine(PartitionedEngine):
-    def _gradient_targets(self) -> list[list[torch.Tensor]]:
-        self.grad_shards = [
-            torch.zeros(layout.shard_numel, dtype=self.dtype) for layout in self.layouts
-        ]
-        return [
-            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
-            for shard, layout in zip(self.grad_shards, self.layouts, strict=True)
-        ]
-
-    def _build(self, initial: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        masters = super()._build(initial)
-        self._register_gradient_hooks()
-        return masters
-
-    def _register_gradient_hooks(self) -> None:
-        """Hand each gradient to the reducer as soon as autograd has accumulated it."""
-        # A weak reference: the model's parameters must not keep a deleted engine alive.
-        engine = weakref.ref(self)
-
-        def on_gradient(param: torch.Tensor) -> None:
-            alive = engine()
-            if alive is not None:
-                alive._on_gradient(param)
-
-        self._hooks: list[Any] = [
-            p.register_post_accumulate_grad_hook(on_gradient)  # type: ignore[no-untyped-call]
-            for _, p in self.trainable_parameters()
-        ]
-        self._in_backward = False
-
-    def _on_gradient(self, param: torch.Tensor) -> None:
-        if self._in_backward:
-            self.reducer.grad_ready(param)  # type: ignore[arg-type]
-
-    def _reduce_gradients(self, first_micro_step: bool) -> None:
-        # The hooks already handed most gradients over during backward; see backward().
-        self.reducer.finish()
-        self._in_backward = False
-
-    def _before_backward(self, first_micro_step: bool) -> None:
-        self.reducer.begin(first_micro_step, self.micro_step_label)
-        self._in_backward = True
-
-    def backward(self, loss: torch.Tensor) -> None:
-        try:
-            super().backward(loss)
-        finally:
-            self._in_backward = False
-
-    def _float32_gradients(self) -> list[torch.Tensor]:
-        """The gradient shards themselves when they are float32 (step() scales them in
-        place and clears them after), else one float32 copy of each."""
-        return [
-            shard if shard.dtype == torch.float32 else shard.float() for shard in self.grad_shards
-        ]
-
-    def _clear_gradients(self) -> None:
-        for shard in self.grad_shards:
-            shard.zero_()
-
-    def _gradient_tensors(self) -> list[torch.Tensor | None]:
-        return list(self.grad_shards)
+POLICY = StagePolicy(
+    name="stage 2",
+    gradients=GradientPlacement.SHARDED,
+    parameters=ParameterPlacement.REPLICATED,
+    shard_optimizer_states=True,
+)

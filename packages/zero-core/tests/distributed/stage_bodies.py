@@ -81,13 +81,13 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         ),
         "bucket_numel": engine.config.bucket_numel,
         # (2 + 2 + K)Ψ/N: shards only, whatever happens to be gathered right now
-        "model_states": sum(shard.numel() * 4 for shard in engine.param_shards)  # type: ignore[attr-defined]
+        "model_states": sum(shard.numel() * 4 for shard in engine.parameters.param_shards)  # type: ignore[attr-defined]
         + report.gradients
         + report.master_weights
         + report.optimizer_states,
         "optimizer_states": report.optimizer_states,
         "comm_buffers": report.comm_buffers,
-        "working_set": engine.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
+        "working_set": engine.parameters.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
         "whole_model": sum(p.numel() for p in model.parameters()) * 4,
     }
 

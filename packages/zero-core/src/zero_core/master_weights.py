@@ -1,0 +1,132 @@
+"""The float32 master weights one rank holds, and the tiles the optimizer steps.
+
+Per optimizer group, the master is this rank's local shard of the group's layout (the
+whole group where the layout has one rank: stage 0), one bucket slice after another:
+
+    group layout, rank 1 of 4      bucket 0 slice     bucket 1 slice
+    master (float32)             | m m m m m m m m | m m m m |      = local shard
+    tiles (optimizer tensors)    | tile 0          | tile 1  |      one per bucket slice
+
+*Separate* masters are float32 tensors of their own. *Aliased* masters (float32 compute)
+are the parameters' own storage: each bucket slice is this rank's slice of the parameter
+bucket (stages 0-2) or of the compute shard (stage 3), so the optimizer's in-place update
+lands in the parameters and there is one copy of the weights, not two.
+
+A group of one bucket with a master tensor of its own is stepped as one tile; otherwise
+one tile per bucket slice, so the optimizer's temporaries are bounded by a bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator
+
+from .group_layout import GroupLayout
+from .memory import tensor_bytes
+from .param_table import ParamSlot
+from .sharded_state import ShardPiece
+
+Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in the master
+
+
+class MasterWeights:
+    """This rank's float32 master weights of every group; see the module docstring."""
+
+    def __init__(
+        self,
+        layouts: list[GroupLayout],
+        rank: int,
+        aliases: list[list[torch.Tensor]] | None,
+        device: torch.device,
+    ) -> None:
+        """``aliases``: per group and bucket, the float32 compute slice that is the master
+        (aliased masters); None for separate float32 masters, allocated here (zeros)."""
+        self.layouts = layouts
+        self.rank = rank
+        self.aliased = aliases is not None
+        # Separate masters: one float32 tensor per group, and its bucket slices.
+        self.shards: list[nn.Parameter] = []
+        self.slices: list[list[torch.Tensor]] = []
+        if aliases is not None:
+            self.slices = aliases
+        else:
+            for layout in layouts:
+                shard = nn.Parameter(torch.zeros(layout.shard_numel, device=device))
+                self.shards.append(shard)
+                self.slices.append(
+                    [
+                        shard.detach()[b.local_offset : b.local_offset + b.slice_numel]
+                        for b in layout.buckets
+                    ]
+                )
+        self.tiles: list[list[Tile]] = [self._tiles(g) for g in range(len(layouts))]
+
+    def _tiles(self, group: int) -> list[Tile]:
+        layout = self.layouts[group]
+        if not self.aliased and len(layout.buckets) <= 1:
+            shard = self.shards[group]
+            return [(shard, slice(0, shard.numel()))]
+        return [
+            (nn.Parameter(values), slice(b.local_offset, b.local_offset + b.slice_numel))
+            for b, values in zip(layout.buckets, self.slices[group], strict=True)
+        ]
+
+    def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
+        """This rank's pieces of ``value`` (the whole float32 value of ``slot``'s
+        parameter, flat) into separate masters; aliased ones are the parameters' own
+        storage, which the parameters fill."""
+        if self.aliased:
+            return
+        for piece in slot.pieces:
+            bucket = self.layouts[slot.group].buckets[piece.bucket]
+            local = piece.local_range.shift(bucket.local_offset)
+            target = self.slices[slot.group][piece.bucket]
+            target[local.start : local.stop] = value[
+                piece.param_range.start : piece.param_range.stop
+            ]
+
+    def shard_pieces(self, group: int) -> list[ShardPiece]:
+        """Which elements of which parameter sit where in this rank's master of ``group``."""
+        return [
+            ShardPiece(p.param_index, p.param_range, p.local_range.start)
+            for p in self.layouts[group].local_pieces(self.rank)
+        ]
+
+    def full_values(self, comm: Communicator, slots: Iterable[ParamSlot]) -> list[torch.Tensor]:
+        """Collective where the master is sharded: every slot's whole float32 value (in
+        slot order, shaped like the parameter), on every rank."""
+        fulls: list[list[torch.Tensor]] = []
+        for layout, slices in zip(self.layouts, self.slices, strict=True):
+            fulls.append([])
+            for bucket, mine in zip(layout.buckets, slices, strict=True):
+                if layout.world_size == 1:
+                    fulls[-1].append(mine)
+                    continue
+                full = torch.empty(bucket.layout.padded_numel, device=mine.device)
+                comm.all_gather(full, mine)
+                fulls[-1].append(full)
+        return [fulls[s.group][s.bucket][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
+
+    def write_back(
+        self, slots: Iterable[ParamSlot], full_bucket: Callable[[int, int], torch.Tensor]
+    ) -> None:
+        """For each slot, the part in this rank's shard, from the full bucket (compute
+        dtype; ``full_bucket(group, bucket)``) into the master, piece by piece."""
+        for slot in slots:
+            layout = self.layouts[slot.group]
+            for piece in slot.pieces:
+                local = piece.local_range.shift(layout.buckets[piece.bucket].local_offset)
+                values = full_bucket(slot.group, piece.bucket)
+                target = self.slices[slot.group][piece.bucket]
+                target[local.start : local.stop] = values[
+                    piece.flat_range.start : piece.flat_range.stop
+                ]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of separate masters (aliased ones are counted as parameters)."""
+        return 0 if self.aliased else tensor_bytes(self.shards)

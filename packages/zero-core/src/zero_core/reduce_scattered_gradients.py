@@ -1,0 +1,216 @@
+"""Gradients reduce-scattered bucket by bucket (stages 1-3): each rank keeps its slice.
+
+Two placements of the gradient before it is reduced:
+
+    full buffers (stage 1)   every rank | g g g g g g g g g g g g g g g g |  p.grad views,
+                             reduced after backward; rank r's slice lands in its target
+    sharded (stages 2, 3)    a hook moves each gradient into a pooled staging bucket as
+                             soon as autograd has it, and frees it; complete buckets are
+                             reduced during backward (grad_reducer)
+
+    target (rank r)          | slice of bucket 0 | slice of bucket 1 | ...   compute dtype
+
+The target is the gradient shard (sharded), this rank's own slice of the full buffer
+(full buffers, no accumulation), or a shard of its own (full buffers, accumulation).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero_comm import Communicator, ReduceOp
+
+from .allreduced_gradients import restore_grad_view
+from .config import ZeroConfig
+from .grad_norm import row_sums_of_squares
+from .grad_reducer import BucketReducer, BucketSlot
+from .group_layout import GroupLayout
+from .param_table import ParamSlot, ParamTable
+
+
+class ReduceScatteredGradients:
+    """This rank's reduced gradient slices, from full buffers or from hooks."""
+
+    def __init__(
+        self,
+        slots: ParamTable,
+        layouts: list[GroupLayout],
+        dtype: torch.dtype,
+        comm: Communicator,
+        config: ZeroConfig,
+        *,
+        full_buffers: bool,
+        reduce_order: tuple[list[int], list[str]] | None = None,
+    ) -> None:
+        self.slots = slots
+        self.layouts = layouts
+        self.dtype = dtype
+        self.comm = comm
+        self.config = config
+        self.grads_are_views = full_buffers
+        self.accumulating = config.gradient_accumulation_steps > 1
+        # full buffers: per group and bucket, the full gradient (p.grad views).
+        self.grad_buckets: list[list[torch.Tensor]] = []
+        # sharded, or full buffers with accumulation: per group, this rank's shard.
+        self.grad_shards: list[torch.Tensor] = []
+        targets = self._full_buffer_targets() if full_buffers else self._shard_targets()
+        launch_order, labels = reduce_order or (None, None)
+        buckets = []
+        for g, layout in enumerate(layouts):
+            for k, bucket in enumerate(layout.buckets):
+                buckets.append(
+                    BucketSlot(
+                        bucket.layout.padded_numel,
+                        bucket.slice_numel,
+                        slots.in_bucket(g, k),
+                        targets[g][k],
+                        self.grad_buckets[g][k] if full_buffers else None,
+                    )
+                )
+        self.reducer = BucketReducer(
+            comm, buckets, dtype, config.max_buckets_in_flight, launch_order, labels,
+            chunk_numel=config.bucket_numel,
+        )  # fmt: skip
+        # Called with each slot whose gradient a hook handed over (stage 3 frees units).
+        self.gradient_listeners: list[Callable[[ParamSlot], None]] = []
+        self._accepting = False  # inside engine.backward: hooks hand gradients over
+        self._hooks: list[Any] = [] if full_buffers else self._register_hooks()
+
+    def _full_buffer_targets(self) -> list[list[torch.Tensor]]:
+        rank = self.comm.rank
+        self.grad_buckets = [
+            [torch.zeros(b.layout.padded_numel, dtype=self.dtype) for b in layout.buckets]
+            for layout in self.layouts
+        ]
+        for slot in self.slots:
+            full = self.grad_buckets[slot.group][slot.bucket]
+            slot.grad_view = full[slot.flat.start : slot.flat.stop]
+            slot.param.grad = slot.grad_view.view(slot.shape)
+        if not self.accumulating:
+            # The reduced slice lands in this rank's own part of the full gradient buffer.
+            return [
+                [
+                    grads[b.layout.shard_flat_range(rank).start :][: b.slice_numel]
+                    for b, grads in zip(layout.buckets, buckets, strict=True)
+                ]
+                for layout, buckets in zip(self.layouts, self.grad_buckets, strict=True)
+            ]
+        return self._shard_targets()
+
+    def _shard_targets(self) -> list[list[torch.Tensor]]:
+        self.grad_shards = [
+            torch.zeros(layout.shard_numel, dtype=self.dtype) for layout in self.layouts
+        ]
+        return [
+            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
+            for shard, layout in zip(self.grad_shards, self.layouts, strict=True)
+        ]
+
+    def _register_hooks(self) -> list[Any]:
+        """Hand each gradient to the reducer as soon as autograd has accumulated it."""
+        # A weak reference: the model's parameters must not keep a deleted engine alive.
+        gradients = weakref.ref(self)
+
+        def hook_for(slot: ParamSlot) -> Callable[[torch.Tensor], None]:
+            def on_gradient(param: torch.Tensor) -> None:
+                alive = gradients()
+                if alive is not None:
+                    alive._on_gradient(slot)
+
+            return on_gradient
+
+        return [
+            slot.param.register_post_accumulate_grad_hook(hook_for(slot))  # type: ignore[no-untyped-call]
+            for slot in self.slots
+        ]
+
+    def _on_gradient(self, slot: ParamSlot) -> None:
+        if self._accepting:
+            self.reducer.grad_ready(slot)
+            for listener in self.gradient_listeners:
+                listener(slot)
+
+    # -------------------------------------------------------------- the step
+    def before_backward(self, first_micro_step: bool, label: str) -> None:
+        self.reducer.begin(first_micro_step, label)
+        self._accepting = not self.grads_are_views
+
+    def after_backward(self, first_micro_step: bool) -> None:
+        """Reduce what backward left (full buffers: everything) and wait for it all."""
+        if self.grads_are_views:
+            for slot in self.slots:
+                restore_grad_view(slot)
+                self.reducer.mark_ready(slot)
+        self.reducer.finish()
+        if self.grads_are_views and self.accumulating:
+            self._zero_full_buffers()
+
+    def end_backward(self) -> None:
+        self._accepting = False
+
+    def _zero_full_buffers(self) -> None:
+        for buckets in self.grad_buckets:
+            for grads in buckets:
+                grads.zero_()
+
+    def float32_gradients(self) -> list[torch.Tensor]:
+        """Per group, this rank's accumulated gradient slice in float32: the shard itself
+        when it is float32 (step() scales it in place and clears it after), else a copy."""
+        if self.grad_shards and not self.grads_are_views:
+            return [s if s.dtype == torch.float32 else s.float() for s in self.grad_shards]
+        first = 0
+        gradients = []
+        for layout in self.layouts:
+            count = len(layout.buckets)
+            targets = [b.target for b in self.reducer.slots[first : first + count]]
+            first += count
+            gradients.append(
+                torch.cat([t.to(torch.float32) for t in targets]) if targets else torch.zeros(0)
+            )
+        return gradients
+
+    def row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's BLOCK rows, gathered, then listed in parameter order (the order
+        stage 0 uses) whatever the bucketing."""
+        local = [row_sums_of_squares(g) for g in gradients if g.numel()]
+        if not local:
+            return torch.zeros(0)
+        local_rows = torch.cat(local)
+        everyone = torch.empty(self.comm.world_size * local_rows.numel())
+        self.comm.all_gather(everyone, local_rows)
+        return everyone[self._canonical_row_order()]
+
+    def _canonical_row_order(self) -> torch.Tensor:
+        order = getattr(self, "_row_order", None)
+        if order is None:
+            keys = [
+                (group, *key)
+                for rank in range(self.comm.world_size)
+                for group, layout in enumerate(self.layouts)
+                for key in layout.row_keys(rank)
+            ]
+            order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__))
+            self._row_order = order
+        return order
+
+    def any_rank(self, flag: bool) -> bool:
+        token = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(token, ReduceOp.MAX)
+        return bool(token.item())
+
+    def clear(self) -> None:
+        if self.grads_are_views:
+            self._zero_full_buffers()
+        else:
+            for shard in self.grad_shards:
+                shard.zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [g for buckets in self.grad_buckets for g in buckets]
+        if not self.grads_are_views or self.accumulating:
+            held += list(self.grad_shards)
+        return held

@@ -1,0 +1,173 @@
+"""Parameters every rank holds whole (stages 0-2): views into full bucket buffers.
+
+Per group and bucket, one full buffer in the compute dtype; each parameter's ``.data`` is
+its flat range of it. Rank r owns the r-th slice of every bucket (the whole bucket where
+the layout has one rank, stage 0):
+
+    bucket k, N = 4, rank 1     | r0 | r1 | r2 | r3 |   parameters (compute dtype, full)
+                                       ^^^^ rank 1's slice: its aliased master (float32)
+
+Publishing after the optimizer step: with a sharded master, all-gather every bucket from
+each rank's updated slice (bucket by bucket, at most ``max_buckets_in_flight`` at once;
+a bucket past ``bucket_numel`` in column pieces); with a whole master, copy it in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator, Handle
+
+from .config import ZeroConfig
+from .group_layout import GroupLayout, piece_numel
+from .init_values import become
+from .master_weights import MasterWeights
+from .param_table import ParamSlot, ParamTable
+
+InFlight = tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+class ReplicatedParameters:
+    """Whole parameters on every rank, as views of per-bucket buffers."""
+
+    def __init__(
+        self,
+        slots: ParamTable,
+        layouts: list[GroupLayout],
+        dtype: torch.dtype,
+        comm: Communicator,
+        config: ZeroConfig,
+    ) -> None:
+        self.slots = slots
+        self.layouts = layouts
+        self.comm = comm
+        self.config = config
+        self.dtype = dtype
+        # Per group and bucket: the full padded buffer the parameters are views of.
+        self.buckets: list[list[torch.Tensor]] = [
+            [
+                torch.zeros(b.layout.padded_numel, dtype=dtype, device=comm.device)
+                for b in lay.buckets
+            ]
+            for lay in layouts
+        ]
+        for slot in slots:
+            full = self.buckets[slot.group][slot.bucket]
+            slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
+
+    def owned_slices(self) -> list[list[torch.Tensor]]:
+        """Per group and bucket, this rank's slice of the full buffer (what an aliased
+        master is)."""
+        rank = self.comm.rank if any(lay.world_size > 1 for lay in self.layouts) else 0
+        return [
+            [
+                full[b.layout.shard_flat_range(rank).start :][: b.slice_numel]
+                for b, full in zip(layout.buckets, fulls, strict=True)
+            ]
+            for layout, fulls in zip(self.layouts, self.buckets, strict=True)
+        ]
+
+    def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
+        """Give ``slot``'s parameter its initial ``value`` (float32, whole, flat): the
+        parameter becomes its view of the bucket, in the compute dtype."""
+        assert slot.param_view is not None
+        slot.param_view.copy_(value.view(slot.shape))
+        become(slot.param, slot.param_view)
+
+    def finish_build(self) -> None:
+        return None
+
+    def publish(self, masters: MasterWeights) -> None:
+        """The updated masters into every rank's full buckets; see the module docstring:
+
+        full (N x S) viewed as rows:  full[r, a:b] = rank r's master[a:b]
+        """
+        in_flight: deque[InFlight] = deque()
+        for layout, fulls, slices in zip(self.layouts, self.buckets, masters.slices, strict=True):
+            for bucket, full, master in zip(layout.buckets, fulls, slices, strict=True):
+                if layout.world_size == 1:
+                    if master.data_ptr() != full.data_ptr():
+                        full.copy_(master)
+                    continue
+                for launched in self._gather_bucket(bucket.layout.padded_numel, full, master):
+                    in_flight.append(launched)
+                    if len(in_flight) > self.config.max_buckets_in_flight:
+                        self._finish(in_flight.popleft())
+        while in_flight:
+            self._finish(in_flight.popleft())
+        self._check_storage()
+
+    def _gather_bucket(
+        self, padded_numel: int, full: torch.Tensor, master: torch.Tensor
+    ) -> Iterator[InFlight]:
+        """Launch the all-gathers of one bucket: whole, or in pieces of ``piece_numel``
+        columns gathered into a pooled buffer when it is past ``bucket_numel``."""
+        n, size = self.comm.world_size, master.numel()
+        width = piece_numel(padded_numel, self.config.bucket_numel, n)
+        oversized = width < size
+        for a in range(0, size, width):
+            b = min(a + width, size)
+            # Staged apart: the master may be ``full``'s own slice, and the communicator
+            # does not promise an input that aliases the output.
+            mine = self.comm.buffers.take(b - a, self.dtype)
+            mine.copy_(master[a:b])
+            if oversized:
+                gathered = self.comm.buffers.take(n * (b - a), self.dtype)
+                handle = self.comm.all_gather(gathered, mine, async_op=True)
+                yield handle, mine, gathered, full.view(n, size)[:, a:b]
+            else:
+                yield self.comm.all_gather(full, mine, async_op=True), mine, None, full
+
+    def _finish(self, launched: InFlight) -> None:
+        handle, staged, gathered, destination = launched
+        handle.wait()
+        if gathered is not None:
+            destination.copy_(gathered.view(destination.shape))
+            self.comm.buffers.give_back(gathered)
+        self.comm.buffers.give_back(staged)
+
+    def _check_storage(self) -> None:
+        """The parameters must still live in the buckets the updates are written into."""
+        for slot in self.slots:
+            assert slot.param_view is not None
+            if slot.param.data_ptr() != slot.param_view.data_ptr():
+                raise RuntimeError(
+                    f"[rank {self.comm.rank}] parameter {slot.name} no longer uses the "
+                    "engine's storage: its .data was replaced after initialize (for example "
+                    "by module.to() or .half()), so updates would not reach it. Change the "
+                    "model before zero_core.initialize"
+                )
+
+    # The parameters are whole already: nothing to gather for the user, nothing to free.
+    def gather_for_user(self, slots: list[ParamSlot]) -> None:
+        return None
+
+    def release_for_user(self, slots: list[ParamSlot]) -> None:
+        return None
+
+    def after_write_back(self, masters: MasterWeights) -> None:
+        return None
+
+    def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
+        return self.buckets[group][bucket]
+
+    def report_tensors(self, module: nn.Module) -> list[torch.Tensor]:
+        """What the memory report counts as parameters: every parameter, whole."""
+        return list(module.parameters())
+
+    # Backward needs nothing of whole parameters.
+    def before_backward(self) -> None:
+        return None
+
+    def end_backward(self) -> None:
+        return None
+
+    def gradient_arrived(self, slot: ParamSlot) -> None:
+        return None
+
+    def reduce_order(self) -> tuple[list[int], list[str]] | None:
+        return None

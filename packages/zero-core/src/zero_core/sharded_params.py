@@ -1,0 +1,194 @@
+"""Parameters partitioned across ranks (stage 3): compute shards, gathered unit by unit.
+
+Per group, this rank's compute shard (its slice of every bucket, as the layout says);
+buckets never span two fetch units (fetch_units), and each unit's full buffers exist only
+while it is gathered (param_gatherer):
+
+    compute shard (rank r)    | bucket 0 slice | bucket 1 slice | ...   (kept for good)
+    unit u, gathered          | bucket 0 (all ranks' slices) | ...      (while in use)
+
+Initial values arrive one parameter at a time (``fill``): the rank keeps its slice, and
+the parameter becomes a NaN placeholder of its shape, so no rank ever holds the model.
+The persistent unit (parameters of at most ``persistence_threshold`` elements) stays
+gathered; it is all-gathered again after every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator
+
+from .config import ZeroConfig
+from .fetch_units import UnitPlan
+from .group_layout import GroupLayout
+from .init_values import become
+from .master_weights import MasterWeights
+from .param_gatherer import GatherUnit, ParameterGatherer, Pass
+from .param_table import ParamSlot, ParamTable
+
+
+class ShardedParameters:
+    """This rank's compute shards, and the gatherer that makes units whole when used."""
+
+    def __init__(
+        self,
+        slots: ParamTable,
+        layouts: list[GroupLayout],
+        plan: UnitPlan,
+        dtype: torch.dtype,
+        comm: Communicator,
+        config: ZeroConfig,
+    ) -> None:
+        self.slots = slots
+        self.layouts = layouts
+        self.plan = plan
+        self.dtype = dtype
+        self.comm = comm
+        self.config = config
+        self.param_shards = [
+            torch.zeros(layout.shard_numel, dtype=dtype, device=comm.device) for layout in layouts
+        ]
+        self._persistent_values: dict[int, torch.Tensor] = {}  # slot index -> whole value
+        # Per unit, (group, bucket) of each of its buckets, in order.
+        self._unit_buckets: list[list[tuple[int, int]]] = [[] for _ in range(plan.count)]
+        for g, (layout, group) in enumerate(zip(layouts, slots.by_group, strict=True)):
+            for k, bucket in enumerate(layout.buckets):
+                unit = group[bucket.param_indices[0]].unit
+                assert unit is not None, "every trainable slot of stage 3 has a unit"
+                self._unit_buckets[unit].append((g, k))
+        self.gatherer: ParameterGatherer
+
+    def owned_slices(self) -> list[list[torch.Tensor]]:
+        """Per group and bucket, this rank's slice of the compute shard."""
+        return [
+            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
+            for layout, shard in zip(self.layouts, self.param_shards, strict=True)
+        ]
+
+    def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
+        """Keep this rank's pieces of ``value`` (float32, whole, flat) in the compute
+        shard, and let the parameter become a placeholder so its whole value can go."""
+        shard = self.param_shards[slot.group]
+        for piece in slot.pieces:
+            local, elements = piece.local_range, piece.param_range
+            shard[local.start : local.stop] = value[elements.start : elements.stop]
+        if slot.unit == self.plan.persistent:
+            self._persistent_values[slot.index] = value.to(self.dtype)
+        placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.comm.device)
+        become(slot.param, placeholder.expand(slot.shape))
+
+    def finish_build(self) -> None:
+        """Every value has arrived: make the units and the gatherer; the persistent unit
+        is gathered from the whole values kept by ``fill``."""
+        units = [self._unit(index) for index in range(self.plan.count)]
+        self.gatherer = ParameterGatherer(
+            self.comm,
+            units,
+            prefetch_numel=self.config.prefetch_numel,
+            max_live_numel=self.config.max_live_numel,
+        )
+        if self.plan.persistent is not None:
+            unit = units[self.plan.persistent]
+            for slot, k in zip(unit.slots, unit.slot_buckets, strict=True):
+                value = self._persistent_values[slot.index].view(-1)
+                unit.fulls[k][slot.flat.start : slot.flat.stop] = value
+        self._persistent_values = {}
+
+    def _unit(self, index: int) -> GatherUnit:
+        """Unit ``index``: the buckets holding its slots, in (group, bucket) order."""
+        keys = self.unit_buckets(index)
+        fulls, shards, slots, slot_buckets = [], [], [], []
+        for position, (g, k) in enumerate(keys):
+            bucket = self.layouts[g].buckets[k]
+            fulls.append(torch.empty(bucket.layout.padded_numel, dtype=self.dtype))
+            start = bucket.local_offset
+            shards.append(self.param_shards[g][start : start + bucket.slice_numel])
+            for slot in self.slots.in_bucket(g, k):
+                slots.append(slot)
+                slot_buckets.append(position)
+        return GatherUnit(
+            f"parameters of {self.plan.names[index]}",
+            fulls,
+            shards,
+            slots,
+            slot_buckets,
+            persistent=index == self.plan.persistent,
+        )
+
+    def unit_buckets(self, index: int) -> list[tuple[int, int]]:
+        """(group, bucket) of every bucket of unit ``index``, in order."""
+        return self._unit_buckets[index]
+
+    def reduce_order(self) -> tuple[list[int], list[str]]:
+        """Gradient buckets reduced unit by unit, in reverse registration order (the order
+        backward usually finishes them), the persistent unit last: the launch order of
+        the bucket reducer (indices over every group's buckets) and each bucket's label."""
+        keys = [(g, k) for g, layout in enumerate(self.layouts) for k in range(len(layout.buckets))]
+        slot_of = {key: i for i, key in enumerate(keys)}
+        persistent = self.plan.persistent
+        units = [i for i in range(self.plan.count - 1, -1, -1) if i != persistent]
+        units += [] if persistent is None else [persistent]
+        order = [slot_of[key] for index in units for key in self.unit_buckets(index)]
+        labels = [""] * len(keys)
+        for index in range(self.plan.count):
+            for key in self.unit_buckets(index):
+                labels[slot_of[key]] = f"{self.plan.names[index]} (gradients)"
+        return order, labels
+
+    # ------------------------------------------------------------ the step
+    def publish(self, masters: MasterWeights) -> None:
+        """The compute shards from the updated masters; the persistent unit, which stays
+        gathered, is gathered again. Other units are gathered when next used."""
+        self._shards_from(masters)
+        if self.plan.persistent is not None:
+            self.gatherer.regather(self.plan.persistent)
+
+    def _shards_from(self, masters: MasterWeights) -> None:
+        if masters.aliased:  # the compute shards are the masters
+            return
+        for shard, master in zip(self.param_shards, masters.shards, strict=True):
+            shard.copy_(master.detach())
+
+    def before_backward(self) -> None:
+        self.gatherer.begin_pass(Pass.BACKWARD)
+
+    def end_backward(self) -> None:
+        """Backward finished (or raised): free what it had gathered."""
+        if self.gatherer.phase is Pass.BACKWARD:
+            self.gatherer.end_pass()
+
+    def gradient_arrived(self, slot: ParamSlot) -> None:
+        """Backward gave ``slot`` its gradient: once its unit has all of them, nothing in
+        backward needs the unit any more."""
+        assert slot.unit is not None
+        if self.gatherer.gradient_arrived(slot.unit):
+            self.gatherer.release_if_unused(slot.unit)
+
+    # ------------------------------------------------------------ user access
+    def _user_units(self, slots: list[ParamSlot]) -> list[int]:
+        return sorted({slot.unit for slot in slots if slot.unit is not None})
+
+    def gather_for_user(self, slots: list[ParamSlot]) -> None:
+        self.gatherer.enter(self._user_units(slots))
+
+    def release_for_user(self, slots: list[ParamSlot]) -> None:
+        self.gatherer.leave(self._user_units(slots), free=True)
+
+    def after_write_back(self, masters: MasterWeights) -> None:
+        self._shards_from(masters)
+
+    def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
+        """The gathered full buffer of bucket ``bucket`` of ``group``."""
+        slot = self.slots.by_group[group][self.layouts[group].buckets[bucket].param_indices[0]]
+        assert slot.unit is not None
+        unit = self.gatherer.units[slot.unit]
+        return unit.fulls[self.unit_buckets(slot.unit).index((group, bucket))]
+
+    def report_tensors(self, module: nn.Module) -> list[torch.Tensor]:
+        """The compute shards, the units gathered now (the persistent one always) and the
+        frozen parameters."""
+        fulls = [full for unit in self.gatherer.units for full in unit.fulls]
+        frozen = [p for p in module.parameters() if self.slots.get(p) is None]
+        return [*self.param_shards, *fulls, *frozen]
