@@ -1,0 +1,111 @@
+"""What one rank of zero-train trains with: communicators, the GPT, the engine and its data.
+
+    run = build_run(args)     # every rank of a launched job, args from parse_options
+    ...
+    run.close()               # every rank, at the end
+
+``build_run`` is collective: every rank calls it with the same options, since it joins the
+world (zero_comm.init) and splits it into the tensor- and data-parallel communicators.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+import zero_comm
+import zero_core
+from zero_core.activation_checkpoint import ActivationCheckpointing
+
+from .checkpoint_plan import checkpoint_gpt_blocks
+from .data import BatchSampler, load_tokens
+from .gpt import GPT, GPTConfig
+from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
+from .train_options import DTYPES, model_config
+
+
+class Run(NamedTuple):
+    """What one rank trains with: its communicators, the model behind the engine, data."""
+
+    world: zero_comm.Communicator
+    metrics_comm: zero_comm.Communicator  # logging traffic, kept out of the engine's stats
+    mesh: Mesh
+    config: GPTConfig
+    tokens: torch.Tensor
+    engine: zero_core.ZeroEngine
+    sampler: BatchSampler
+    tracker: zero_core.MemoryTracker
+    checkpointing: ActivationCheckpointing | None
+
+    def close(self) -> None:
+        """Close every communicator of this rank, the world last."""
+        for comm in (self.metrics_comm, self.mesh.tp, self.mesh.dp):
+            comm.close()
+        self.world.close()
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """Communicators, the GPT (on meta at stage 3 without TP: no rank holds it whole), the
+    engine and the data sampler of this rank. The data's vocabulary decides the model's:
+    byte-level data (the default corpus, or tokens below 256) gets at least 256 tokens."""
+    world = zero_comm.init(args.backend, deterministic=True)
+    metrics_comm = world.split(color=0)
+    mesh = make_mesh(world, args.tp)
+    config = model_config(args)
+    tokens = load_tokens(args.data)
+    if args.data is None or tokens.max() < 256:
+        config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
+    model, init_values, model_parallel = build_model(args, config, world, mesh)
+    checkpointing = checkpoint_gpt_blocks(
+        model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
+    )
+    setup = getattr(args, "deepspeed_setup", None)
+    own_optimizer = setup is None or setup.optimizer is None
+    engine = zero_core.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        if own_optimizer
+        else None,
+        setup
+        or zero_core.ZeroConfig(
+            stage=args.stage,
+            param_dtype=DTYPES[args.dtype],
+            gradient_accumulation_steps=args.grad_accum,
+            clip_grad_norm=args.clip or None,
+        ),
+        mesh.dp,
+        model_parallel=model_parallel,
+        init_values=init_values,
+    )
+    sampler = BatchSampler(
+        tokens, context=config.context, global_batch=args.batch_size,
+        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed,
+    )  # fmt: skip
+    tracker = zero_core.MemoryTracker(world.device)
+    return Run(world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing)
+
+
+def build_model(
+    args: argparse.Namespace, config: GPTConfig, world: zero_comm.Communicator, mesh: Mesh
+) -> tuple[GPT, Iterator[tuple[str, torch.Tensor]] | None, zero_core.ModelParallel | None]:
+    """The GPT of seed ``args.seed`` as the engine takes it: (model, init_values for
+    zero_core.initialize or None, the tensor-parallel description or None).
+
+    At stage 3 without TP it is built on the meta device and its values streamed in, so no
+    rank holds it whole; otherwise it is built whole on ``world.device``, then (TP > 1)
+    sliced for this rank's ``mesh.tp``."""
+    init_values: Iterator[tuple[str, torch.Tensor]] | None = None
+    if args.stage == 3 and args.tp == 1:
+        with torch.device("meta"):
+            model = GPT(config, seed=args.seed)
+        init_values = model.initial_values(args.seed)
+    else:
+        model = GPT(config, seed=args.seed).to(world.device)  # built whole, then placed
+    model_parallel = None
+    if args.tp > 1:
+        tensor_parallel_gpt(model, mesh.tp)
+        model_parallel = zero_core.ModelParallel.of(mesh.tp, sharded_parameters(model))
+    return model, init_values, model_parallel

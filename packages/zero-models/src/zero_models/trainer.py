@@ -1,0 +1,314 @@
+"""One rank's zero-train run: the training loop, its checkpoints, and preemption.
+
+    trainer = Trainer(args)   # on every rank of a launched job; args from parse_options
+    trainer.fit()             # returns after the report, or exits the process (see fit)
+
+Every rank runs the same steps and the same collectives in the same order; rank 0 (the
+lead) alone prints, writes ``OUT/metrics.jsonl`` and clears an --overwrite'd folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn, TextIO
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+import zero_comm
+import zero_core
+from zero_comm.launcher_env import detect_launch_env
+from zero_core.memory_tracker import process_status_kib
+
+from .phase_memory import phase_record, phase_table
+from .run_metrics import corpus_digest, open_metrics
+from .run_report import report
+from .run_setup import build_run
+from .tp_layers import vocab_parallel_cross_entropy
+from .train_options import (
+    CHECKPOINT,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    RESULTS,
+    earlier_results,
+    learning_rate,
+    own_schedule,
+    threads_per_rank,
+)
+
+
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0 where there is none)."""
+    return (process_status_kib("VmRSS") or 0) / 1024
+
+
+def current_lr(engine: zero_core.ZeroEngine) -> float:
+    """The learning rate the engine's optimizer steps with now (its first group's)."""
+    return float(engine.optimizer.param_groups[0]["lr"])
+
+
+class PreemptionFlag:
+    """Set by the first of ``signals`` this rank receives (SLURM's SIGTERM at preemption or
+    time limit, a --signal=USR1 warning); the training loop reads it at the end of a step.
+
+    The handler only records the signal: the step in flight finishes, the ranks agree at
+    the step's loss all-reduce (any rank's flag stops all), save, and exit."""
+
+    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+        self.received: signal.Signals | None = None
+        for signum in signals:
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+
+def clear_earlier_results(out: Path) -> None:
+    """--overwrite: remove what another run left in ``out`` (its checkpoint too, so that a
+    later --resume auto cannot pick up that run's state)."""
+    for name in RESULTS:
+        for path in (out / name, out / f"{name}.old", out / f"{name}.saving"):
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+class Trainer:
+    """The state of one rank's run: its parts (``run_setup.Run``), the steps to train
+    (``first_step``, after --resume, up to ``end_step``, --stop-after or --steps), the
+    preemption flag, and on the lead rank the metrics file, the progress display and the
+    (step, loss) history.
+
+    Construction is collective and in this order: signal handlers installed (a signal from
+    now on stops the run after a step), torch's thread count set, the run built, --resume
+    loaded; then the lead announces the run and opens OUT/metrics.jsonl (appending when
+    resumed). The data a step reads and its learning rate are functions of the step and the
+    seed alone, so a run resumed at a step continues bit for bit."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.preemption = PreemptionFlag(args.preempt_signals)
+        threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
+        torch.set_num_threads(threads)
+        self.run = build_run(args)
+        self.engine = self.run.engine
+        self.lead = self.run.world.rank == 0
+        self.first_step = self.resume()
+        self.end_step: int = args.steps if args.stop_after is None else args.stop_after
+        self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
+        self.history: list[tuple[int, float]] = []
+        self.metrics: TextIO | None = None
+        self.progress: tqdm[None] | None = None
+        self.started = 0.0  # perf_counter() when fit() began
+        if self.lead:
+            plural = "s" if threads > 1 else ""
+            self.announce(f"{threads} thread{plural} per rank ({threads_from})")
+            self.metrics = self.open_metrics()
+
+    def resume(self) -> int:
+        """Collective: load --resume into the engine (none: a fresh start); the step to
+        start from, which the checkpoint's extra data records (``save``)."""
+        if self.args.resume is None:
+            return 0
+        return int(self.engine.load(self.args.resume).get("step", 0))
+
+    def announce(self, threads: str) -> None:
+        """Lead: clear an --overwrite'd folder, then say what is about to train."""
+        args, config, dp = self.args, self.run.config, self.run.mesh.dp
+        found = earlier_results(args.out)
+        if args.overwrite and args.resume is None and found:
+            clear_earlier_results(args.out)
+            print(f"zero-train: --overwrite: removed the earlier run's {', '.join(found)} "
+                  f"from {args.out}", flush=True)  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.resume is not None:
+            print(f"zero-train: resumed from {args.resume} at step {self.first_step}", flush=True)
+        print(
+            f"zero-train: GPT {config.layers}x{config.width} ({config.num_params / 1e6:.2f}M "
+            f"parameters), stage {args.stage}, {self.run.world.world_size} ranks ({args.tp} "
+            f"tensor-parallel x {dp.world_size} data-parallel) on {dp.backend}, {args.dtype}, "
+            f"{self.run.tokens.numel():,} tokens of data, {threads}",
+            flush=True,
+        )
+
+    def open_metrics(self) -> TextIO:
+        """Lead: OUT/metrics.jsonl opened with this segment's run record (what the bits
+        depend on) as its first line; appended to when the run was resumed."""
+        run_record = {"fingerprint": self.engine.fingerprint().to_json(),
+                      "corpus": corpus_digest(self.run.tokens), "first_step": self.first_step,
+                      "argv": sys.argv[1:]}  # fmt: skip
+        path = self.args.out / "metrics.jsonl"
+        return open_metrics(path, run_record, append=self.first_step > 0)
+
+    def fit(self) -> None:
+        """Train steps ``first_step`` to ``end_step - 1`` (with --save-every, saving
+        OUT/checkpoint every that many steps and after the end step); then report and
+        close the communicators.
+
+        A signal (PreemptionFlag) on any rank stops every rank after the same step: it is
+        saved and the process exits with EXIT_PREEMPTED. A failed save exits with
+        EXIT_FAILED (``save``)."""
+        self.started = time.perf_counter()
+        # A progress bar on a terminal; plain lines (every 5% of the run) in a log file.
+        if self.lead and sys.stdout.isatty():
+            self.progress = tqdm(total=self.end_step, initial=self.first_step,
+                                 desc="zero-train", unit="step", file=sys.stdout)  # fmt: skip
+        step, stopping = self.first_step, False
+        for step in range(self.first_step, self.end_step):
+            stopping = self.train_one(step)
+            if stopping:
+                break
+        self.close_logs()
+        if stopping:
+            self.exit_preempted(step)
+        self.finish()
+
+    def train_one(self, step: int) -> bool:
+        """Step ``step`` on this rank; then, with every rank, the mean loss and whether any
+        rank was signalled, and each rank's memory and time; save when due or stopping; the
+        lead logs the step. True: every rank stops after this step."""
+        step_start = time.perf_counter()
+        if step == self.end_step - 1:
+            self.engine.comm.stats.reset()  # the last step's traffic is what gets reported
+        own = own_schedule(self.args)
+        step_lr = learning_rate(step, self.args) if own else current_lr(self.engine)
+        loss, stopping = self.agree(self.optimizer_step(step))
+        per_rank = self.gather_rank_stats(time.perf_counter() - step_start)
+        if stopping or self.save_due(step):
+            self.save(step)
+        if self.metrics is not None:
+            self.log(step, loss, step_lr, per_rank, stopping)
+        return stopping
+
+    def optimizer_step(self, step: int) -> float:
+        """One optimizer step (--grad-accum micro-batches of step ``step``'s batch, at the
+        step's learning rate when zero-train owns the schedule); this rank's mean loss."""
+        args, engine, tracker = self.args, self.engine, self.run.tracker
+        device = self.run.world.device
+        if own_schedule(args):
+            for group in engine.optimizer.param_groups:
+                group["lr"] = learning_rate(step, args)
+        total = 0.0
+        for micro in range(args.grad_accum):
+            inputs, targets = (t.to(device) for t in self.run.sampler.batch(step, micro))
+            with tracker.phase("forward"):
+                logits = engine(inputs)
+                if args.tp > 1:
+                    loss = vocab_parallel_cross_entropy(logits, targets, self.run.mesh.tp)
+                else:
+                    loss = F.cross_entropy(
+                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                    )
+                del logits  # the loss's graph keeps what backward needs
+            with tracker.phase("backward"):
+                engine.backward(loss)
+            total += loss.item() / args.grad_accum
+            del loss
+            with tracker.phase("step"):
+                engine.step()
+        return total
+
+    def agree(self, loss: float) -> tuple[float, bool]:
+        """Collective: (the mean of every rank's ``loss``, whether any rank's preemption
+        flag is set); every rank gets the same pair."""
+        mean = torch.tensor([loss, float(self.preemption.received is not None)])
+        self.run.metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+        return float(mean[0].item()), bool(mean[1] > 0)
+
+    def gather_rank_stats(self, step_s: float) -> torch.Tensor:
+        """Collective: every rank's (resident MiB, ``step_s``), rank by rank as one flat
+        float64 tensor, for the metrics (tools/soak.py reads them)."""
+        mine = torch.tensor([resident_mib(), step_s], dtype=torch.float64)
+        comm = self.run.metrics_comm
+        per_rank = torch.empty(2 * comm.world_size, dtype=torch.float64)
+        comm.all_gather(per_rank, mine)
+        return per_rank
+
+    def save_due(self, step: int) -> bool:
+        """Whether --save-every asks for a save after ``step``: every that many steps, and
+        after the run's end step."""
+        every = self.args.save_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.end_step)
+
+    def save(self, step: int) -> None:
+        """Collective: save OUT/checkpoint after ``step``; a failed save (every rank has the
+        same error) ends the run with one line from the lead and exit code EXIT_FAILED."""
+        # The step to start from, and the seed: the data order and the learning rate are
+        # functions of those, so a resumed run continues bit for bit.
+        extra = {"step": step + 1, "seed": self.args.seed}
+        try:
+            self.engine.save(self.args.out / CHECKPOINT, extra=extra)
+        except zero_core.CheckpointError as exc:
+            if self.lead:
+                print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_FAILED)
+
+    def log(
+        self, step: int, loss: float, lr: float, per_rank: torch.Tensor, stopping: bool
+    ) -> None:
+        """Lead: the step's line of OUT/metrics.jsonl, its history entry, and the progress
+        bar or (every 5% of --steps, the last step, a stop) a plain line."""
+        assert self.metrics is not None
+        elapsed = time.perf_counter() - self.started
+        rate = self.tokens_per_step * (step + 1 - self.first_step) / elapsed
+        self.history.append((step, loss))
+        table = per_rank.view(-1, 2)
+        record = {"step": step, "loss": loss, "lr": lr,
+                  "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
+                  "step_s": round(float(table[:, 1].max()), 5),
+                  "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
+        self.metrics.write(json.dumps(record) + "\n")
+        memory = self.engine.memory_report().total / 2**20
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix_str(
+                f"loss {loss:.4f}, {rate:.0f} tok/s, mem {memory:.1f} MiB", refresh=False
+            )
+        elif step % max(1, self.args.steps // 20) == 0 or step == self.end_step - 1 or stopping:
+            print(f"step {step + 1:5d}/{self.args.steps}  loss {loss:.4f}  {rate:8.0f} tok/s  "
+                  f"mem {memory:.1f} MiB", flush=True)  # fmt: skip
+
+    def close_logs(self) -> None:
+        """Lead: close the progress bar and OUT/metrics.jsonl (the report reads it back)."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def exit_preempted(self, step: int) -> NoReturn:
+        """After a stop at ``step`` (saved): the lead says how to go on; every rank closes
+        its communicators and exits with EXIT_PREEMPTED."""
+        if self.lead:
+            received = self.preemption.received
+            print(
+                f"zero-train: {received.name if received else 'a signal'}"
+                f" received: stopped after step {step + 1} of {self.args.steps}, saved "
+                f"{self.args.out / CHECKPOINT}; the same command with --resume auto goes on "
+                f"from there (exit code {EXIT_PREEMPTED})",
+                flush=True,
+            )
+        self.run.close()
+        sys.exit(EXIT_PREEMPTED)
+
+    def finish(self) -> None:
+        """Collective, after the last step: the report, each rank's peak memory per phase
+        of the last step (the lead prints the table), then the communicators close."""
+        args, run = self.args, self.run
+        report(args, self.engine, run.metrics_comm, run.mesh.tp, self.history, self.lead)
+        phases = run.metrics_comm.all_gather_object(phase_record(run.tracker, run.checkpointing))
+        if self.lead:
+            micro_tokens = args.batch_size // run.mesh.dp.world_size * run.config.context
+            table = phase_table(phases, run.config, micro_tokens, args.tp, args.checkpoint)
+            print("\n".join(table))
+        run.close()
