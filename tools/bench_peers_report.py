@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zero_core.memory_estimate import model_state_bytes, state_bytes_per_param
+
 MIB = 2**20
 TARGETS = {"ours-1": 1.05, "ours-2": 1.05, "ours-3": 1.15}
 
@@ -24,17 +26,17 @@ def _f(value: float | None, fmt: str) -> str:
 
 
 def paper_model_states_mib(variant: str, psi: int, n: int) -> float | None:
-    """The paper's model-state bytes for fp32 Adam (params 4, grads 4, Adam moments 8 =
-    K; no separate fp32 master copy in fp32) per rank, MiB; None for a variant it does not
-    describe."""
+    """The paper's model-state bytes (zero_core.model_state_bytes) for fp32 Adam (params
+    4, grads 4, Adam moments 8 = K; no separate fp32 master copy in fp32) per rank, MiB;
+    None for a variant it does not describe."""
     stage = {"ddp": 0, "zero-redundancy": 1, "fsdp2": 3}.get(variant)
     if variant.startswith(("ours-", "deepspeed-")):
         stage = int(variant.split("-")[1])
     if stage is None:
         return None
-    p, g, k = 4.0, 4.0, 8.0
-    per = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
-    return per * psi / MIB
+    k = state_bytes_per_param(4, "adam")  # 8: float32 parameters are their own masters
+    states = model_state_bytes(psi, n, stage, optimizer_state_bytes=k, param_bytes=4, grad_bytes=4)
+    return states.total / MIB
 
 
 def ddp_ratios(row: dict[str, Any], report: dict[str, Any]) -> str:
