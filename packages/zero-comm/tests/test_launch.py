@@ -320,6 +320,30 @@ def test_a_code_the_command_reports_itself_gets_no_blame_line(
     assert [pid for pid in _rank_pids(rank_dir) if _alive(pid)] == []
 
 
+def test_a_reported_code_from_every_rank_at_once_gets_no_blame_line(
+    rank_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank exits 3 within the same instant (as when each names the same failed
+    save): the launcher's poll loop may see them all gone before it names a failure, and
+    must still treat 3 as reported (it once printed its own line after the command's)."""
+    from zero_comm.launch import launch
+
+    deadline = time.time() + 1.5  # every rank exits at this moment, give or take a ms
+    code = RANK_PRELUDE + f"time.sleep(max(0.0, {deadline!r} - time.time())); sys.exit(3)\n"
+    saved = dict(os.environ)
+    os.environ.update(_env(rank_dir))
+    try:
+        returned = launch(
+            [sys.executable, "-c", textwrap.dedent(code)], 2, grace=1.0, reported_codes={3}
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert returned == 3
+    err = capfd.readouterr().err
+    assert "zero-launch:" not in err, err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

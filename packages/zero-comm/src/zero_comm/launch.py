@@ -130,14 +130,16 @@ def launch(
             # Every rank ended alike after the signal: the ranks said why; their code.
             code = int(codes.pop() or 0)
             return code if code > 0 else 128 - code
-        if failure is not None and failure.returncode in reported_codes:
-            _stop(procs, grace)  # the command has told the user why: no line of ours
-            return failure.returncode
         if failure is None:
+            # Every rank may have ended within one poll interval: the loop then stops
+            # before naming a failure, and the first non-zero code is the failure.
             failure = next(
                 (RankFailure(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),
                 None,
             )
+        if failure is not None and failure.returncode in reported_codes:
+            _stop(procs, grace)  # the command has told the user why: no line of ours
+            return failure.returncode
         if failure is not None:
             running = [r for r, p in enumerate(procs) if p.poll() is None]
             _stop(procs, grace)
