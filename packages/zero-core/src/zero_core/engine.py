@@ -46,27 +46,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_comm import Communicator, ReduceOp
+from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint, current_fingerprint
 
-from .allreduced_gradients import AllReducedGradients
+from .components import build_components
 from .config import ZeroConfig
-from .fetch_units import plan_units
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
+from .gradient_checks import (
+    all_finite,
+    any_model_parallel_rank,
+    first_nonfinite_message,
+    model_parallel_rows,
+)
 from .init_values import InitValues
-from .initial_state import take_initial_state, whole_tensors
+from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
-from .master_weights import MasterWeights
 from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
-from .param_table import ParamSlot, ParamTable
-from .reduce_scattered_gradients import ReduceScatteredGradients
-from .replicated_params import ReplicatedParameters
-from .sharded_params import ShardedParameters
+from .param_table import ParamTable
 from .sharded_state import ShardedGroupState, ShardedState
-from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
+from .stage_policy import StagePolicy
 
 
 class Engine:
@@ -111,70 +112,14 @@ class Engine:
         split = model_parallel.sharded if model_parallel is not None else ()
         self.slots = ParamTable(module, groups.params, split)
         self._frozen = [not p.requires_grad for p in module.parameters()]
-        self._build_components(init_values)
+        built = build_components(module, self.slots, policy, config, comm, self.dtype, init_values)
+        # Declared here, with their layouts; see each module's docstring.
+        self.layouts = built.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
+        self.parameters = built.parameters  # compute params: whole views, or shard + gatherer
+        self.gradients = built.gradients  # whole all-reduced, or this rank's reduced slice
+        self.masters = built.masters  # float32 shard per group; tiles the optimizer steps
+        self._module_hooks = built.module_hooks
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
-
-    def _build_components(self, init_values: InitValues | None) -> None:
-        """Lay the groups out, then build the components the policy chooses, filled with
-        rank 0's initial values one parameter at a time."""
-        policy, comm, config = self.policy, self.comm, self.config
-        sharded_params = policy.parameters is ParameterPlacement.SHARDED
-        plan = None
-        if sharded_params:
-            plan = plan_units(self.module, self.slots, config.persistence_threshold)
-            for slot in self.slots:
-                slot.unit = plan.slot_units[slot.index]
-        self.layouts = [
-            policy.group_layout(
-                [slot.numel for slot in group],
-                comm.world_size,
-                config.bucket_numel,
-                units=None if plan is None else [slot.unit or 0 for slot in group],
-            )
-            for group in self.slots.by_group
-        ]
-        shard_rank = comm.rank if policy.shard_optimizer_states else 0
-        self.slots.place(self.layouts, shard_rank)
-        self.parameters: ReplicatedParameters | ShardedParameters
-        if plan is not None:
-            self.parameters = ShardedParameters(
-                self.slots, self.layouts, plan, self.dtype, comm, config
-            )
-        else:
-            self.parameters = ReplicatedParameters(
-                self.slots, self.layouts, self.dtype, comm, config
-            )
-        aliased = policy.masters(self.dtype) is MasterPlacement.ALIASED
-        self.masters = MasterWeights(
-            self.layouts,
-            shard_rank,
-            self.parameters.owned_slices() if aliased else None,
-            comm.device,
-        )
-
-        def keep(slot: ParamSlot, value: torch.Tensor) -> None:
-            self.parameters.fill(slot, value)
-            self.masters.fill(slot, value)
-
-        take_initial_state(self.module, self.slots, init_values, comm, self.dtype, keep)
-        self.parameters.finish_build()
-        self.gradients: AllReducedGradients | ReduceScatteredGradients
-        if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
-            self.gradients = AllReducedGradients(self.slots, self.layouts, self.dtype, comm, config)
-        else:
-            self.gradients = ReduceScatteredGradients(
-                self.slots,
-                self.layouts,
-                self.dtype,
-                comm,
-                config,
-                full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,
-                reduce_order=self.parameters.reduce_order(),
-            )
-            self.gradients.gradient_listeners.append(self.parameters.gradient_arrived)
-        self._module_hooks = (
-            [] if policy.module_hooks is None else policy.module_hooks(self.module, self.parameters)
-        )
 
     # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
@@ -266,16 +211,26 @@ class Engine:
         finite = all(all_finite(g, self.config.bucket_numel) for g in gradients)
         overflow = self.gradients.any_rank(not finite)
         if self.model_parallel is not None:
-            overflow = self._any_model_parallel_rank(overflow)
+            overflow = any_model_parallel_rank(self.model_parallel, overflow)
         if overflow:
             if self.dtype is not torch.float16 and self.config.nonfinite == "raise":
-                raise FloatingPointError(self._first_nonfinite(gradients))
+                raise FloatingPointError(
+                    first_nonfinite_message(
+                        self.module, self.slots, gradients, self.comm, self.global_steps
+                    )
+                )
             self.loss_scaler.update(overflow=True)  # a no-op unless float16
             self.skipped_steps += 1
             self.zero_grad()
             return False
         if self.config.clip_grad_norm is not None:
-            self.last_grad_norm = norm_from_row_sums(self._global_row_sums(gradients))
+            mp, row_sums = self.model_parallel, self.gradients.row_sums
+            rows = (
+                row_sums(gradients)
+                if mp is None
+                else model_parallel_rows(self.slots, gradients, mp, row_sums)
+            )
+            self.last_grad_norm = norm_from_row_sums(rows)
             coefficient = clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
             if coefficient is not None:
                 for g in gradients:
@@ -469,76 +424,6 @@ class Engine:
             comm_buffers=self.comm.buffers.bytes_held,
         )
 
-    def _first_nonfinite(self, gradients: list[torch.Tensor]) -> str:
-        """Collective: the message naming the first parameter, in model order, whose reduced
-        gradient is not finite on any rank (the same message on every rank)."""
-        first = len(self._frozen)
-        for slot in self.slots:
-            g = gradients[slot.group]
-            for piece in slot.pieces:
-                where = piece.local_range
-                if not bool(torch.isfinite(g[where.start : where.stop]).all()):
-                    first = min(first, slot.model_index)
-        token = torch.tensor([first], dtype=torch.int64)
-        self.comm.all_reduce(token, ReduceOp.MIN)
-        names = [name for name, _ in self.module.named_parameters()]
-        name = names[int(token.item())] if token.item() < len(names) else "?"
-        return (
-            f"[rank {self.comm.rank}] the gradient of parameter {name} is NaN or Inf after "
-            f"step {self.global_steps}; no update was applied (ZeroConfig(nonfinite='skip') "
-            "skips such steps instead)"
-        )
-
-    def _global_row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        """Row sums of the whole model's gradient: this data-parallel group's, and, with
-        model parallelism, every model-parallel rank's (see model_parallel.py)."""
-        mp = self.model_parallel
-        if mp is None:
-            return self.gradients.row_sums(gradients)
-        counted = [g.clone() for g in gradients]
-        for slot in self.slots:
-            if not mp.counts_for_norm(slot.tensor_parallel):
-                for piece in slot.pieces:
-                    counted[slot.group][piece.local_range.start : piece.local_range.stop] = 0.0
-        rows = self.gradients.row_sums(counted)
-        everyone = torch.empty(mp.comm.world_size * rows.numel(), dtype=rows.dtype)
-        mp.comm.all_gather(everyone, rows)
-        return everyone
-
-    def _any_model_parallel_rank(self, flag: bool) -> bool:
-        assert self.model_parallel is not None
-        token = torch.tensor([int(flag)], dtype=torch.int32)
-        self.model_parallel.comm.all_reduce(token, ReduceOp.MAX)
-        return bool(token.item())
-
 
 # The name this class had before the engine became one class (kept: it is public API).
 ZeroEngine = Engine
-
-
-def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
-    """Whether every element is finite, checked ``chunk_numel`` elements at a time: the
-    check's temporaries (isfinite makes an absolute value and masks of the whole input)
-    stay within a bucket instead of growing with the model."""
-    flat = tensor.reshape(-1)
-    parts = torch.split(flat, chunk_numel)
-    return all(bool(torch.isfinite(part).all()) for part in parts)
-
-
-def check_model(module: nn.Module, comm: Communicator, *, values_given: bool = False) -> None:
-    """Reject what the engine cannot train, naming the parameter and the fix. With
-    ``values_given`` (init_values), parameters may be on the meta device."""
-    for name, p in module.named_parameters():
-        if p.is_meta and not values_given:
-            raise ValueError(
-                f"[rank {comm.rank}] parameter {name} is on the meta device: pass its values "
-                "with initialize(..., init_values=...) (for example GPT.initial_values(seed))"
-            )
-        if p.device.type != comm.device.type and not p.is_meta:
-            raise ValueError(
-                f"[rank {comm.rank}] parameter {name} is on {p.device}, but the {comm.backend} "
-                f"communicator works on {comm.device}; move the model with "
-                f".to({str(comm.device)!r}) first"
-            )
-        if p.requires_grad and not p.is_floating_point():
-            raise TypeError(f"[rank {comm.rank}] parameter {name} is {p.dtype}: not trainable")

@@ -12,7 +12,7 @@ from zero_comm import Communicator
 
 from .config import ZeroConfig
 from .deepspeed_config import DeepSpeedSetup, read_deepspeed
-from .engine import Engine, check_model
+from .engine import Engine
 from .init_values import InitValues
 from .model_parallel import ModelParallel
 from .optimizer_spec import OptimizerSpec, resolve_param_groups
@@ -100,3 +100,22 @@ def _from_deepspeed(
         )
     optimizer_class, options = setup.optimizer
     return setup.zero, optimizer_class, options
+
+
+def check_model(module: nn.Module, comm: Communicator, *, values_given: bool = False) -> None:
+    """Reject what the engine cannot train, naming the parameter and the fix. With
+    ``values_given`` (init_values), parameters may be on the meta device."""
+    for name, p in module.named_parameters():
+        if p.is_meta and not values_given:
+            raise ValueError(
+                f"[rank {comm.rank}] parameter {name} is on the meta device: pass its values "
+                "with initialize(..., init_values=...) (for example GPT.initial_values(seed))"
+            )
+        if p.device.type != comm.device.type and not p.is_meta:
+            raise ValueError(
+                f"[rank {comm.rank}] parameter {name} is on {p.device}, but the {comm.backend} "
+                f"communicator works on {comm.device}; move the model with "
+                f".to({str(comm.device)!r}) first"
+            )
+        if p.requires_grad and not p.is_floating_point():
+            raise TypeError(f"[rank {comm.rank}] parameter {name} is {p.dtype}: not trainable")

@@ -1,0 +1,78 @@
+"""The checks step() makes on the reduced gradients: finite everywhere, the first
+non-finite parameter named, and the global gradient norm's rows with model parallelism.
+
+Each is collective where its answer must be the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zero_comm import Communicator, ReduceOp
+
+from .model_parallel import ModelParallel
+from .param_table import ParamTable
+
+RowSums = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
+    """Whether every element is finite, checked ``chunk_numel`` elements at a time: the
+    check's temporaries (isfinite makes an absolute value and masks of the whole input)
+    stay within a bucket instead of growing with the model."""
+    flat = tensor.reshape(-1)
+    parts = torch.split(flat, chunk_numel)
+    return all(bool(torch.isfinite(part).all()) for part in parts)
+
+
+def first_nonfinite_message(
+    module: nn.Module, slots: ParamTable, gradients: list[torch.Tensor], comm: Communicator,
+    global_steps: int,
+) -> str:  # fmt: skip
+    """Collective: the message naming the first parameter, in model order, whose reduced
+    gradient is not finite on any rank (the same message on every rank); ``gradients``
+    are this rank's, per group, laid out as the slots' pieces say."""
+    names = [name for name, _ in module.named_parameters()]
+    first = len(names)
+    for slot in slots:
+        g = gradients[slot.group]
+        for piece in slot.pieces:
+            where = piece.local_range
+            if not bool(torch.isfinite(g[where.start : where.stop]).all()):
+                first = min(first, slot.model_index)
+    token = torch.tensor([first], dtype=torch.int64)
+    comm.all_reduce(token, ReduceOp.MIN)
+    name = names[int(token.item())] if token.item() < len(names) else "?"
+    return (
+        f"[rank {comm.rank}] the gradient of parameter {name} is NaN or Inf after "
+        f"step {global_steps}; no update was applied (ZeroConfig(nonfinite='skip') "
+        "skips such steps instead)"
+    )
+
+
+def model_parallel_rows(
+    slots: ParamTable, gradients: list[torch.Tensor], mp: ModelParallel, row_sums: RowSums
+) -> torch.Tensor:
+    """Collective over the model-parallel group: the row sums of the whole model's
+    gradient, every model-parallel rank's in rank order, each counting the parameters
+    ``mp`` says it counts (see model_parallel.py); ``row_sums`` lists one data-parallel
+    group's rows in parameter order."""
+    counted = [g.clone() for g in gradients]
+    for slot in slots:
+        if not mp.counts_for_norm(slot.tensor_parallel):
+            for piece in slot.pieces:
+                counted[slot.group][piece.local_range.start : piece.local_range.stop] = 0.0
+    rows = row_sums(counted)
+    everyone = torch.empty(mp.comm.world_size * rows.numel(), dtype=rows.dtype)
+    mp.comm.all_gather(everyone, rows)
+    return everyone
+
+
+def any_model_parallel_rank(mp: ModelParallel, flag: bool) -> bool:
+    """Collective over the model-parallel group: whether ``flag`` is true on any rank."""
+    token = torch.tensor([int(flag)], dtype=torch.int32)
+    mp.comm.all_reduce(token, ReduceOp.MAX)
+    return bool(token.item())
