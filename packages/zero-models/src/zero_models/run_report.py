@@ -105,6 +105,9 @@ def print_loss_and_plot(args: argparse.Namespace, history: list[tuple[int, float
         print(f"wrote {args.out / 'metrics.jsonl'} and {args.out / 'loss.png'}")
     else:
         print(f"wrote {args.out / 'metrics.jsonl'}; {why_not}")
+    if args.tensorboard is not None:
+        print(f"wrote TensorBoard events to {args.tensorboard} (tensorboard --logdir "
+              f"{args.tensorboard})")  # fmt: skip
 
 
 @torch.no_grad()

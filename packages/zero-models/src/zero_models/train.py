@@ -9,7 +9,8 @@ Run by hand (no launcher variables) it checks the options, then starts ``--nproc
 ranks of itself with zero-launch. Each rank trains its part of every global batch; rank 0
 shows progress, and at the end prints each rank's memory next to what stage 0 would hold,
 the communication per step next to the paper's 2Ψ, and a generated sample. Metrics go to
-``OUT/metrics.jsonl`` and the loss curve to ``OUT/loss.png``.
+``OUT/metrics.jsonl``, the loss curve to ``OUT/loss.png`` and, with --tensorboard, the same
+metrics as TensorBoard events to ``OUT/tensorboard``.
 
 This module is the command line alone: the options are train_options.py's, the training
 trainer.py's (built by run_setup.py, reported by run_report.py).

@@ -24,12 +24,15 @@ from zero_core.config import SHORT_DTYPE_NAMES
 
 from .checkpoint_plan import CHECKPOINT_MODES
 from .gpt import PRESETS, GPTConfig
+from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
+from .run_tensorboard import tensorboard_available
 from .tp_plan import check_tp_degree
 
 DTYPES = SHORT_DTYPE_NAMES
 HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
 CHECKPOINT = "checkpoint"  # OUT/checkpoint: where --save-every and a preemption save
-RESULTS = ("metrics.jsonl", CHECKPOINT, "loss.png")  # what a run leaves in OUT
+TENSORBOARD = "tensorboard"  # OUT/tensorboard: --tensorboard's event files, by default
+RESULTS = ("metrics.jsonl", CHECKPOINT, "loss.png", TENSORBOARD)  # what a run leaves in OUT
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: stopped by a signal, saved; run again to go on
 EXIT_FAILED = 3  # an error every rank met and rank 0 explained in one line (a failed save)
 DESCRIPTION = "Train a GPT with ZeRO on the default corpus, or on your data."
@@ -103,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="replace the results of another run found in --out"
     )
+    p.add_argument(
+        "--tensorboard", nargs="?", const="", metavar="DIR",
+        help="rank 0 also writes TensorBoard event files to DIR (default OUT/tensorboard): "
+        "loss, learning rate, tokens/s, gradient norm and memory per rank at every step; "
+        f"needs {TENSORBOARD_HINT}",
+    )  # fmt: skip
     p.add_argument("--sample-tokens", type=int, default=200)
     p.add_argument(
         "--save-every",
@@ -185,6 +194,13 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.out.exists() and not args.out.is_dir():
         p.error(f"--out {args.out} is a file; name a folder for the run's results")
+    if args.tensorboard is not None:
+        # Given alone (or empty, from --config): OUT/tensorboard.
+        args.tensorboard = Path(args.tensorboard or args.out / TENSORBOARD)
+        if not tensorboard_available():
+            p.error(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
+        if args.tensorboard.exists() and not args.tensorboard.is_dir():
+            p.error(f"--tensorboard {args.tensorboard} is a file; name a folder for the events")
     if str(args.resume) == "auto":
         args.resume = newest_checkpoint(args.out / CHECKPOINT)
     elif args.resume is not None and newest_checkpoint(args.resume) is None:

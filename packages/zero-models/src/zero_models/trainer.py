@@ -4,7 +4,8 @@
     trainer.fit()             # returns after the report, or exits the process (see fit)
 
 Every rank runs the same steps and the same collectives in the same order; rank 0 (the
-lead) alone prints, writes ``OUT/metrics.jsonl`` and clears an --overwrite'd folder.
+lead) alone prints, writes ``OUT/metrics.jsonl`` (and with --tensorboard the same values as
+TensorBoard events) and clears an --overwrite'd folder.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics
 from .run_report import report
 from .run_setup import build_run
+from .run_tensorboard import TensorBoardLog
 from .tp_layers import vocab_parallel_cross_entropy
 from .train_options import (
     CHECKPOINT,
@@ -87,13 +89,14 @@ def clear_earlier_results(out: Path) -> None:
 class Trainer:
     """The state of one rank's run: its parts (``run_setup.Run``), the steps to train
     (``first_step``, after --resume, up to ``end_step``, --stop-after or --steps), the
-    preemption flag, and on the lead rank the metrics file, the progress display and the
-    (step, loss) history.
+    preemption flag, and on the lead rank the metrics file (and --tensorboard's writer), the
+    progress display and the (step, loss) history.
 
     Construction is collective and in this order: signal handlers installed (a signal from
     now on stops the run after a step), torch's thread count set, the run built, --resume
     loaded; then the lead announces the run and opens OUT/metrics.jsonl (appending when
-    resumed). The data a step reads and its learning rate are functions of the step and the
+    resumed) and, with --tensorboard, an event file (a resumed run adds its own to the
+    folder). The data a step reads and its learning rate are functions of the step and the
     seed alone, so a run resumed at a step continues bit for bit."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -109,12 +112,15 @@ class Trainer:
         self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
         self.history: list[tuple[int, float]] = []
         self.metrics: TextIO | None = None
+        self.tensorboard: TensorBoardLog | None = None
         self.progress: tqdm[None] | None = None
         self.started = 0.0  # perf_counter() when fit() began
         if self.lead:
             plural = "s" if threads > 1 else ""
             self.announce(f"{threads} thread{plural} per rank ({threads_from})")
             self.metrics = self.open_metrics()
+            if args.tensorboard is not None:
+                self.tensorboard = TensorBoardLog(args.tensorboard, self.first_step)
 
     def resume(self) -> int:
         """Collective: load --resume into the engine (none: a fresh start); the step to
@@ -183,23 +189,26 @@ class Trainer:
             self.engine.comm.stats.reset()  # the last step's traffic is what gets reported
         own = own_schedule(self.args)
         step_lr = learning_rate(step, self.args) if own else current_lr(self.engine)
-        loss, stopping = self.agree(self.optimizer_step(step))
+        own_loss, grad_norm = self.optimizer_step(step)
+        loss, stopping = self.agree(own_loss)
         per_rank = self.gather_rank_stats(time.perf_counter() - step_start)
         if stopping or self.save_due(step):
             self.save(step)
         if self.metrics is not None:
-            self.log(step, loss, step_lr, per_rank, stopping)
+            self.log(step, loss, step_lr, grad_norm, per_rank, stopping)
         return stopping
 
-    def optimizer_step(self, step: int) -> float:
+    def optimizer_step(self, step: int) -> tuple[float, float | None]:
         """One optimizer step (--grad-accum micro-batches of step ``step``'s batch, at the
-        step's learning rate when zero-train owns the schedule); this rank's mean loss."""
+        step's learning rate when zero-train owns the schedule): this rank's mean loss, and
+        the global gradient norm before clipping, where known (None without clipping, which
+        alone computes it, and when a non-finite gradient skipped the update)."""
         args, engine, tracker = self.args, self.engine, self.run.tracker
         device = self.run.world.device
         if own_schedule(args):
             for group in engine.optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
-        total = 0.0
+        total, applied = 0.0, False
         for micro in range(args.grad_accum):
             inputs, targets = (t.to(device) for t in self.run.sampler.batch(step, micro))
             with tracker.phase("forward"):
@@ -216,8 +225,8 @@ class Trainer:
             total += loss.item() / args.grad_accum
             del loss
             with tracker.phase("step"):
-                engine.step()
-        return total
+                applied = engine.step()  # True at the last micro-batch, unless skipped
+        return total, engine.last_grad_norm if applied else None
 
     def agree(self, loss: float) -> tuple[float, bool]:
         """Collective: (the mean of every rank's ``loss``, whether any rank's preemption
@@ -255,10 +264,17 @@ class Trainer:
             sys.exit(EXIT_FAILED)
 
     def log(
-        self, step: int, loss: float, lr: float, per_rank: torch.Tensor, stopping: bool
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        per_rank: torch.Tensor,
+        stopping: bool,
     ) -> None:
-        """Lead: the step's line of OUT/metrics.jsonl, its history entry, and the progress
-        bar or (every 5% of --steps, the last step, a stop) a plain line."""
+        """Lead: the step's line of OUT/metrics.jsonl and its TensorBoard points, its
+        history entry, and the progress bar or (every 5% of --steps, the last step, a stop)
+        a plain line."""
         assert self.metrics is not None
         elapsed = time.perf_counter() - self.started
         rate = self.tokens_per_step * (step + 1 - self.first_step) / elapsed
@@ -267,8 +283,11 @@ class Trainer:
         record = {"step": step, "loss": loss, "lr": lr,
                   "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                   "step_s": round(float(table[:, 1].max()), 5),
-                  "rss_mib": [round(float(v), 2) for v in table[:, 0]]}  # fmt: skip
+                  "rss_mib": [round(float(v), 2) for v in table[:, 0]],
+                  "grad_norm": grad_norm}  # fmt: skip
         self.metrics.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         memory = self.engine.memory_report().total / 2**20
         if self.progress is not None:
             self.progress.update(1)
@@ -280,11 +299,14 @@ class Trainer:
                   f"mem {memory:.1f} MiB", flush=True)  # fmt: skip
 
     def close_logs(self) -> None:
-        """Lead: close the progress bar and OUT/metrics.jsonl (the report reads it back)."""
+        """Lead: close the progress bar, OUT/metrics.jsonl (the report reads it back) and
+        the TensorBoard writer (flushing its events)."""
         if self.progress is not None:
             self.progress.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def exit_preempted(self, step: int) -> NoReturn:
         """After a stop at ``step`` (saved): the lead says how to go on; every rank closes
