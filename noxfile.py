@@ -41,7 +41,7 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # In dependency order: each package needs only those before it.
 PACKAGES = ("zero-comm", "zero-core", "zero-models")
 TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors",
-             "matplotlib")  # fmt: skip
+             "matplotlib", "tensorboard>=2.14")  # fmt: skip
 MPI_DEPS = ("mpi4py>=3.1", "mpich")
 # tests/test_huggingface.py and examples/: Hugging Face models built from a config (no
 # download); pinned, as the example relies on version 5's buffers and initialisation.
