@@ -28,6 +28,16 @@ def test_the_plot_is_a_png_of_three_panels(tmp_path: Path, steps: int, ranks: in
     assert pixels[..., :3].std() > 0  # something drawn
 
 
+def test_a_run_resumed_on_fewer_or_more_ranks_draws_each_rank_where_it_ran(
+    tmp_path: Path,
+) -> None:
+    """Segments of 2, then 1, then 3 ranks (once an IndexError at the end of the run)."""
+    pytest.importorskip("matplotlib", reason="the plots extra; nox installs it")
+    steps = records(4, 2) + records(3, 1) + records(3, 3)
+    assert run_plots.write_run_plots(tmp_path / "loss.png", steps) is None
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_without_matplotlib_one_line_says_how_to_get_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

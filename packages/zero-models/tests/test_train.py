@@ -270,6 +270,12 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_overwrite_replaces(
     assert again.returncode == 0, again.stderr
     runs, steps = read_metrics(tmp_path / "o" / "metrics.jsonl")
     assert len(runs) == 1 and len(steps) == 2  # replaced, not appended
+    # Requeued after it finished: its checkpoint is at the end step; it says so (once
+    # this crashed every rank in the report, which had no step to read).
+    done = run(*common, "--out", "o", "--resume", "auto", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "at step 2, the end of this run (2 steps): nothing to train" in done.stdout
+    assert "Traceback" not in done.stderr
     replaced = run(*common, "--out", "o", "--overwrite", cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr
     assert not (tmp_path / "o" / "checkpoint").exists()  # the old run's state went with it

@@ -43,10 +43,13 @@ def write_run_plots(path: Path, steps: Sequence[dict[str, Any]]) -> str | None:
     lr_axis.set_ylabel("learning rate", color="tab:orange")
     rate_axis.plot(x, [r["tokens_per_s"] for r in steps], color="tab:green", linewidth=1)
     rate_axis.set_ylabel("tokens / s")
-    ranks = len(steps[0]["rss_mib"]) if steps else 0
+    # A run resumed on another number of ranks has segments of different widths: each
+    # rank is drawn at the steps where it ran.
+    ranks = max((len(r["rss_mib"]) for r in steps), default=0)
     for rank in range(ranks):
-        memory_axis.plot(x, [r["rss_mib"][rank] for r in steps], linewidth=1,
-                         label=f"rank {rank}")  # fmt: skip
+        ran = [i for i, r in enumerate(steps) if rank < len(r["rss_mib"])]
+        memory_axis.plot([x[i] for i in ran], [steps[i]["rss_mib"][rank] for i in ran],
+                         linewidth=1, label=f"rank {rank}")  # fmt: skip
     memory_axis.set_ylabel("resident MiB")
     memory_axis.set_xlabel("step")
     if ranks:

@@ -166,6 +166,9 @@ class Trainer:
         saved and the process exits with EXIT_PREEMPTED. A failed save exits with
         EXIT_FAILED (``save``)."""
         self.started = time.perf_counter()
+        if self.first_step >= self.end_step:
+            self.nothing_to_train()
+            return
         # A progress bar on a terminal; plain lines (every 5% of the run) in a log file.
         if self.lead and sys.stdout.isatty():
             self.progress = tqdm(total=self.end_step, initial=self.first_step,
@@ -179,6 +182,17 @@ class Trainer:
         if stopping:
             self.exit_preempted(step)
         self.finish()
+
+    def nothing_to_train(self) -> None:
+        """The resumed checkpoint is at or past the end step: say so, close, no report."""
+        self.close_logs()
+        if self.lead:
+            print(
+                f"zero-train: {self.args.resume} is at step {self.first_step}, the end of this "
+                f"run ({self.end_step} steps): nothing to train; give a larger --steps to go on",
+                flush=True,
+            )
+        self.run.close()
 
     def train_one(self, step: int) -> bool:
         """Step ``step`` on this rank; then, with every rank, the mean loss and whether any
