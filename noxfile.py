@@ -153,7 +153,8 @@ def _pytest_noting_failures(
     report = reports / f"junit-{label}.xml"
     report.unlink(missing_ok=True)
     try:
-        _pytest(session, *args, "-m", DEFAULT_MARKS, f"--junitxml={report}")
+        # The slowest tests are listed, to keep the default run within its 20 minutes.
+        _pytest(session, *args, "-m", DEFAULT_MARKS, "--durations=12", f"--junitxml={report}")
     except CommandFailed:
         failures[label] = _failed_tests(report)
 
