@@ -6,6 +6,6 @@ deterministic reductions:
     mpiexec -n 4 python -m mpi4py -m zero_comm.testing.selfcheck
 """
 
-from .harness import LAUNCHERS, RanksFailed, find_mpiexec, run_on_ranks
+from .harness import LAUNCHERS, RanksFailed, find_mpiexec, is_open_mpi, run_on_ranks
 
-__all__ = ["LAUNCHERS", "RanksFailed", "find_mpiexec", "run_on_ranks"]
+__all__ = ["LAUNCHERS", "RanksFailed", "find_mpiexec", "is_open_mpi", "run_on_ranks"]

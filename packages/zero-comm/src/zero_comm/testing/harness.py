@@ -56,7 +56,9 @@ def find_mpiexec() -> str | None:
     return shutil.which("mpiexec")
 
 
-def _is_open_mpi(mpiexec: str) -> bool:
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is Open MPI's (prterun/orterun), which needs --oversubscribe for
+    more ranks than cores, and its allow-root variables as root; else MPICH-like."""
     try:
         out = subprocess.run(
             [mpiexec, "--version"], capture_output=True, text=True, timeout=30
@@ -82,7 +84,7 @@ def launch_command(launcher: str, world_size: int, rank_command: Sequence[str]) 
         mpiexec = find_mpiexec()
         if mpiexec is None:
             raise RuntimeError("no mpiexec found: pip install mpich mpi4py (or the site's MPI)")
-        extra = ["--oversubscribe"] if _is_open_mpi(mpiexec) else []
+        extra = ["--oversubscribe"] if is_open_mpi(mpiexec) else []
         rest = list(rank_command)
         if rest[:1] == [sys.executable]:
             # -m mpi4py: an uncaught exception on one rank aborts the job, not a hang.
