@@ -48,7 +48,7 @@ class Run(NamedTuple):
 
 
 def build_run(args: argparse.Namespace) -> Run:
-    """Communicators, the GPT (on meta at stage 3 without TP: no rank holds it whole), the
+    """Communicators, the GPT (on meta without TP, its values streamed in), the
     engine and the data sampler of this rank. The data's vocabulary decides the model's:
     byte-level data (the default corpus, or tokens below 256) gets at least 256 tokens."""
     world = zero_comm.init(args.backend, deterministic=True)
@@ -94,11 +94,12 @@ def build_model(
     """The GPT of seed ``args.seed`` as the engine takes it: (model, init_values for
     zero_core.initialize or None, the tensor-parallel description or None).
 
-    At stage 3 without TP it is built on the meta device and its values streamed in, so no
-    rank holds it whole; otherwise it is built whole on ``world.device``, then (TP > 1)
-    sliced for this rank's ``mesh.tp``."""
+    Without TP it is built on the meta device and its values streamed in, one parameter at
+    a time, at every stage: set-up holds the stage's model states and one tensor more (at
+    stage 3 no rank ever holds the model whole). With TP > 1 it is built whole on
+    ``world.device``, then sliced for this rank's ``mesh.tp``."""
     init_values: Iterator[tuple[str, torch.Tensor]] | None = None
-    if args.stage == 3 and args.tp == 1:
+    if args.tp == 1:
         with torch.device("meta"):
             model = GPT(config, seed=args.seed)
         init_values = model.initial_values(args.seed)
