@@ -91,7 +91,7 @@ def test_a_peer_that_never_arrives_times_out_with_a_named_error(
 ) -> None:
     with pytest.raises(RanksFailed) as info:
         run_on_ranks(rank_bodies.rank_one_is_late, 2, backend=backend, launcher=launcher,
-                     comm_timeout=3, timeout=90, kwargs={"late_s": 20})  # fmt: skip
+                     comm_timeout=3, timeout=90, kwargs={"late_s": 10})  # fmt: skip
     message = str(info.value)
     assert "CommTimeoutError" in message and "rank 0 timed out after" in message, message
     assert "[rank 0] all_reduce" in message, message
@@ -177,7 +177,7 @@ def test_a_dead_peer_is_an_error_even_without_a_launcher_to_stop_the_others() ->
     port = str(free_port())
     code = (
         "import os, torch, zero_comm\n"
-        "comm = zero_comm.init('gloo', timeout=10)\n"
+        "comm = zero_comm.init('gloo', timeout=5)\n"
         "comm.barrier()\n"
         "if comm.rank == 1: os._exit(0)\n"
         "comm.all_reduce(torch.ones(100))\n"
