@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -93,6 +94,16 @@ def waits_in_any_order(comm: Communicator) -> list[float]:
     for handle in (second, first) if comm.rank % 2 else (first, second):
         handle.wait()
     return [a[0].item(), b[0].item()]
+
+
+def barriers_waits_and_stats(comm: Communicator, numel: int) -> dict[str, Any]:
+    """barriers_in_every_form, waits_in_any_order, then stats_of_one_step, in one start of
+    the ranks (each start costs seconds of the default run)."""
+    return {
+        "barriers": barriers_in_every_form(comm),
+        "waits": waits_in_any_order(comm),
+        "volume": stats_of_one_step(comm, numel),
+    }
 
 
 def splits_of_splits(comm: Communicator) -> list[float]:

@@ -119,29 +119,21 @@ def test_a_rank_that_fails_to_initialise_fails_the_test(backend: str, launcher: 
 
 
 @pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
-def test_stats_count_ring_volume_exactly(backend: str, launcher: str) -> None:
+def test_barriers_async_waits_and_ring_volume_on_one_start(backend: str, launcher: str) -> None:
+    """Barriers in both forms; two async all-reduces waited in opposite orders on odd and
+    even ranks; the stats count one step's ring volume exactly (one start of the ranks)."""
     numel, n = 1000, 3
-    reports = run_on_ranks(rank_bodies.stats_of_one_step, n, backend=backend, launcher=launcher,
-                           kwargs={"numel": numel})  # fmt: skip
+    reports = run_on_ranks(rank_bodies.barriers_waits_and_stats, n, backend=backend,
+                           launcher=launcher, kwargs={"numel": numel})  # fmt: skip
     buffer = numel * n
     for report in reports:
-        volume = report["value"]
+        value = report["value"]
+        assert value["barriers"] == 2
+        assert value["waits"] == [6.0, 303.0]
+        volume = value["volume"]
         assert volume["all_reduce"] == float(Fraction(2 * (n - 1) * buffer, n))
         assert volume["reduce_scatter"] == float(Fraction((n - 1) * buffer, n))
         assert volume["all_gather"] == float(Fraction((n - 1) * buffer, n))
-
-
-@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
-def test_barriers(backend: str, launcher: str) -> None:
-    reports = run_on_ranks(rank_bodies.barriers_in_every_form, 3, backend=backend,
-                           launcher=launcher)  # fmt: skip
-    assert [r["value"] for r in reports] == [2, 2, 2]
-
-
-@pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
-def test_async_handles_waited_in_different_orders(backend: str, launcher: str) -> None:
-    reports = run_on_ranks(rank_bodies.waits_in_any_order, 3, backend=backend, launcher=launcher)
-    assert [r["value"] for r in reports] == [[6.0, 303.0]] * 3
 
 
 @pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
