@@ -145,6 +145,9 @@ class Communicator(CallCheck):
         self.buffers = BufferPool(device)
         self._sequence = 0
         self.closed = False
+        # The collective whose wait failed (a dead peer, a timeout): the ranks are out of
+        # step from there, so this communicator takes no other collective.
+        self._failed: str | None = None
         self._pending: deque[Handle] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
@@ -208,6 +211,13 @@ class Communicator(CallCheck):
     def _check_open(self, name: str) -> None:
         if self.closed:
             raise CommError(self._err(f"{name}: this communicator was closed; create a new one"))
+        if self._failed is not None:
+            raise CommError(
+                self._err(
+                    f"{name}: this communicator failed at {self._failed} (see that error): its "
+                    "ranks are out of step, so it takes no other collective. Restart the job."
+                )
+            )
         self._check_not_diverged(name)
 
     def _check_tensor(self, name: str, role: str, tensor: torch.Tensor) -> None:

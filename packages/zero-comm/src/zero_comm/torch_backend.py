@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import sys
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -122,25 +123,33 @@ class TorchCommunicator(Communicator):
         try:
             work.wait()
         except RuntimeError as exc:
-            text = str(exc)
-            lowered = text.lower()
-            if any(word.lower() in lowered for word in _PEER_WORDS):
-                raise PeerFailureError(
-                    self._err(
-                        f"{name}: a peer closed its connection, most likely because its process "
-                        f"died.{describe_dead(self.peers, self.rank)} See the launcher's report "
-                        f"and that rank's log ({text.strip()})"
-                    )
-                ) from exc
-            if any(word in lowered for word in _TIMEOUT_WORDS):
-                raise CommTimeoutError(
-                    self._err(
-                        f"{name}: no answer from the other ranks within {self.timeout}s; a peer "
-                        f"is stuck, dead, or called a different collective."
-                        f"{describe_dead(self.peers, self.rank)} ({text.strip()})"
-                    )
-                ) from exc
-            raise CommError(self._err(f"{name} failed: {text.strip()}")) from exc
+            # Kept, not let go: its worker thread may not have let go of it yet (_InFlight).
+            _InFlight.failed(work)
+            if self._failed is None:
+                self._failed = f"{name} #{self._sequence}"
+            raise self._failure(name, str(exc)) from exc
+        _InFlight.waited(work)
+
+    def _failure(self, name: str, text: str) -> CommError:
+        """The error for collective ``name`` whose wait raised ``text``."""
+        lowered = text.lower()
+        if any(word.lower() in lowered for word in _PEER_WORDS):
+            return PeerFailureError(
+                self._err(
+                    f"{name}: a peer closed its connection, most likely because its process "
+                    f"died.{describe_dead(self.peers, self.rank)} See the launcher's report "
+                    f"and that rank's log ({text.strip()})"
+                )
+            )
+        if any(word in lowered for word in _TIMEOUT_WORDS):
+            return CommTimeoutError(
+                self._err(
+                    f"{name}: no answer from the other ranks within {self.timeout}s; a peer "
+                    f"is stuck, dead, or called a different collective."
+                    f"{describe_dead(self.peers, self.rank)} ({text.strip()})"
+                )
+            )
+        return CommError(self._err(f"{name} failed: {text.strip()}"))
 
     def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
         if self._calls_store is None:
@@ -186,22 +195,26 @@ class TorchCommunicator(Communicator):
                 store.delete_key(key)
         return rows
 
+    def _issued(self, work: Any) -> Work:
+        _InFlight.issued(work, self.timeout, self.rank)
+        return work  # type: ignore[no-any-return]
+
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-        return dist.all_to_all_single(out, inp, group=self.group, async_op=True)  # type: ignore[no-any-return]
+        return self._issued(dist.all_to_all_single(out, inp, group=self.group, async_op=True))
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-        return dist.all_gather_single(out, inp, group=self.group, async_op=True)  # type: ignore[no-any-return]
+        return self._issued(dist.all_gather_single(out, inp, group=self.group, async_op=True))
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         global_src = dist.get_global_rank(self.group, src)
-        return dist.broadcast(tensor, global_src, group=self.group, async_op=True)  # type: ignore[no-any-return]
+        return self._issued(dist.broadcast(tensor, global_src, group=self.group, async_op=True))
 
     def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        return dist.all_reduce(tensor, _TORCH_OP[op], group=self.group, async_op=True)  # type: ignore[no-any-return]
+        return self._issued(dist.all_reduce(tensor, _TORCH_OP[op], group=self.group, async_op=True))
 
     def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
-        return dist.reduce_scatter_single(  # type: ignore[no-any-return]
-            out, inp, _TORCH_OP[op], group=self.group, async_op=True
+        return self._issued(
+            dist.reduce_scatter_single(out, inp, _TORCH_OP[op], group=self.group, async_op=True)
         )
 
     def _barrier(self) -> Work:
@@ -251,9 +264,10 @@ class TorchCommunicator(Communicator):
         """
         if self.closed:
             return
-        if self._diverged is not None:
-            # Some ranks still have a collective in flight here: no barrier can pair up.
-            # The process group goes with the world session (at interpreter exit).
+        if self._diverged is not None or self._failed is not None:
+            # Some ranks still have a collective in flight here, or a peer is gone: no
+            # barrier can pair up. The process group goes with the world session (at
+            # interpreter exit), once the collectives this rank left in flight have ended.
             super().close()
             return
         if self.group is dist.group.WORLD and dist.is_initialized():
@@ -278,9 +292,10 @@ class _WorldSession:
     Destroying the process group while a peer is still inside a collective, rank 0 (which
     hosts the store) leaving before the others have let go of it, or exiting without
     destroying it at all, aborts the process from torch's C++ threads ("terminate called
-    without an active exception"). So release destroys the group, and rank 0 waits until
-    every other rank has checked out of the store before dropping it. A session that was
-    never closed is released at interpreter exit, with a short wait.
+    without an active exception"). So release lets the collectives still in flight end
+    first (:class:`_InFlight`), destroys the group, and rank 0 waits until every other rank
+    has checked out of the store before dropping it. A session that was never closed is
+    released at interpreter exit, with a short wait.
     """
 
     _current: _WorldSession | None = None
@@ -305,6 +320,7 @@ class _WorldSession:
     @classmethod
     def release(cls, wait_limit: float) -> None:
         session, cls._current = cls._current, None
+        _InFlight.settle()
         if dist.is_initialized():
             dist.destroy_process_group()
         if session is None or session.world_size == 1:
@@ -318,3 +334,73 @@ class _WorldSession:
             and time.monotonic() < deadline
         ):
             time.sleep(0.005)
+
+
+class _InFlight:
+    """The collectives issued on torch process groups in this process and not yet waited for.
+
+    gloo runs each collective on a worker thread of its process group, and the thread that
+    lets go of a collective last frees its tensors. Freeing a tensor whose Python object is
+    gone already (its caller dropped its handle: a rank raising PeerFailureError leaves
+    behind the prefetches and bucket reductions it had issued) takes the GIL. A worker thread
+    that asks for the GIL in the last moments of the exit handlers is still waiting when
+    the interpreter starts finalizing, and Python then ends it (pthread_exit) inside that
+    C++ destructor: std::terminate, "terminate called without an active exception", and a
+    rank that had reported its error cleanly dies of SIGABRT instead of its exit code.
+
+    So every collective is held here from its issue until it is waited for, and
+    :meth:`settle`, before the process group is released and at interpreter exit, waits
+    until the ones left have ended (failing at once where a peer is dead, or by the
+    collective's own timeout) and keeps them: no worker thread is running one, or frees
+    one, while the interpreter finalizes.
+    """
+
+    works: ClassVar[dict[int, tuple[Any, float, int]]] = {}  # id(work): (work, timeout, rank)
+    ended: ClassVar[list[Any]] = []  # failed or settled: let go only with the interpreter
+    _exit_hook = False
+    _prune_at = 1024  # a caller that never waits: its ended collectives go past this many
+
+    @classmethod
+    def issued(cls, work: Any, timeout: float, rank: int) -> None:
+        cls.works[id(work)] = (work, timeout, rank)
+        if not cls._exit_hook:  # after _WorldSession's, so it runs before (LIFO)
+            cls._exit_hook = True
+            atexit.register(cls.settle)
+        if len(cls.works) > cls._prune_at:
+            for key in [k for k, (w, _, _) in cls.works.items() if w.is_completed()]:
+                del cls.works[key]
+            cls._prune_at = max(1024, 2 * len(cls.works))
+
+    @classmethod
+    def waited(cls, work: Any) -> None:
+        cls.works.pop(id(work), None)
+
+    @classmethod
+    def failed(cls, work: Any) -> None:
+        cls.works.pop(id(work), None)
+        cls.ended.append(work)
+
+    @classmethod
+    def settle(cls) -> None:
+        """Wait until every collective in flight has ended, for at most the longest timeout
+        among them (each ends by its own timeout), and keep them; say so on stderr if some
+        have not."""
+        if not cls.works:
+            return
+        limit = max(timeout for _, timeout, _ in cls.works.values())
+        deadline = time.monotonic() + limit
+        running = []
+        while cls.works:
+            _, (work, _, rank) = cls.works.popitem()
+            cls.ended.append(work)
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if not work.is_completed():
+                running.append(rank)
+        if running:
+            print(
+                f"zero-comm: [rank {running[0]}] {len(running)} collective(s) issued and never "
+                f"waited for had not ended {limit:g}s later; the process may abort as it exits",
+                file=sys.stderr,
+                flush=True,
+            )
