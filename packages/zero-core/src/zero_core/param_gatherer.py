@@ -90,10 +90,6 @@ class GatherUnit:
             for full in self.fulls:
                 full.untyped_storage().resize_(0)
 
-    @property
-    def holds_storage(self) -> bool:
-        return self.state is not UnitState.RELEASED
-
     def expect(self, *states: UnitState, doing: str) -> None:
         """Raise unless the unit is in one of ``states``."""
         if self.state not in states:
@@ -135,9 +131,6 @@ class ParameterGatherer:
                 self._attach(unit)
             else:
                 self._detach(unit)
-
-    def is_gathered(self, index: int) -> bool:
-        return self.units[index].state in (UnitState.GATHERED, UnitState.PERSISTENT)
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self, phase: Pass) -> None:
