@@ -11,6 +11,7 @@ starts from the same bits.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,10 @@ class ParityCase:
     prefetch_numel: int = 1 << 20  # stage 3
     steps: int = 2
     seed: int = 0
+    offload_optimizer: str = "none"  # stages 1-3: "cpu" or "disk" (stage 0 never offloads)
+    offload_params: str = "none"  # stage 3 only
+    offload_fraction: float = 1.0
+    sub_group_numel: int = 1 << 22
 
 
 class ParityModel(nn.Module):
@@ -123,8 +128,24 @@ def build_engine(case: ParityCase, comm: Communicator, stage: int) -> zero_core.
         clip_grad_norm=case.clip,
         persistence_threshold=case.persistence_threshold,
         prefetch_numel=case.prefetch_numel,
+        **offload_settings(case, stage),
     )
     return zero_core.initialize(model, optimizer_class(groups, **options), config, comm)
+
+
+def offload_settings(case: ParityCase, stage: int) -> dict[str, Any]:
+    """The case's offload tiers where the stage has them (none at stage 0, parameters
+    at stage 3 only), with swap files under the temporary folder."""
+    out: dict[str, Any] = {}
+    if stage >= 1 and case.offload_optimizer != "none":
+        out["offload_optimizer"] = case.offload_optimizer
+        out["offload_fraction"] = case.offload_fraction
+        out["offload_sub_group_numel"] = case.sub_group_numel
+    if stage == 3 and case.offload_params != "none":
+        out["offload_params"] = case.offload_params
+    if "disk" in out.values():
+        out["offload_dir"] = tempfile.gettempdir()
+    return out
 
 
 def train(
@@ -148,6 +169,7 @@ def train(
             engine.backward(loss)
             if engine.step():
                 states.append(engine.full_state_dict())
+    engine.close()
     return states
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,8 +56,20 @@ def test_deepspeed_dict() -> None:
     [
         ({"train_batch_size": 8}, "'train_batch_size' configures the training loop"),
         (
-            {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization.offload_optimizer.device='cpu'",
+            {"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+            "zero_optimization.offload_optimizer.device='gpu'",
+        ),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme_pth": "/x"}}},
+            "zero_optimization.offload_optimizer.nvme_pth is not supported",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+            "offload_params='cpu' needs stage=3",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            "needs offload_dir",
         ),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable one of them"),
     ],
@@ -127,3 +141,31 @@ def test_full_state_dict_on_one_rank(stage: int) -> None:
     assert everyone[0] == everyone[2] == []
     plain = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     assert everyone[1] == sorted(plain.state_dict())
+
+
+def test_deepspeed_offload_sections_map_to_the_tiers(tmp_path: Path) -> None:
+    config = ZeroConfig.from_deepspeed(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": 1e6,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "ratio": 0.3,
+                                      "buffer_count": 5, "pin_memory": False, "fast_init": False},
+                "offload_param": {"device": "cpu", "max_in_cpu": 1e9},
+            },
+            "aio": {"thread_count": 2, "block_size": 1048576, "queue_depth": 8},
+        }
+    )  # fmt: skip
+    assert (config.offload_optimizer, config.offload_params) == ("disk", "cpu")
+    assert config.offload_dir == str(tmp_path) and config.offload_fraction == 0.3
+    assert config.offload_sub_group_numel == 10**6 and config.offload_buffer_count == 5
+    assert config.offload_io_threads == 2 and config.offload_pin_memory is False
+
+
+def test_two_different_nvme_paths_are_refused() -> None:
+    with pytest.raises(ValueError, match="give both the same path"):
+        ZeroConfig.from_deepspeed(
+            {"zero_optimization": {"stage": 3,
+                                   "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                                   "offload_param": {"device": "nvme", "nvme_path": "/b"}}}
+        )  # fmt: skip

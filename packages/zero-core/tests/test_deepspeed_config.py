@@ -190,8 +190,8 @@ def test_two_batch_sizes_determine_the_third(
         ),
         ({"bf16": {"enabled": "auto"}}, "bf16.enabled is 'auto' and nothing resolved it"),
         (
-            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-            "offload_param.device='cpu'",
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "x": 1}}},
+            "offload_param.x is not supported",
         ),
         (
             {"zero_optimization": {"stage": 2, "cpu_offload": True}},

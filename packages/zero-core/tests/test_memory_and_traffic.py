@@ -96,7 +96,9 @@ def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n:
         if stage != 3:  # stage 3's parameters are placeholders between uses
             assert all(torch.equal(params[k], reference_params[k]) for k in params)
         pieces = [tile for tiles in engine.masters.tiles for tile, _ in tiles]
-        held = getattr(engine.parameters, "param_shards", None) or list(engine.module.parameters())
+        held = (
+            engine.parameters.store.shards if hasattr(engine.parameters, "store") else None
+        ) or list(engine.module.parameters())
         assert {p.untyped_storage().data_ptr() for p in pieces} <= {
             h.untyped_storage().data_ptr() for h in held
         }, "the optimizer steps a tensor that is not the parameters' storage"

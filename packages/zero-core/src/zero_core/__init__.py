@@ -22,6 +22,7 @@ from .memory_tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .safetensors_file import read_state_dict
 from .sharded_state import ShardedState
+from .swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "AVAILABLE_STAGES",
     "ActivationCheckpointing",
     "CheckpointError",
+    "CorruptSwapError",
     "DeepSpeedSetup",
     "DeterminismWarning",
     "Engine",
@@ -37,9 +39,12 @@ __all__ = [
     "ModelParallel",
     "ModelStateBytes",
     "ShardedState",
+    "SwapError",
+    "SwapSpaceError",
     "ZeroConfig",
     "ZeroEngine",
     "__version__",
+    "check_offload_dir",
     "complete_checkpoint",
     "initialize",
     "model_state_bytes",

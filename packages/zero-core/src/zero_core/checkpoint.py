@@ -43,8 +43,9 @@ from .checkpoint_reader import (
     complete_checkpoint,
     shard_name,
 )
+from .flat_layout import Range
 from .safetensors_file import CorruptFileError, write_file
-from .sharded_state import Checkpointable, ShardedGroupState, ShardedState
+from .sharded_state import Checkpointable, ShardedGroupState, ShardedState, ShardPiece
 
 __all__ = ["CheckpointError", "DeterminismWarning", "load", "save"]
 
@@ -350,15 +351,18 @@ def _describe(entry: list[Any] | None) -> str:
 
 
 def _fill_master(reader: CheckpointReader, group: ShardedGroupState, g: int) -> None:
-    """Read this rank's master of group ``g`` straight into its tiles (each parameter
-    piece lies within one tile), in place: no second copy of the master."""
+    """Read this rank's master of group ``g`` straight into its tiles, in place: no second
+    copy of the master. A piece that spans tiles (offloaded sub-groups cut within a
+    bucket) is read in parts, one per tile."""
     for tile, where in group.master_tiles:
         start, stop = where.start or 0, where.stop
-        inside = [
-            piece._replace(offset=piece.offset - start)
-            for piece in group.pieces
-            if start <= piece.offset < stop
-        ]
+        inside = []
+        for piece in group.pieces:
+            a = max(start, piece.offset)
+            b = min(stop, piece.offset + piece.elements.size)
+            if a < b:
+                first = piece.elements.start + a - piece.offset
+                inside.append(ShardPiece(piece.param, Range(first, first + b - a), a - start))
         reader.fill(tile, inside, g, f"master.{g}")
 
 

@@ -3,7 +3,8 @@
 slots --plan_units (sharded parameters)--> fetch unit per slot
       --policy.group_layout-------------> GroupLayout per optimizer group
       --ParamTable.place----------------> each slot's bucket, flat range and pieces
-parameters (replicated | sharded)      masters (separate | aliased to parameters)
+parameters (replicated | sharded; shards in a tier)
+masters (separate | aliased to parameters | offloaded tile by tile: offload_build)
       <-- take_initial_state: rank 0's values, one parameter at a time -->
 gradients (all-reduced | reduce-scattered from buffers | from hooks)
 module hooks (stage 3)
@@ -25,6 +26,14 @@ from .group_layout import GroupLayout
 from .init_values import InitValues
 from .initial_state import take_initial_state
 from .master_weights import MasterWeights
+from .offload_build import (
+    build_offloaded_masters,
+    build_parameter_shards,
+    check_space,
+    master_plan,
+    swap_folder,
+)
+from .offloaded_masters import OffloadedMasters
 from .param_table import ParamSlot, ParamTable
 from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters
@@ -36,7 +45,7 @@ class Components(NamedTuple):
     layouts: list[GroupLayout]
     parameters: ReplicatedParameters | ShardedParameters
     gradients: AllReducedGradients | ReduceScatteredGradients
-    masters: MasterWeights
+    masters: MasterWeights | OffloadedMasters
     module_hooks: list[Any]
 
 
@@ -67,15 +76,23 @@ def build_components(
     ]
     shard_rank = comm.rank if policy.shard_optimizer_states else 0
     slots.place(layouts, shard_rank)
+    tiles = master_plan(layouts, config)
+    check_space(config, tiles, layouts, dtype)
+    folder = swap_folder(config, comm.rank)
     parameters: ReplicatedParameters | ShardedParameters
     if plan is not None:
-        parameters = ShardedParameters(slots, layouts, plan, dtype, comm, config)
+        store = build_parameter_shards(layouts, slots, shard_rank, config, comm, dtype, folder)
+        parameters = ShardedParameters(slots, layouts, plan, dtype, comm, config, store)
     else:
         parameters = ReplicatedParameters(slots, layouts, dtype, comm, config)
-    aliased = policy.masters(dtype) is MasterPlacement.ALIASED
-    masters = MasterWeights(
-        layouts, shard_rank, parameters.owned_slices() if aliased else None, comm.device
-    )
+    masters: MasterWeights | OffloadedMasters
+    if tiles is not None:
+        masters = build_offloaded_masters(layouts, slots, shard_rank, config, comm, tiles, folder)
+    else:
+        aliased = policy.masters(dtype) is MasterPlacement.ALIASED and not config.offloads
+        masters = MasterWeights(
+            layouts, shard_rank, parameters.owned_slices() if aliased else None, comm.device
+        )
 
     def keep(slot: ParamSlot, value: torch.Tensor) -> None:
         parameters.fill(slot, value)
@@ -83,6 +100,7 @@ def build_components(
 
     take_initial_state(module, slots, init_values, comm, dtype, keep)
     parameters.finish_build()
+    masters.finish_fill()
     gradients: AllReducedGradients | ReduceScatteredGradients
     if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
         gradients = AllReducedGradients(slots, layouts, dtype, comm, config)
@@ -99,3 +117,26 @@ def build_components(
         gradients.gradient_listeners.append(parameters.gradient_arrived)
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)
     return Components(layouts, parameters, gradients, masters, hooks)
+
+
+def close_components(
+    masters: MasterWeights | OffloadedMasters, parameters: ReplicatedParameters | ShardedParameters
+) -> None:
+    """Remove swap files and stop I/O threads (an engine's finalizer)."""
+    masters.close()
+    parameters.close()
+
+
+def refuse_eager_state_on_disk(
+    masters: MasterWeights | OffloadedMasters, optimizer: torch.optim.Optimizer
+) -> None:
+    """A disk tile's optimizer state must appear at its first step, not at construction."""
+    if not isinstance(masters, OffloadedMasters) or masters.swap is None:
+        return
+    if any(optimizer.state.get(tile) for tile in masters.disk_tiles):
+        raise ValueError(
+            f"{type(optimizer).__name__} creates its state when it is constructed, so its "
+            "state for the disk tier would be made in memory, whole: use offload_optimizer="
+            "'cpu', or an optimizer that creates its state at its first step (Adam, AdamW, "
+            "SGD, RMSprop)"
+        )

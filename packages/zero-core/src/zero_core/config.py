@@ -24,6 +24,9 @@ DTYPES = {
     **{str(dtype).removeprefix("torch."): dtype for dtype in SHORT_DTYPE_NAMES.values()},
 }
 AVAILABLE_STAGES = (0, 1, 2, 3)
+# Where offloaded model states go: "cpu" is host memory (the device itself on a CPU-only
+# machine), "disk" is swap files under ``offload_dir``.
+OFFLOAD_DEVICES = ("none", "cpu", "disk")
 
 
 def _dtype(value: torch.dtype | str) -> torch.dtype:
@@ -70,6 +73,23 @@ class ZeroConfig:
         tuples, lists and dicts) are cast to ``param_dtype`` first, as FSDP2's
         MixedPrecisionPolicy does, so float32 data feeds a bfloat16 model. False passes
         them as they are.
+    offload_optimizer: where this rank's float32 master weights and optimizer states live
+        at stages 1-3: "none" (the device), "cpu" (host memory) or "disk" (swap files in
+        ``offload_dir``, stepped in sub-groups through a read/step/write pipeline).
+    offload_params: stage 3: where this rank's compute-parameter shards live between uses
+        ("none", "cpu" or "disk"); a unit is fetched from its tier just before its gather.
+    offload_dir: the folder of the swap files (needed by "disk"; checked for presence,
+        write access and free space before anything is built).
+    offload_fraction: the fraction of this rank's optimizer states (and masters) that goes
+        to the ``offload_optimizer`` tier, counted in elements from the end of the shard;
+        the rest stays on the device (DeepSpeed's ``ratio``).
+    offload_sub_group_numel: elements per optimizer sub-group when offloading: the unit
+        that is swapped and stepped at once (never more than one bucket's slice).
+    offload_buffer_count: sub-groups resident at once in the disk pipeline (>= 3: one
+        being read, one stepped, one written back).
+    offload_io_threads: threads reading and writing swap files.
+    offload_pin_memory: pin host buffers when the device is a GPU (falls back, with one
+        warning, where pinning fails).
     """
 
     stage: int = 2
@@ -89,9 +109,18 @@ class ZeroConfig:
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"
     cast_forward_inputs: bool = True
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    offload_dir: str | None = None
+    offload_fraction: float = 1.0
+    offload_sub_group_numel: int = 2**22
+    offload_buffer_count: int = 4
+    offload_io_threads: int = 4
+    offload_pin_memory: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
+        self._check_offload()
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (
             0, 1, 2, 3,
         ):  # fmt: skip
@@ -133,6 +162,57 @@ class ZeroConfig:
         if self.loss_scale and self.param_dtype is not torch.float16:
             raise ValueError("loss_scale applies to param_dtype=float16 only; remove it")
 
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOAD_DEVICES:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: use one of {', '.join(OFFLOAD_DEVICES)}"
+                )
+        for name in ("offload_sub_group_numel", "offload_io_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        count = self.offload_buffer_count
+        if not isinstance(count, int) or isinstance(count, bool) or count < 3:
+            raise ValueError(
+                f"offload_buffer_count={count!r} must be an integer >= 3 (one sub-group "
+                "read, one stepped and one written back at once)"
+            )
+        fraction = self.offload_fraction
+        if (
+            not isinstance(fraction, int | float)
+            or isinstance(fraction, bool)
+            or not (0.0 <= fraction <= 1.0)
+        ):
+            raise ValueError(f"offload_fraction={fraction!r} must be a number in [0, 1]")
+        if not isinstance(self.offload_pin_memory, bool):
+            raise ValueError(
+                f"offload_pin_memory={self.offload_pin_memory!r} must be True or False"
+            )
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError(
+                f"offload_optimizer={self.offload_optimizer!r} needs stage 1, 2 or 3 (stage 0 "
+                "replicates the optimizer states; there is nothing sharded to offload)"
+            )
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs stage=3 (only stage 3 "
+                f"partitions the parameters); this config has stage={self.stage}"
+            )
+        disk = "disk" in (self.offload_optimizer, self.offload_params)
+        if disk and not self.offload_dir:
+            raise ValueError(
+                "offloading to 'disk' needs offload_dir: the folder for the swap files "
+                "(zero-train: --offload-dir; DeepSpeed: nvme_path)"
+            )
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            object.__setattr__(self, "offload_dir", str(self.offload_dir))
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any model state lives outside the device."""
+        return self.offload_optimizer != "none" or self.offload_params != "none"
+
     @classmethod
     def from_deepspeed(cls, config: Mapping[str, Any]) -> ZeroConfig:
         """The engine's settings from a DeepSpeed config dict; an unknown key is an error
@@ -155,7 +235,9 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
         "stage3_prefetch_bucket_size": "prefetch_numel",
         "stage3_max_live_parameters": "max_live_numel",
         "stage3_param_persistence_threshold": "persistence_threshold",
+        "sub_group_size": "offload_sub_group_numel",
     },
+    "aio": {"thread_count": "offload_io_threads"},
     "bf16": {"enabled": None},
     "fp16": {
         "enabled": None,
@@ -179,9 +261,29 @@ NO_EFFECT_KEYS = (
 )  # fmt: skip
 NO_EFFECT_ZERO_KEYS = (
     "overlap_comm", "contiguous_gradients", "allgather_partitions", "reduce_scatter",
-    "allgather_bucket_size", "sub_group_size", "stage3_max_reuse_distance",
+    "allgather_bucket_size", "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-    "round_robin_gradients", "offload_optimizer", "offload_param",
+    "round_robin_gradients",
+)  # fmt: skip
+# DeepSpeed's offload sections: key -> ZeroConfig field (None: accepted, no effect here).
+OFFLOAD_SECTION_KEYS: dict[str, dict[str, str | None]] = {
+    "offload_optimizer": {
+        "device": "offload_optimizer", "nvme_path": "offload_dir",
+        "pin_memory": "offload_pin_memory", "buffer_count": "offload_buffer_count",
+        "ratio": "offload_fraction", "fast_init": None, "pipeline": None,
+        "pipeline_read": None, "pipeline_write": None,
+    },
+    "offload_param": {
+        "device": "offload_params", "nvme_path": "offload_dir",
+        "pin_memory": "offload_pin_memory", "buffer_count": None, "buffer_size": None,
+        "max_in_cpu": None,
+    },
+}  # fmt: skip
+# DeepSpeed's offload devices by ours ("nvme" is any disk folder here).
+DEEPSPEED_OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk", None: "none"}
+NO_EFFECT_AIO_KEYS = (
+    "block_size", "queue_depth", "single_submit", "overlap_events", "intra_op_parallelism",
+    "use_gds",
 )  # fmt: skip
 NO_EFFECT_PRECISION_KEYS = ("auto_cast", "consecutive_hysteresis")
 
@@ -216,6 +318,9 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
         if not isinstance(value, Mapping):
             raise ValueError(f"DeepSpeed config {key!r} must be a dict, got {value!r}")
         for sub, sub_value in value.items():
+            if key == "zero_optimization" and sub in OFFLOAD_SECTION_KEYS:
+                _offload_section(sub, sub_value, out, notes)
+                continue
             if _no_effect(key, sub, sub_value, notes):
                 continue
             if sub not in target:
@@ -247,11 +352,45 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
             out.pop(name, None)
         if bf16:
             out["param_dtype"] = torch.bfloat16
-    for name in ("bucket_numel", "prefetch_numel", "max_live_numel", "persistence_threshold"):
+    for name in ("bucket_numel", "prefetch_numel", "max_live_numel", "persistence_threshold",
+                 "offload_sub_group_numel"):  # fmt: skip
         size = out.get(name)
         if isinstance(size, float) and size.is_integer():
             out[name] = int(size)  # DeepSpeed configs write 5e8
     return out, notes
+
+
+def _offload_section(key: str, section: Any, out: dict[str, Any], notes: list[str]) -> None:
+    """``zero_optimization.offload_optimizer`` / ``offload_param`` into ``out``."""
+    if not isinstance(section, Mapping):
+        raise ValueError(
+            f"DeepSpeed config zero_optimization.{key} must be a dict, got {section!r}"
+        )
+    targets = OFFLOAD_SECTION_KEYS[key]
+    for sub, value in section.items():
+        if sub not in targets:
+            raise ValueError(
+                f"DeepSpeed config key zero_optimization.{key}.{sub} is not supported by "
+                f"zero_core; supported under {key!r}: {', '.join(targets)}"
+            )
+        name = targets[sub]
+        if name is None or value == "auto":
+            notes.append(f"zero_optimization.{key}.{sub}: accepted, no effect")
+            continue
+        if sub == "device":
+            if value not in DEEPSPEED_OFFLOAD_DEVICES:
+                raise ValueError(
+                    f"zero_optimization.{key}.device={value!r}: use 'none', 'cpu' or 'nvme' "
+                    "(any folder: set nvme_path)"
+                )
+            value = DEEPSPEED_OFFLOAD_DEVICES[value]
+        if name == "offload_dir" and out.get(name, value) != value:
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.nvme_path ({out[name]!r}) and "
+                f"offload_param.nvme_path ({value!r}) differ: zero_core keeps every swap file "
+                "in one folder; give both the same path"
+            )
+        out[name] = value
 
 
 def _enabled(config: Mapping[str, Any], section: str) -> bool:
@@ -271,14 +410,8 @@ def _enabled(config: Mapping[str, Any], section: str) -> bool:
 def _no_effect(section: str, key: str, value: Any, notes: list[str]) -> bool:
     """Whether ``section.key`` is accepted without effect (noted); raises where a value
     asks for what zero_core does not do."""
-    if section == "zero_optimization" and key in ("offload_optimizer", "offload_param"):
-        device = value.get("device", "none") if isinstance(value, Mapping) else value
-        if device not in ("none", None):
-            raise ValueError(
-                f"zero_optimization.{key}.device={device!r}: offloading to host memory or "
-                "disk is not available yet; remove the section or set device to 'none'"
-            )
-        notes.append(f"zero_optimization.{key}: device 'none', nothing to offload")
+    if section == "aio" and key in NO_EFFECT_AIO_KEYS:
+        notes.append(f"aio.{key}: accepted, no effect (swap I/O is a thread pool of pread/pwrite)")
         return True
     if section == "zero_optimization" and key in NO_EFFECT_ZERO_KEYS:
         notes.append(f"zero_optimization.{key}: accepted, no effect (zero_core's own way)")

@@ -39,6 +39,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -49,7 +50,7 @@ from torch import nn
 from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint, current_fingerprint
 
-from .components import build_components
+from .components import build_components, close_components, refuse_eager_state_on_disk
 from .config import ZeroConfig
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
@@ -62,7 +63,7 @@ from .gradient_checks import (
 from .init_values import InitValues
 from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
-from .memory import MemoryReport, optimizer_state_bytes, tensor_bytes
+from .memory import MemoryReport, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
@@ -119,7 +120,9 @@ class Engine:
         self.gradients = built.gradients  # whole all-reduced, or this rank's reduced slice
         self.masters = built.masters  # float32 shard per group; tiles the optimizer steps
         self._module_hooks = built.module_hooks
+        self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
+        refuse_eager_state_on_disk(self.masters, self.optimizer)
 
     # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
@@ -235,14 +238,8 @@ class Engine:
             if coefficient is not None:
                 for g in gradients:
                     g.mul_(coefficient)
-        for tiles, g in zip(self.masters.tiles, gradients, strict=True):
-            for tile, where in tiles:
-                tile.grad = g[where]
-        self.optimizer.step()
-        for tiles in self.masters.tiles:
-            for tile, _ in tiles:
-                tile.grad = None
-        self.parameters.publish(self.masters)
+        self.masters.step(self.optimizer, gradients, self.parameters.take_master_values)
+        self.parameters.publish()
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1
         if self.lr_scheduler is not None:
@@ -263,13 +260,14 @@ class Engine:
         """This rank's part of the training state (see zero_core.sharded_state): views of
         the master weights and the optimizer's own state dicts, no copies."""
         groups = []
-        for g, tiles in enumerate(self.masters.tiles):
+        for g in range(len(self.masters.tiles)):
+            master_tiles, tile_states = self.masters.group_state(g, self.optimizer)
             groups.append(
                 ShardedGroupState(
                     params=[(slot.name, slot.shape) for slot in self.slots.by_group[g]],
                     pieces=self.masters.shard_pieces(g),
-                    master_tiles=[(tile.detach().view(-1), where) for tile, where in tiles],
-                    tile_states=[self.optimizer.state.get(tile, {}) for tile, _ in tiles],
+                    master_tiles=master_tiles,
+                    tile_states=tile_states,
                     options={
                         k: v for k, v in self.optimizer.param_groups[g].items() if k != "params"
                     },
@@ -296,26 +294,10 @@ class Engine:
                 f"of {len(self.masters.tiles)}"
             )
         with torch.no_grad():
-            for g, (group, tiles) in enumerate(zip(state.groups, self.masters.tiles, strict=True)):
-                if len(group.master_tiles) != len(tiles) or len(group.tile_states) != len(tiles):
-                    raise ValueError(
-                        f"group {g}: {len(group.master_tiles)} master tiles and "
-                        f"{len(group.tile_states)} tile states given for {len(tiles)} tiles"
-                    )
-                for (source, _), (tile, _) in zip(group.master_tiles, tiles, strict=True):
-                    target = tile.detach().view(-1)
-                    if source.shape != target.shape:
-                        raise ValueError(
-                            f"group {g}: a master tile of {source.numel()} elements given "
-                            f"for one of {target.numel()}"
-                        )
-                    if source.data_ptr() != target.data_ptr():
-                        target.copy_(source)
-                for (tile, _), tile_state in zip(tiles, group.tile_states, strict=True):
-                    if tile_state:
-                        self.optimizer.state[tile] = dict(tile_state)
-                    else:
-                        self.optimizer.state.pop(tile, None)
+            for g, group in enumerate(state.groups):
+                self.masters.load_group_state(
+                    g, group.master_tiles, group.tile_states, self.optimizer
+                )
                 self.optimizer.param_groups[g].update(group.options)
         self.global_steps = state.global_steps
         self.skipped_steps = state.skipped_steps
@@ -323,7 +305,8 @@ class Engine:
         if self.lr_scheduler is not None and state.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         self.zero_grad()
-        self.parameters.publish(self.masters)
+        self.masters.visit(self.parameters.take_master_values)
+        self.parameters.publish()
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see
@@ -415,14 +398,24 @@ class Engine:
         slice of them (stages 1 and 2) or the compute shard (stage 3), and count once,
         under ``parameters``; at stage 3 ``parameters`` counts the compute shards, the
         persistent unit, the units gathered now and the frozen parameters."""
+        device_states, host, disk = self.masters.tier_bytes(self.optimizer)
+        host += self.parameters.host_bytes
+        disk += self.parameters.disk_bytes
         return MemoryReport(
             parameters=tensor_bytes(self.parameters.report_tensors(self.module)),
             gradients=tensor_bytes(self.gradients.tensors()),
             master_weights=self.masters.bytes,
-            optimizer_states=optimizer_state_bytes(self.optimizer),
+            optimizer_states=device_states,
             buffers=tensor_bytes(self.module.buffers()),
             comm_buffers=self.comm.buffers.bytes_held,
+            host=host,
+            disk=disk,
         )
+
+    def close(self) -> None:
+        """Remove this engine's swap files and stop their I/O threads (also done when
+        the engine is garbage-collected, and at interpreter exit)."""
+        self._closer()
 
 
 # The name this class had before the engine became one class (kept: it is public API).

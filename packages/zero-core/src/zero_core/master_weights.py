@@ -19,6 +19,7 @@ one tile per bucket slice, so the optimizer's temporaries are bounded by a bucke
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,11 +27,19 @@ from torch import nn
 from zero_comm import Communicator
 
 from .group_layout import GroupLayout
-from .memory import tensor_bytes
+from .memory import optimizer_state_bytes, tensor_bytes
 from .param_table import ParamSlot
 from .sharded_state import ShardPiece
 
 Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in the master
+# Called with each tile's updated values: (group, start in the master, float32 values).
+TileVisitor = Callable[[int, int, torch.Tensor], None]
+
+
+class VisitsTiles(Protocol):
+    """Master weights of any tier, as the parameters see them after a write-back."""
+
+    def visit(self, updated: TileVisitor) -> None: ...
 
 
 class MasterWeights:
@@ -126,7 +135,104 @@ class MasterWeights:
                     piece.flat_range.start : piece.flat_range.stop
                 ]
 
+    # ------------------------------------------------------------ the step
+    def step(
+        self, optimizer: torch.optim.Optimizer, gradients: list[torch.Tensor], updated: TileVisitor
+    ) -> None:
+        """Step ``optimizer`` over every tile with its slice of ``gradients`` (float32,
+        one per group, laid out like the master), then hand each tile's new values to
+        ``updated`` (not for aliased masters: the parameters are those values)."""
+        for tiles, g in zip(self.tiles, gradients, strict=True):
+            for tile, where in tiles:
+                tile.grad = g[where]
+        optimizer.step()
+        for tiles in self.tiles:
+            for tile, _ in tiles:
+                tile.grad = None
+        if not self.aliased:
+            self.visit(updated)
+
+    def visit(self, updated: TileVisitor) -> None:
+        """Hand every tile's values to ``updated``, in order."""
+        for g, tiles in enumerate(self.tiles):
+            for tile, where in tiles:
+                updated(g, where.start or 0, tile.detach().view(-1))
+
+    def finish_fill(self) -> None:
+        return None
+
+    # ---------------------------------------------------------- checkpoints
+    def group_state(
+        self, group: int, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[tuple[torch.Tensor, slice]], list[dict[str, Any]]]:
+        """The master tiles of ``group`` (flat views) and each tile's optimizer state."""
+        tiles = self.tiles[group]
+        return (
+            [(tile.detach().view(-1), where) for tile, where in tiles],
+            [optimizer.state.get(tile, {}) for tile, _ in tiles],
+        )
+
+    def load_group_state(
+        self,
+        group: int,
+        master_tiles: list[tuple[torch.Tensor, slice]],
+        tile_states: list[dict[str, Any]],
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """Copy ``master_tiles`` in (unless they are these tiles' own views) and make
+        ``tile_states`` the optimizer's state; shapes are checked."""
+        load_tiles(group, self.tiles[group], master_tiles, tile_states, optimizer)
+
+    # --------------------------------------------------------------- report
     @property
     def bytes(self) -> int:
-        """Bytes of separate masters (aliased ones are counted as parameters)."""
+        """Bytes of separate masters on the device (aliased ones are counted as
+        parameters)."""
         return 0 if self.aliased else tensor_bytes(self.shards)
+
+    def tier_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+        """(optimizer-state bytes on the device, bytes in host memory, bytes on disk)."""
+        return optimizer_state_bytes(optimizer), 0, 0
+
+    def close(self) -> None:
+        return None
+
+
+def check_tile_counts(
+    group: int,
+    tiles: list[Tile],
+    master_tiles: list[tuple[torch.Tensor, slice]],
+    tile_states: list[dict[str, Any]],
+) -> None:
+    if len(master_tiles) != len(tiles) or len(tile_states) != len(tiles):
+        raise ValueError(
+            f"group {group}: {len(master_tiles)} master tiles and {len(tile_states)} tile "
+            f"states given for {len(tiles)} tiles"
+        )
+    for (source, _), (_, where) in zip(master_tiles, tiles, strict=True):
+        numel = (where.stop or 0) - (where.start or 0)
+        if source.numel() != numel:
+            raise ValueError(
+                f"group {group}: a master tile of {source.numel()} elements given for one "
+                f"of {numel}"
+            )
+
+
+def load_tiles(
+    group: int,
+    tiles: list[Tile],
+    master_tiles: list[tuple[torch.Tensor, slice]],
+    tile_states: list[dict[str, Any]],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Resident tiles: copy ``master_tiles`` in and set the optimizer's state."""
+    check_tile_counts(group, tiles, master_tiles, tile_states)
+    for (source, _), (tile, _) in zip(master_tiles, tiles, strict=True):
+        target = tile.detach().view(-1)
+        if source.data_ptr() != target.data_ptr():
+            target.copy_(source.view(-1))
+    for (tile, _), tile_state in zip(tiles, tile_states, strict=True):
+        if tile_state:
+            optimizer.state[tile] = dict(tile_state)
+        else:
+            optimizer.state.pop(tile, None)

@@ -18,6 +18,8 @@ class MemoryReport(NamedTuple):
     optimizer_states: int
     buffers: int
     comm_buffers: int
+    host: int = 0  # offloaded model states and their staging buffers in host memory
+    disk: int = 0  # offloaded model states in swap files
 
     @property
     def model_states(self) -> int:
@@ -26,6 +28,7 @@ class MemoryReport(NamedTuple):
 
     @property
     def total(self) -> int:
+        """Bytes on the device (host and disk tiers apart)."""
         return self.model_states + self.buffers + self.comm_buffers
 
 

@@ -1,7 +1,9 @@
 """Stage 3 at run time: gather a unit's parameters just before use, prefetch, free them.
 
 Each unit owns, per bucket, a *full* buffer (padded, compute dtype) whose storage exists
-only while the unit is gathered, and this rank's *shard* of it (kept for good):
+only while the unit is gathered; this rank's *shard* of it is kept for good by the
+parameter shards' tier (parameter_shards), which hands it over for each gather (a view
+on the device, or a copy fetched from host memory or disk) and takes it back after:
 
     released   full storage: 0 bytes     parameters: a 1-element NaN placeholder expanded
                                          to the logical shape (shape, dtype, numel stay
@@ -36,12 +38,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 
 from zero_comm import Communicator, Handle
 
 from .param_table import ParamSlot
+
+
+class ShardSource(Protocol):
+    """Where the gatherer gets this rank's slice of a bucket (group, bucket) from."""
+
+    def take(self, group: int, bucket: int) -> torch.Tensor: ...
+
+    def give_back(self, tensor: torch.Tensor) -> None: ...
 
 
 class UnitState(Enum):
@@ -58,12 +69,12 @@ class Pass(Enum):
 
 @dataclass(eq=False)
 class GatherUnit:
-    """One unit: its buckets' full buffers and this rank's shards, its slots (and the
-    bucket, within the unit, of each), and its run-time state."""
+    """One unit: its buckets' full buffers and (group, bucket) keys of this rank's
+    shards, its slots (and the bucket, within the unit, of each), and its run-time state."""
 
     label: str
     fulls: list[torch.Tensor]
-    shards: list[torch.Tensor]
+    shards: list[tuple[int, int]]
     slots: list[ParamSlot]
     slot_buckets: list[int]
     persistent: bool = False
@@ -71,6 +82,7 @@ class GatherUnit:
     users: int = 0  # modules running now that need the unit
     grads_seen: int = 0  # gradients of its slots in this backward
     handles: list[Handle] = field(default_factory=list)  # while GATHERING
+    inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING
     views: list[torch.Tensor] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
 
@@ -107,12 +119,14 @@ class ParameterGatherer:
         self,
         comm: Communicator,
         units: list[GatherUnit],
+        source: ShardSource,
         *,
         prefetch_numel: int,
         max_live_numel: int,
     ) -> None:
         self.comm = comm
         self.units = units
+        self.source = source
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._ahead: set[int] = set()  # prefetched, not yet demanded in this pass
@@ -208,12 +222,8 @@ class ParameterGatherer:
         """Gather the persistent unit again (after the optimizer step)."""
         unit = self.units[index]
         unit.expect(UnitState.PERSISTENT, doing="regather")
-        handles = [
-            self.comm.all_gather(full, shard, async_op=True, label=unit.label)
-            for full, shard in zip(unit.fulls, unit.shards, strict=True)
-        ]
-        for handle in handles:
-            handle.wait()
+        self._launch(unit)
+        self._finish_gathers(unit)
 
     # ---------------------------------------------------------------- internals
     def _record(self, index: int) -> None:
@@ -249,17 +259,27 @@ class ParameterGatherer:
     def _start_gather(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.RELEASED, doing="start gathering")
         self._resize(unit, gathered=True)
+        self._launch(unit)
+        unit.state = UnitState.GATHERING
+
+    def _launch(self, unit: GatherUnit) -> None:
+        """Take the unit's shards from their tier and launch its all-gathers."""
+        unit.inputs = [self.source.take(g, k) for g, k in unit.shards]
         unit.handles = [
             self.comm.all_gather(full, shard, async_op=True, label=unit.label)
-            for full, shard in zip(unit.fulls, unit.shards, strict=True)
+            for full, shard in zip(unit.fulls, unit.inputs, strict=True)
         ]
-        unit.state = UnitState.GATHERING
+
+    def _finish_gathers(self, unit: GatherUnit) -> None:
+        for handle in unit.handles:
+            handle.wait()
+        for shard in unit.inputs:
+            self.source.give_back(shard)
+        unit.handles, unit.inputs = [], []
 
     def _wait(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.GATHERING, doing="wait for")
-        for handle in unit.handles:
-            handle.wait()
-        unit.handles = []
+        self._finish_gathers(unit)
         unit.state = UnitState.GATHERED
         self._attach(unit)
 

@@ -7,9 +7,11 @@ the layout has one rank, stage 0):
     bucket k, N = 4, rank 1     | r0 | r1 | r2 | r3 |   parameters (compute dtype, full)
                                        ^^^^ rank 1's slice: its aliased master (float32)
 
-Publishing after the optimizer step: with a sharded master, all-gather every bucket from
-each rank's updated slice (bucket by bucket, at most ``max_buckets_in_flight`` at once;
-a bucket past ``bucket_numel`` in column pieces); with a whole master, copy it in.
+Publishing after the optimizer step: the masters hand each updated tile over
+(``take_master_values``: cast into the rank's own slice, unless the master is that
+slice); then, with a sharded master, every bucket is all-gathered from each rank's slice
+(bucket by bucket, at most ``max_buckets_in_flight`` at once; a bucket past
+``bucket_numel`` in column pieces).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from zero_comm import Communicator, Handle
 from .config import ZeroConfig
 from .group_layout import GroupLayout, piece_numel
 from .init_values import become
-from .master_weights import MasterWeights
+from .master_weights import VisitsTiles
 from .param_table import ParamSlot, ParamTable
 
 InFlight = tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -58,6 +60,7 @@ class ReplicatedParameters:
         for slot in slots:
             full = self.buckets[slot.group][slot.bucket]
             slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
+        self._owned = self.owned_slices()
 
     def owned_slices(self) -> list[list[torch.Tensor]]:
         """Per group and bucket, this rank's slice of the full buffer (what an aliased
@@ -81,19 +84,31 @@ class ReplicatedParameters:
     def finish_build(self) -> None:
         return None
 
-    def publish(self, masters: MasterWeights) -> None:
-        """The updated masters into every rank's full buckets; see the module docstring:
+    def take_master_values(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) of this rank's master of ``group``
+        (float32, updated) into its owned slices, cast to the compute dtype."""
+        for bucket, owned in zip(self.layouts[group].buckets, self._owned[group], strict=True):
+            a = max(start, bucket.local_offset)
+            b = min(start + values.numel(), bucket.local_offset + bucket.slice_numel)
+            if a >= b:
+                continue
+            target = owned[a - bucket.local_offset : b - bucket.local_offset]
+            source = values[a - start : b - start]
+            if target.data_ptr() != source.data_ptr():
+                target.copy_(source)
 
-        full (N x S) viewed as rows:  full[r, a:b] = rank r's master[a:b]
+    def publish(self) -> None:
+        """Every rank's owned slices (updated by ``take_master_values``) into every
+        rank's full buckets; see the module docstring:
+
+        full (N x S) viewed as rows:  full[r, a:b] = rank r's owned slice[a:b]
         """
         in_flight: deque[InFlight] = deque()
-        for layout, fulls, slices in zip(self.layouts, self.buckets, masters.slices, strict=True):
-            for bucket, full, master in zip(layout.buckets, fulls, slices, strict=True):
-                if layout.world_size == 1:
-                    if master.data_ptr() != full.data_ptr():
-                        full.copy_(master)
-                    continue
-                for launched in self._gather_bucket(bucket.layout.padded_numel, full, master):
+        for layout, fulls, slices in zip(self.layouts, self.buckets, self._owned, strict=True):
+            if layout.world_size == 1:
+                continue  # the owned slice is the whole bucket
+            for bucket, full, owned in zip(layout.buckets, fulls, slices, strict=True):
+                for launched in self._gather_bucket(bucket.layout.padded_numel, full, owned):
                     in_flight.append(launched)
                     if len(in_flight) > self.config.max_buckets_in_flight:
                         self._finish(in_flight.popleft())
@@ -149,8 +164,8 @@ class ReplicatedParameters:
     def release_for_user(self, slots: list[ParamSlot]) -> None:
         return None
 
-    def after_write_back(self, masters: MasterWeights) -> None:
-        return None
+    def after_write_back(self, masters: VisitsTiles) -> None:
+        return None  # the whole parameters hold what the user wrote
 
     def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         return self.buckets[group][bucket]
@@ -170,4 +185,11 @@ class ReplicatedParameters:
         return None
 
     def reduce_order(self) -> tuple[list[int], list[str]] | None:
+        return None
+
+    # Whole parameters stay on the device: no tier, nothing to close.
+    host_bytes = 0
+    disk_bytes = 0
+
+    def close(self) -> None:
         return None

@@ -24,9 +24,10 @@ from .config import ZeroConfig
 from .fetch_units import UnitPlan
 from .group_layout import GroupLayout
 from .init_values import become
-from .master_weights import MasterWeights
+from .master_weights import VisitsTiles
 from .param_gatherer import GatherUnit, ParameterGatherer, Pass
 from .param_table import ParamSlot, ParamTable
+from .parameter_shards import ParameterShards
 
 
 class ShardedParameters:
@@ -40,6 +41,7 @@ class ShardedParameters:
         dtype: torch.dtype,
         comm: Communicator,
         config: ZeroConfig,
+        store: ParameterShards,
     ) -> None:
         self.slots = slots
         self.layouts = layouts
@@ -47,9 +49,7 @@ class ShardedParameters:
         self.dtype = dtype
         self.comm = comm
         self.config = config
-        self.param_shards = [
-            torch.zeros(layout.shard_numel, dtype=dtype, device=comm.device) for layout in layouts
-        ]
+        self.store = store
         self._persistent_values: dict[int, torch.Tensor] = {}  # slot index -> whole value
         # Per unit, (group, bucket) of each of its buckets, in order.
         self._unit_buckets: list[list[tuple[int, int]]] = [[] for _ in range(plan.count)]
@@ -61,19 +61,15 @@ class ShardedParameters:
         self.gatherer: ParameterGatherer
 
     def owned_slices(self) -> list[list[torch.Tensor]]:
-        """Per group and bucket, this rank's slice of the compute shard."""
-        return [
-            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
-            for layout, shard in zip(self.layouts, self.param_shards, strict=True)
-        ]
+        """Per group and bucket, this rank's slice of the compute shard (on the device)."""
+        return self.store.owned_slices()
 
     def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
         """Keep this rank's pieces of ``value`` (float32, whole, flat) in the compute
         shard, and let the parameter become a placeholder so its whole value can go."""
-        shard = self.param_shards[slot.group]
         for piece in slot.pieces:
             local, elements = piece.local_range, piece.param_range
-            shard[local.start : local.stop] = value[elements.start : elements.stop]
+            self.store.fill(slot.group, local.start, value[elements.start : elements.stop])
         if slot.unit == self.plan.persistent:
             self._persistent_values[slot.index] = value.to(self.dtype)
         placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.comm.device)
@@ -82,10 +78,12 @@ class ShardedParameters:
     def finish_build(self) -> None:
         """Every value has arrived: make the units and the gatherer; the persistent unit
         is gathered from the whole values kept by ``fill``."""
+        self.store.finish_fill()
         units = [self._unit(index) for index in range(self.plan.count)]
         self.gatherer = ParameterGatherer(
             self.comm,
             units,
+            self.store,
             prefetch_numel=self.config.prefetch_numel,
             max_live_numel=self.config.max_live_numel,
         )
@@ -103,8 +101,7 @@ class ShardedParameters:
         for position, (g, k) in enumerate(keys):
             bucket = self.layouts[g].buckets[k]
             fulls.append(torch.empty(bucket.layout.padded_numel, dtype=self.dtype))
-            start = bucket.local_offset
-            shards.append(self.param_shards[g][start : start + bucket.slice_numel])
+            shards.append((g, k))
             for slot in self.slots.in_bucket(g, k):
                 slots.append(slot)
                 slot_buckets.append(position)
@@ -138,18 +135,18 @@ class ShardedParameters:
         return order, labels
 
     # ------------------------------------------------------------ the step
-    def publish(self, masters: MasterWeights) -> None:
-        """The compute shards from the updated masters; the persistent unit, which stays
-        gathered, is gathered again. Other units are gathered when next used."""
-        self._shards_from(masters)
+    def take_master_values(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) of this rank's master of ``group``
+        (float32, updated) into the compute shard, cast to the compute dtype."""
+        self.store.write(group, start, values)
+
+    def publish(self) -> None:
+        """The compute shards hold the updated masters (``take_master_values``); the
+        persistent unit, which stays gathered, is gathered again. Other units are
+        gathered when next used."""
+        self.store.finish_writes()
         if self.plan.persistent is not None:
             self.gatherer.regather(self.plan.persistent)
-
-    def _shards_from(self, masters: MasterWeights) -> None:
-        if masters.aliased:  # the compute shards are the masters
-            return
-        for shard, master in zip(self.param_shards, masters.shards, strict=True):
-            shard.copy_(master.detach())
 
     def before_backward(self) -> None:
         self.gatherer.begin_pass(Pass.BACKWARD)
@@ -176,8 +173,9 @@ class ShardedParameters:
     def release_for_user(self, slots: list[ParamSlot]) -> None:
         self.gatherer.leave(self._user_units(slots), free=True)
 
-    def after_write_back(self, masters: MasterWeights) -> None:
-        self._shards_from(masters)
+    def after_write_back(self, masters: VisitsTiles) -> None:
+        masters.visit(self.take_master_values)
+        self.store.finish_writes()
 
     def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         """The gathered full buffer of bucket ``bucket`` of ``group``."""
@@ -191,4 +189,15 @@ class ShardedParameters:
         frozen parameters."""
         fulls = [full for unit in self.gatherer.units for full in unit.fulls]
         frozen = [p for p in module.parameters() if self.slots.get(p) is None]
-        return [*self.param_shards, *fulls, *frozen]
+        return [*self.store.device_tensors(), *fulls, *frozen]
+
+    @property
+    def host_bytes(self) -> int:
+        return self.store.host_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.store.disk_bytes
+
+    def close(self) -> None:
+        self.store.close()

@@ -81,7 +81,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         ),
         "bucket_numel": engine.config.bucket_numel,
         # (2 + 2 + K)Ψ/N: shards only, whatever happens to be gathered right now
-        "model_states": sum(shard.numel() * 4 for shard in engine.parameters.param_shards)  # type: ignore[attr-defined]
+        "model_states": sum(shard.numel() * 4 for shard in engine.parameters.store.shards)  # type: ignore[union-attr]
         + report.gradients
         + report.master_weights
         + report.optimizer_states,

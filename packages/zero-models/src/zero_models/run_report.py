@@ -71,13 +71,21 @@ def print_memory(reports: list[dict[str, Any]], stage0: float) -> None:
     against ``stage0`` bytes."""
     print("\nmemory per rank, MiB (model states; stage 0 would hold"
           f" {mib(stage0).strip()} MiB of model states)")  # fmt: skip
-    print("rank  parameters gradients    master optimizer  comm bufs  model states / stage 0")
+    tiers = any(r.get("host", 0) or r.get("disk", 0) for r in reports)
+    print("rank  parameters gradients    master optimizer  comm bufs  model states / stage 0"
+          + ("      host      disk" if tiers else ""))  # fmt: skip
     for rank, r in enumerate(reports):
         states = r["parameters"] + r["gradients"] + r["master_weights"] + r["optimizer_states"]
-        print(f"{rank:4d} {mib(r['parameters'])} {mib(r['gradients'])} "
-              f"{mib(r['master_weights'])} {mib(r['optimizer_states'])} "
-              f"{mib(r['comm_buffers'])}   {mib(states)} / {mib(stage0)}  "
-              f"({states / stage0:.2f}x)")  # fmt: skip
+        line = (f"{rank:4d} {mib(r['parameters'])} {mib(r['gradients'])} "
+                f"{mib(r['master_weights'])} {mib(r['optimizer_states'])} "
+                f"{mib(r['comm_buffers'])}   {mib(states)} / {mib(stage0)}  "
+                f"({states / stage0:.2f}x)")  # fmt: skip
+        if tiers:
+            line += f" {mib(r.get('host', 0))} {mib(r.get('disk', 0))}"
+        print(line)
+    if tiers:
+        print("(host and disk: offloaded model states and their staging buffers, outside the "
+              "device's columns; on a CPU-only machine host memory is the device's own)")  # fmt: skip
 
 
 def print_communication(args: argparse.Namespace, moved: Fraction, psi: int, n: int) -> None:

@@ -89,6 +89,19 @@ def parser() -> argparse.ArgumentParser:
         "--offload-checkpoints", action="store_true",
         help="keep activation checkpoints in host memory (P_a+cpu; needs --checkpoint)",
     )  # fmt: skip
+    p.add_argument(
+        "--offload-optimizer", default="none", choices=("none", "cpu", "disk"),
+        help="where master weights and optimizer states live (stages 1-3): the device, host "
+        "memory, or swap files in --offload-dir (ZeRO-Offload / ZeRO-Infinity)",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-params", default="none", choices=("none", "cpu", "disk"),
+        help="stage 3: where each rank's parameter shards live between uses",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-dir", type=Path, metavar="DIR",
+        help="folder of the swap files of the disk tiers (checked for space before training)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -164,6 +177,25 @@ def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
     return flags
 
 
+def offload_error(args: argparse.Namespace) -> str:
+    """What is wrong with the offload flags ("" if nothing): checked before launching."""
+    if args.offload_optimizer != "none" and args.stage == 0:
+        return "--offload-optimizer needs --stage 1, 2 or 3 (stage 0 shards nothing)"
+    if args.offload_params != "none" and args.stage != 3:
+        return f"--offload-params needs --stage 3 (this run has --stage {args.stage})"
+    disk = "disk" in (args.offload_optimizer, args.offload_params)
+    if disk and args.offload_dir is None:
+        return "--offload-optimizer/--offload-params disk need --offload-dir DIR (swap files)"
+    if args.offload_dir is not None and not disk:
+        return "--offload-dir is for the disk tiers: add --offload-optimizer disk or drop it"
+    if disk:
+        try:
+            zero_core.check_offload_dir(args.offload_dir, 0)
+        except (ValueError, OSError) as exc:
+            return f"--offload-dir {args.offload_dir}: {exc}"
+    return ""
+
+
 def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options from --config, then flags; every check that can fail before launching."""
     p = parser()
@@ -176,6 +208,9 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--nproc, --steps, --grad-accum and --batch-size must be at least 1")
     if args.offload_checkpoints and args.checkpoint == "none":
         p.error("--offload-checkpoints needs --checkpoint full or --checkpoint partitioned")
+    offload_problem = offload_error(args)
+    if offload_problem:
+        p.error(offload_problem)
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
     if args.threads is not None and args.threads < 1:

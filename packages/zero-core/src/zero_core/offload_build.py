@@ -1,0 +1,147 @@
+"""Build the offload tiers an engine's config asks for: the swap folder (checked before
+anything is built), the tile plan, the disk pipeline, and the parameter shards' tier.
+
+    offload_dir/zero-swap.rank{r}.pid{p}.{n}/   the swap files of this rank's n-th engine
+                                                (removed when the engine is closed)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from zero_comm import Communicator
+
+from .config import ZeroConfig
+from .group_layout import GroupLayout
+from .offload_tiers import Tier, TileSpec, plan_tiles
+from .offloaded_masters import OffloadedMasters
+from .param_table import ParamTable
+from .parameter_shards import ParameterShards
+from .swap_file import check_offload_dir
+from .swapped_tiles import SwappedTiles
+
+# Bytes per master element a disk tile needs: the float32 master and two float32 states
+# (Adam's); an optimizer with more states makes its files when it first steps.
+DISK_BYTES_PER_MASTER_ELEMENT = 12
+
+
+_ENGINES = itertools.count()
+
+
+def swap_folder(config: ZeroConfig, rank: int) -> Path | None:
+    """A folder no other engine uses, even one of this process not yet collected; None
+    when nothing goes to disk."""
+    if config.offload_dir is None or "disk" not in (
+        config.offload_optimizer,
+        config.offload_params,
+    ):
+        return None
+    return Path(config.offload_dir) / f"zero-swap.rank{rank}.pid{os.getpid()}.{next(_ENGINES)}"
+
+
+def first_names(
+    layouts: list[GroupLayout], slots: ParamTable, rank: int, starts: list[tuple[int, int]]
+) -> dict[tuple[int, int], str]:
+    """For each (group, start in this rank's master), the name of the first parameter
+    at or after it: what the swap file of a tile or slice is named by."""
+    out: dict[tuple[int, int], str] = {}
+    for g, start in starts:
+        name = "padding"
+        for piece in layouts[g].local_pieces(rank):
+            if piece.local_range.stop > start:
+                name = slots.by_group[g][piece.param_index].name
+                break
+        out[(g, start)] = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:96]
+    return out
+
+
+def disk_bytes_needed(
+    config: ZeroConfig, plan: list[list[TileSpec]] | None, layouts: list[GroupLayout],
+    dtype: torch.dtype,
+) -> int:  # fmt: skip
+    total = 0
+    if plan is not None:
+        disk = sum(s.numel for specs in plan for s in specs if s.tier is Tier.DISK)
+        total += disk * DISK_BYTES_PER_MASTER_ELEMENT
+    if config.offload_params == "disk":
+        total += (
+            sum(lay.shard_numel for lay in layouts) * torch.empty(0, dtype=dtype).element_size()
+        )
+    return total
+
+
+def build_offloaded_masters(
+    layouts: list[GroupLayout],
+    slots: ParamTable,
+    rank: int,
+    config: ZeroConfig,
+    comm: Communicator,
+    plan: list[list[TileSpec]],
+    folder: Path | None,
+) -> OffloadedMasters:
+    """The master weights in the tiers of ``plan``, with a disk pipeline if any tile
+    is on disk."""
+    disk = [spec for specs in plan for spec in specs if spec.tier is Tier.DISK]
+    swap = None
+    if disk:
+        names = first_names(layouts, slots, rank, [(s.group, s.start) for s in disk])
+        swap = SwappedTiles(
+            disk,
+            [names[(s.group, s.start)] for s in disk],
+            _needs(folder),
+            buffer_count=config.offload_buffer_count,
+            io_threads=config.offload_io_threads,
+        )
+    return OffloadedMasters(layouts, rank, plan, comm.device, swap, config.offload_pin_memory)
+
+
+def master_plan(layouts: list[GroupLayout], config: ZeroConfig) -> list[list[TileSpec]] | None:
+    """The tile plan of offloaded masters, or None when they stay on the device."""
+    if config.offload_optimizer == "none":
+        return None
+    return plan_tiles(
+        layouts,
+        tier=Tier(config.offload_optimizer),
+        sub_group_numel=config.offload_sub_group_numel,
+        fraction=config.offload_fraction,
+    )
+
+
+def check_space(
+    config: ZeroConfig, plan: list[list[TileSpec]] | None, layouts: list[GroupLayout],
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """Refuse a missing, read-only or too small offload_dir before anything is built."""
+    if "disk" in (config.offload_optimizer, config.offload_params):
+        assert config.offload_dir is not None
+        check_offload_dir(config.offload_dir, disk_bytes_needed(config, plan, layouts, dtype))
+
+
+def build_parameter_shards(
+    layouts: list[GroupLayout], slots: ParamTable, rank: int, config: ZeroConfig,
+    comm: Communicator, dtype: torch.dtype, folder: Path | None,
+) -> ParameterShards:  # fmt: skip
+    tier = Tier(config.offload_params)
+    if tier is not Tier.DISK:
+        return ParameterShards(layouts, rank, dtype, comm, tier, pin=config.offload_pin_memory)
+    starts = [(g, b.local_offset) for g, lay in enumerate(layouts) for b in lay.buckets]
+    names = first_names(layouts, slots, rank, starts)
+    labels = {
+        (g, k): names[(g, b.local_offset)]
+        for g, lay in enumerate(layouts)
+        for k, b in enumerate(lay.buckets)
+    }
+    return ParameterShards(
+        layouts, rank, dtype, comm, tier, folder=_needs(folder), labels=labels,
+        pin=config.offload_pin_memory,
+    )  # fmt: skip
+
+
+def _needs(folder: Path | None) -> Path:
+    assert folder is not None, "a disk tier has a swap folder (swap_folder)"
+    return folder

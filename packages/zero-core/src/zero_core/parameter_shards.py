@@ -1,0 +1,173 @@
+"""Stage 3's compute shards in their tier (``offload_params``): on the device, in host
+memory, or in swap files; what the gatherer all-gathers from.
+
+Per group, this rank's shard is its bucket slices end to end (compute dtype):
+
+    tier     holds the shard as                 a gather takes bucket k's slice as
+    DEVICE   one device tensor per group        a view (no copy)
+    HOST     one host tensor per group          a copy into a pooled device buffer
+    DISK     one swap file per bucket slice     a read into a pooled device buffer
+             offload_dir/zero-swap-rank{r}/params.g{g}.b{k}.{first parameter}.swap
+
+Writes (initial values, then the updated masters after each step) arrive piece by piece;
+a swapped bucket slice is written out when all of its elements have arrived
+(partial_blocks), so at most the slices being filled are held, not the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+
+import torch
+
+from zero_comm import Communicator
+
+from .group_layout import GroupLayout
+from .offload_tiers import Tier, host_empty
+from .partial_blocks import PartialBlocks
+from .swap_file import SwapFile
+
+BLOCK = "shard"
+
+
+class ParameterShards:
+    """This rank's compute shard of every group, in one tier; see the module docstring."""
+
+    def __init__(
+        self,
+        layouts: list[GroupLayout],
+        rank: int,
+        dtype: torch.dtype,
+        comm: Communicator,
+        tier: Tier,
+        *,
+        folder: Path | None = None,
+        labels: dict[tuple[int, int], str] | None = None,
+        pin: bool = True,
+    ) -> None:
+        self.layouts = layouts
+        self.dtype = dtype
+        self.comm = comm
+        self.tier = tier
+        self.shards: list[torch.Tensor] = []
+        self._files: dict[tuple[int, int], SwapFile] = {}
+        self.bytes_read = 0
+        if tier is Tier.DISK:
+            assert folder is not None and labels is not None
+            folder.mkdir(parents=True, exist_ok=True)
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            for g, layout in enumerate(layouts):
+                for k, bucket in enumerate(layout.buckets):
+                    name = f"params.g{g}.b{k}.{labels[(g, k)]}.swap"
+                    self._files[(g, k)] = SwapFile(folder / name, bucket.slice_numel * itemsize)
+            numels: dict[Hashable, int] = {
+                (g, k): b.slice_numel
+                for g, lay in enumerate(layouts)
+                for k, b in enumerate(lay.buckets)
+            }
+            expected: dict[Hashable, int] = dict.fromkeys(numels, 0)
+            for g, layout in enumerate(layouts):
+                for piece in layout.local_pieces(rank):
+                    expected[(g, piece.bucket)] += piece.local_range.size
+            self._filling = PartialBlocks(numels, expected, dtype, self._write_block)
+            self._updates = PartialBlocks(numels, dict(numels), dtype, self._write_block)
+        else:
+            for layout in layouts:
+                if tier is Tier.HOST:
+                    shard = host_empty(layout.shard_numel, dtype, comm.device, pin).zero_()
+                else:
+                    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=comm.device)
+                self.shards.append(shard)
+
+    # ------------------------------------------------------------- writes
+    def fill(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Initial values: elements [start, start + len(values)) of ``group``'s shard."""
+        if self.tier is Tier.DISK:
+            self._route(self._filling, group, start, values)
+        else:
+            self.shards[group][start : start + values.numel()] = values
+
+    def finish_fill(self) -> None:
+        if self.tier is Tier.DISK:
+            self._filling.finish()
+
+    def write(self, group: int, start: int, values: torch.Tensor) -> None:
+        """Updated float32 master values of [start, start + len(values)), cast."""
+        if self.tier is Tier.DISK:
+            self._route(self._updates, group, start, values)
+            return
+        target = self.shards[group][start : start + values.numel()]
+        if target.data_ptr() != values.data_ptr():
+            target.copy_(values)
+
+    def finish_writes(self) -> None:
+        if self.tier is Tier.DISK:
+            self._updates.finish()
+
+    def _route(self, blocks: PartialBlocks, group: int, start: int, values: torch.Tensor) -> None:
+        """Split [start, start + n) of the group's shard over its bucket slices."""
+        stop = start + values.numel()
+        for k, bucket in enumerate(self.layouts[group].buckets):
+            a = max(start, bucket.local_offset)
+            b = min(stop, bucket.local_offset + bucket.slice_numel)
+            if a < b:
+                blocks.write((group, k), a - bucket.local_offset, values[a - start : b - start])
+
+    def _write_block(self, key: Hashable, buffer: torch.Tensor) -> None:
+        assert isinstance(key, tuple)
+        self._files[key].write(0, buffer, BLOCK)
+
+    # ------------------------------------------------------------- gathers
+    def owned_slices(self) -> list[list[torch.Tensor]]:
+        """Per group and bucket, this rank's slice (the device tier only: what an
+        aliased master is)."""
+        assert self.tier is Tier.DEVICE
+        return [
+            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
+            for layout, shard in zip(self.layouts, self.shards, strict=True)
+        ]
+
+    def take(self, group: int, bucket: int) -> torch.Tensor:
+        """Bucket ``bucket``'s slice of ``group``'s shard on the device, to all-gather
+        from; hand it back with :meth:`give_back` once the gather is waited for."""
+        layout_bucket = self.layouts[group].buckets[bucket]
+        if self.tier is Tier.DEVICE:
+            start = layout_bucket.local_offset
+            return self.shards[group][start : start + layout_bucket.slice_numel]
+        staged = self.comm.buffers.take(layout_bucket.slice_numel, self.dtype)
+        if self.tier is Tier.HOST:
+            start = layout_bucket.local_offset
+            staged.copy_(self.shards[group][start : start + layout_bucket.slice_numel])
+        elif staged.device.type == "cpu":
+            self._files[(group, bucket)].read(0, staged, BLOCK)
+        else:  # a GPU: read into host memory, then copy up
+            host = torch.empty(staged.numel(), dtype=self.dtype)
+            self._files[(group, bucket)].read(0, host, BLOCK)
+            staged.copy_(host)
+        self.bytes_read += staged.numel() * staged.element_size()
+        return staged
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        if self.tier is not Tier.DEVICE:
+            self.comm.buffers.give_back(tensor)
+
+    # -------------------------------------------------------------- report
+    def device_tensors(self) -> list[torch.Tensor]:
+        return self.shards if self.tier is Tier.DEVICE else []
+
+    @property
+    def host_bytes(self) -> int:
+        if self.tier is Tier.HOST:
+            return sum(s.numel() * s.element_size() for s in self.shards)
+        if self.tier is Tier.DISK:
+            return self._filling.open_bytes + self._updates.open_bytes
+        return 0
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self._files.values())
+
+    def close(self) -> None:
+        for swap in self._files.values():
+            swap.remove()
