@@ -427,13 +427,17 @@ def run_probe(args: argparse.Namespace) -> None:
     phase = "build"
     try:
         trainer = make_trainer(args.probe, config, args.seed, Hyper(), comm, args.batch)
-        for step in range(2):
+        step_seconds = []
+        for step in range(args.probe_steps):
+            started = time.perf_counter()
             phase = f"forward/backward {step + 1}"
             trainer.forward_backward(*sampler.batch(step, 0))
             if step == 1:
-                states = trainer.state_bytes().model_states  # gradients held
+                report = trainer.state_bytes()  # gradients held
+                states = report.model_states
             phase = f"optimizer step {step + 1}"
             trainer.optimizer_step()
+            step_seconds.append(time.perf_counter() - started)
         # The cap is for the build and the steps; the report (a small all-gather) is not
         # the model's memory, and failing it near the cap would read noise as capacity.
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
@@ -442,6 +446,10 @@ def run_probe(args: argparse.Namespace) -> None:
             "rss_increase_mib": (status_kib("VmHWM") - base_rss) / 1024,
             "vm_increase_mib": (status_kib("VmPeak") - base_vm) / 1024,
             "model_state_mib": states / MIB,
+            # the steps after the first (which records stage 3's gather order)
+            "step_seconds": step_seconds[1:],
+            "host_mib": getattr(report, "host", 0) / MIB,
+            "disk_mib": getattr(report, "disk", 0) / MIB,
         }
         everyone = world.all_gather_object(record)
     except (MemoryError, RuntimeError) as exc:
@@ -495,6 +503,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="where rank 0 writes the results")
     p.add_argument("--probe", choices=VARIANTS, help="one search probe (see bench_peers_search)")
     p.add_argument("--budget-mib", type=int, default=1536, help="probe: memory per rank")
+    p.add_argument("--probe-steps", type=int, default=2, help="probe: steps to train (>= 2)")
     p.add_argument(
         "--search-budget-mib",
         type=int,

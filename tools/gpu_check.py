@@ -11,7 +11,11 @@ predicts plus the activations zero_core.activation_estimate predicts (its head t
 bf16 logits and float32 log-probabilities; this loop also makes a float32 copy of the
 logits, so expect the peak a little above it). Then M_D: ``--fragmentation-preset`` with
 every block checkpointed, with and without the checkpoint arena: reserved minus allocated
-and the largest free block (tools/fragmentation_check.py). Runs stop being started once
+and the largest free block (tools/fragmentation_check.py). Then offload (ZeRO-Offload):
+``--offload-preset`` at stage 3 with master weights, optimizer states and parameter shards
+in pinned host memory, its step time against the same run without offload, and against
+DeepSpeed's CPU offload (offload_optimizer and offload_param on "cpu") when deepspeed
+imports. Runs stop being started once
 ``--budget-s`` has passed; those not started are listed as such, never dropped silently.
 
 Without a CUDA device it fails (exit 1) with the reason: asked to check a GPU, it must not
@@ -40,8 +44,9 @@ PRESET_BATCH = {"test": 4, "tiny": 16, "small": 16, "gpt2": 8, "gpt2-medium": 8,
 
 
 def run_one(
-    preset: str, stage: int, comm: zero_comm.Communicator, args: argparse.Namespace
-) -> dict[str, Any]:
+    preset: str, stage: int, comm: zero_comm.Communicator, args: argparse.Namespace,
+    offload: str = "none",
+) -> dict[str, Any]:  # fmt: skip
     config = PRESETS[preset]
     device = comm.device
     if stage == 3:
@@ -53,7 +58,12 @@ def run_one(
     engine = zero_core.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-4),
-        zero_core.ZeroConfig(stage=stage, param_dtype=torch.bfloat16),
+        zero_core.ZeroConfig(
+            stage=stage,
+            param_dtype=torch.bfloat16,
+            offload_optimizer=offload,
+            offload_params=offload if stage == 3 else "none",
+        ),
         comm,
         init_values=init_values,
     )
@@ -89,9 +99,13 @@ def run_one(
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size,
                              batch * config.context)  # fmt: skip
     activations = activation_bytes(shape, dtype_bytes=2).peak
+    host = engine.memory_report().host
+    engine.close()
     return {
         "preset": preset,
         "stage": stage,
+        "offload": offload,
+        "host_gib": host / 2**30,
         "parameters": psi,
         "batch": batch,
         "step_s": seconds,
@@ -104,6 +118,64 @@ def run_one(
     }
 
 
+def run_deepspeed_offload(preset: str, args: argparse.Namespace) -> dict[str, Any]:
+    """DeepSpeed stage 3 with optimizer and parameters offloaded to pinned host memory, the
+    same model, batch and loop; {"error": ...} when deepspeed does not import or run."""
+    try:
+        import deepspeed  # type: ignore[import-not-found]
+    except Exception as exc:  # not installed, or its ops fail to load
+        return {"preset": preset, "variant": "deepspeed-3-cpu-offload", "error": repr(exc)[:300]}
+    config = PRESETS[preset]
+    batch = PRESET_BATCH.get(preset, 4)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        },
+    }
+    try:
+        model = GPT(config)
+        optimizer = deepspeed.ops.adam.DeepSpeedCPUAdam(model.parameters(), lr=1e-4)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, config.vocab_size, (batch, config.context + 1),
+                               generator=generator).to(engine.device)  # fmt: skip
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+        def step() -> None:
+            logits = engine(inputs)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - started) / args.steps
+    except Exception as exc:
+        return {"preset": preset, "variant": "deepspeed-3-cpu-offload", "error": repr(exc)[:300]}
+    return {"preset": preset, "variant": "deepspeed-3-cpu-offload", "step_s": seconds,
+            "tokens_per_s": batch * config.context / seconds}  # fmt: skip
+
+
+def run_offload(comm: zero_comm.Communicator, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Stage 3 of ``--offload-preset`` without and with host offload, and DeepSpeed's."""
+    rows = [run_one(args.offload_preset, 3, comm, args, offload=o) for o in ("none", "cpu")]
+    rows[1]["step_vs_no_offload"] = rows[1]["step_s"] / rows[0]["step_s"]
+    if comm.device.type == "cuda":
+        rows.append(run_deepspeed_offload(args.offload_preset, args))
+    else:
+        rows.append({"variant": "deepspeed-3-cpu-offload", "error": "needs a GPU"})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=["small", "gpt2", "gpt2-medium", "gpt2-xl"])
@@ -114,6 +186,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=420.0)
     parser.add_argument("--fragmentation-preset", default="gpt2")
     parser.add_argument("--fragmentation-steps", type=int, default=6)
+    parser.add_argument("--offload-preset", default="gpt2-medium")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--allow-cpu", action="store_true", help="test this script on CPU/gloo")
     args = parser.parse_args()
@@ -142,6 +215,11 @@ def main() -> int:
         batch = PRESET_BATCH.get(args.fragmentation_preset, 4)
         fragmentation.append(run_fragmentation(comm, args.fragmentation_preset, batch,
                                                args.fragmentation_steps, contiguous))  # fmt: skip
+    offload: list[dict[str, Any]] = []
+    if time.perf_counter() - started <= args.budget_s:
+        offload = run_offload(comm, args)
+        for row in offload:
+            print(json.dumps(row), flush=True)
     lines = ["| preset | stage | params | tok/s | MFU | peak GiB | model states est. GiB "
              "| + activations est. GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:
@@ -154,9 +232,24 @@ def main() -> int:
             f"{r['model_states_estimate_gib']:.2f} | {r['step_estimate_gib']:.2f} |"
         )
     lines += ["", *fragmentation_table(fragmentation)]
+    lines += [
+        "",
+        "| offload (stage 3) | step s | tok/s | peak GiB | host GiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in offload:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | not run: {r['error']} | | | |")
+        elif "offload" in r:
+            lines.append(f"| ours, offload {r['offload']} | {r['step_s']:.3f} | "
+                         f"{r['tokens_per_s']:,.0f} | {r['peak_memory_gib']:.2f} | "
+                         f"{r['host_gib']:.2f} |")  # fmt: skip
+        else:
+            lines.append(f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | | |")
     print("\n".join(lines))
     if args.json:
-        report = {"device": str(comm.device), "results": results, "fragmentation": fragmentation}
+        report = {"device": str(comm.device), "results": results, "fragmentation": fragmentation,
+                  "offload": offload}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1))
     comm.close()
     return 0

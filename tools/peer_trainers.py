@@ -26,6 +26,8 @@ buffers, gradient partitions, communication buckets) counts under ``other``.
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -44,7 +46,11 @@ OURS = ("ours-0", "ours-1", "ours-2", "ours-3")
 OURS_DET = tuple(f"{v}-det" for v in OURS)
 TORCH_PEERS = ("ddp", "zero-redundancy", "fsdp2")
 DEEPSPEED = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
-VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET)
+# Our stage 3 with model states offloaded (ZeRO-Infinity): "-disk" puts the master weights,
+# optimizer states and parameter shards in swap files under $ZERO_BENCH_OFFLOAD_DIR (else
+# the temporary folder), "-cpu" in host memory (the same memory on a CPU-only machine).
+OURS_OFFLOAD = ("ours-3-disk", "ours-3-cpu")
+VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET, *OURS_OFFLOAD)
 DEFAULT_VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED)
 
 
@@ -55,6 +61,8 @@ class StateBytes(NamedTuple):
     gradients: int
     optimizer_states: int
     other: int
+    host: int = 0  # offloaded model states in host memory
+    disk: int = 0  # offloaded model states in swap files
 
     @property
     def model_states(self) -> int:
@@ -153,9 +161,17 @@ class Trainer:
 
 class Ours(Trainer):
     def __init__(
-        self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, comm: zero_comm.Communicator
-    ) -> None:
+        self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, comm: zero_comm.Communicator,
+        offload: str = "none",
+    ) -> None:  # fmt: skip
         self.name = f"ours-{stage}" + ("-det" if comm.deterministic else "")
+        tiers: dict[str, Any] = {}
+        if offload != "none":
+            self.name += f"-{offload}"
+            tiers = {"offload_optimizer": offload, "offload_params": offload}
+            if offload == "disk":
+                folder = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
+                tiers["offload_dir"] = folder
         self.comm = comm
         init_values = None
         if stage == 3:  # built on the meta device, as zero-train does: no rank holds it whole
@@ -167,7 +183,12 @@ class Ours(Trainer):
         self.engine = zero_core.initialize(
             model,
             lambda params: hyper.adamw(params),
-            zero_core.ZeroConfig(stage=stage, bucket_numel=BUCKET_NUMEL),
+            zero_core.ZeroConfig(
+                stage=stage,
+                # tools/bench_offload.py sets its own for both of its variants
+                bucket_numel=int(os.environ.get("ZERO_BENCH_BUCKET_NUMEL", BUCKET_NUMEL)),
+                **tiers,
+            ),
             comm,
             init_values=init_values,
         )
@@ -188,6 +209,8 @@ class Ours(Trainer):
             report.gradients,
             report.master_weights + report.optimizer_states,
             report.buffers + report.comm_buffers,
+            report.host,
+            report.disk,
         )
 
     def comm_bytes_reset(self) -> None:
@@ -199,6 +222,7 @@ class Ours(Trainer):
         return float(sum(c["volume_bytes"] for c in counts.values())), calls
 
     def close(self) -> None:
+        self.engine.close()  # removes swap files now, not when collected
         del self.engine
 
 
@@ -380,6 +404,8 @@ def make_trainer(
     DeepSpeed ignores it)."""
     if variant in OURS or variant in OURS_DET:
         return Ours(int(variant.split("-")[1]), config, seed, hyper, comm)
+    if variant in OURS_OFFLOAD:
+        return Ours(3, config, seed, hyper, comm, offload=variant.split("-")[2])
     if variant in TORCH_PEERS:
         return TorchPeer(variant, config, seed, hyper, getattr(comm, "group", None))
     if variant in DEEPSPEED:
