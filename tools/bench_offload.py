@@ -64,6 +64,7 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
             "OMP_NUM_THREADS": str(args.threads),
             "ZERO_BENCH_OFFLOAD_DIR": str(args.offload_dir),
             "ZERO_BENCH_BUCKET_NUMEL": str(args.bucket_numel),
+            "ZERO_BENCH_SUB_GROUP_NUMEL": str(args.sub_group_numel),
         }
         started = time.perf_counter()
         try:
@@ -149,7 +150,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
         f"Cap: RLIMIT_AS = address space after start-up + {args.cap_mib} MiB, per rank, "
         f"{args.nproc} ranks (gloo), GPT width {args.width}, {args.heads} heads, context "
         f"{args.context}, one sequence per rank, float32, AdamW, bucket_numel "
-        f"{args.bucket_numel}, {args.threads} thread(s) per rank; "
+        f"{args.bucket_numel}, offload_sub_group_numel {args.sub_group_numel}, "
+        f"{args.threads} thread(s) per rank; "
         + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
         + ". Model states: 16 bytes per parameter for the whole model. ours-3-disk: "
         "offload_optimizer=disk and offload_params=disk.",
@@ -164,13 +166,14 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cap-mib", type=int, default=1024)
+    p.add_argument("--cap-mib", type=int, default=1536)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bucket-numel", type=int, default=2**20)
+    p.add_argument("--sub-group-numel", type=int, default=2**19)
     p.add_argument("--probe-steps", type=int, default=3)
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--max-probes", type=int, default=6)

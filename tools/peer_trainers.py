@@ -169,6 +169,9 @@ class Ours(Trainer):
         if offload != "none":
             self.name += f"-{offload}"
             tiers = {"offload_optimizer": offload, "offload_params": offload}
+            sub_group = os.environ.get("ZERO_BENCH_SUB_GROUP_NUMEL")
+            if sub_group:
+                tiers["offload_sub_group_numel"] = int(sub_group)
             if offload == "disk":
                 folder = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
                 tiers["offload_dir"] = folder
