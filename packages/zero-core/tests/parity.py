@@ -221,3 +221,36 @@ def parity_cases() -> Any:
         )
 
     return cases()
+
+
+def tiers_equal_stage0(comm: Communicator, case: ParityCase) -> None:
+    """Stages 1-3 with ``case``'s offload tiers equal stage 0 without offload."""
+    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none", "offload_params": "none"})
+    reference = train(plain, comm, 0)
+    for stage in (1, 2, 3):
+        assert_same_states(reference, train(case, comm, stage), f"stage {stage}, {case}")
+
+
+def offloaded_parity_cases() -> Any:
+    """ParityCase with offload tiers drawn too: optimizer states and masters on host or
+    disk, parameters (stage 3) on host or disk, a fraction and a sub-group size."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw: Any) -> ParityCase:
+        case = draw(parity_cases())
+        optimizer = draw(st.sampled_from(["cpu", "disk", "none"]))
+        params = draw(st.sampled_from(["cpu", "disk", "none"]))
+        if optimizer == params == "none":
+            optimizer = "disk"
+        if optimizer == "disk" and case.optimizer == "adagrad":
+            optimizer = "cpu"  # Adagrad makes its state at construction: refused on disk
+        tiers = {
+            "offload_optimizer": optimizer,
+            "offload_params": params,
+            "offload_fraction": draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
+            "sub_group_numel": draw(st.sampled_from([64, 1000, 1 << 22])),
+        }
+        return normalised(ParityCase(**{**case.__dict__, **tiers}))
+
+    return cases()

@@ -14,11 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from parity import (
     ParityCase,
-    assert_same_states,
     build_engine,
     normalised,
-    parity_cases,
-    train,
+    offloaded_parity_cases,
+    tiers_equal_stage0,
 )
 from test_checkpoint import run_steps
 
@@ -36,38 +35,15 @@ def with_tiers(case: ParityCase, optimizer: str, params: str, **more: object) ->
     return normalised(ParityCase(**{**case.__dict__, **tiers}))
 
 
-@st.composite
-def offloaded_cases(draw: st.DrawFn) -> ParityCase:
-    case = draw(parity_cases())
-    optimizer = draw(st.sampled_from(["cpu", "disk", "none"]))
-    params = draw(st.sampled_from(["cpu", "disk", "none"]))
-    if optimizer == params == "none":
-        optimizer = "disk"
-    if optimizer == "disk" and case.optimizer == "adagrad":
-        optimizer = "cpu"  # Adagrad makes its state at construction: refused on disk
-    return with_tiers(
-        case, optimizer, params,
-        offload_fraction=draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
-        sub_group_numel=draw(st.sampled_from([64, 1000, 1 << 22])),
-    )  # fmt: skip
-
-
 @settings(max_examples=25, deadline=None)
-@given(case=offloaded_cases(), world_size=st.sampled_from([1, 2, 3, 4]))
+@given(case=offloaded_parity_cases(), world_size=st.sampled_from([1, 2, 3, 4]))
 def test_every_tier_equals_the_device_only_engine_bit_for_bit(
     case: ParityCase, world_size: int
 ) -> None:
     """Stages 1-3 with the drawn tiers (masters and optimizer states on host or disk,
     parameters too at stage 3, any fraction and sub-group size) equal stage 0 without
     offload after every step."""
-    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none", "offload_params": "none"})
-
-    def body(comm: Communicator) -> None:
-        reference = train(plain, comm, 0)
-        for stage in (1, 2, 3):
-            assert_same_states(reference, train(case, comm, stage), f"stage {stage}, {case}")
-
-    run_simulated(world_size, body)
+    run_simulated(world_size, lambda comm: tiers_equal_stage0(comm, case))
 
 
 def test_the_tiers_hold_what_they_say(tmp_path: Path) -> None:

@@ -29,6 +29,23 @@ def test_stages_equal_stage_0_on_three_real_ranks(backend: str, launcher: str) -
     assert [r["value"] for r in reports] == [15, 15, 15]
 
 
+@pytest.mark.parametrize(
+    ("backend", "launcher"),
+    [
+        pytest.param("gloo", "spawn", marks=pytest.mark.gloo, id="gloo"),
+        pytest.param(  # the default run has the gloo case; nox -s tests_mpi runs this one
+            "mpi", "mpiexec", id="mpi",
+            marks=[pytest.mark.mpi, pytest.mark.slow,
+                   pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")],
+        ),
+    ],
+)  # fmt: skip
+def test_offload_tiers_equal_stage_0_on_three_real_ranks(backend: str, launcher: str) -> None:
+    reports = run_on_ranks(stage_bodies.offload_parity_suite, 3, backend=backend,
+                           launcher=launcher, kwargs={"examples": 6}, timeout=300)  # fmt: skip
+    assert [r["value"] for r in reports] == [6, 6, 6]
+
+
 @pytest.mark.gloo
 def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
     monkeypatch: pytest.MonkeyPatch,
