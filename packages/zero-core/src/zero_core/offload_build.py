@@ -138,7 +138,7 @@ def build_parameter_shards(
     }
     return ParameterShards(
         layouts, rank, dtype, comm, tier, folder=_needs(folder), labels=labels,
-        pin=config.offload_pin_memory,
+        pin=config.offload_pin_memory, io_threads=config.offload_io_threads,
     )  # fmt: skip
 
 

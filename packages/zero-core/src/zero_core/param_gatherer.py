@@ -54,6 +54,8 @@ class ShardSource(Protocol):
 
     def give_back(self, tensor: torch.Tensor) -> None: ...
 
+    def read_ahead(self, group: int, bucket: int) -> None: ...
+
 
 class UnitState(Enum):
     RELEASED = "released"
@@ -240,21 +242,37 @@ class ParameterGatherer:
         self._trace = None  # the model took another path: stop prefetching this pass
 
     def _prefetch(self) -> None:
+        """Gather ahead along the trace within the windows; then ask the shards' tier to
+        fetch the units after those (up to ``prefetch_numel`` more), so that a unit's
+        shards are in memory (read from disk, say) before its gather starts."""
         trace = self._trace
         if trace is None or self.prefetch_numel == 0:
             return
         ahead = sum(self.units[i].numel for i in self._ahead)
-        for index in trace[self._position :]:
-            unit = self.units[index]
+        position = self._position
+        for position in range(self._position, len(trace)):
+            unit = self.units[trace[position]]
             if unit.state is not UnitState.RELEASED:
                 continue
             if ahead + unit.numel > self.prefetch_numel:
-                return
+                break
             if self.live_numel + unit.numel > self.max_live_numel:
-                return
+                break
             self._start_gather(unit)
-            self._ahead.add(index)
+            self._ahead.add(trace[position])
             ahead += unit.numel
+        else:
+            return
+        fetched = 0
+        for index in trace[position:]:
+            unit = self.units[index]
+            if unit.state is not UnitState.RELEASED or unit.persistent:
+                continue
+            if fetched + unit.numel > self.prefetch_numel:
+                return
+            for group, bucket in unit.shards:
+                self.source.read_ahead(group, bucket)
+            fetched += unit.numel
 
     def _start_gather(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.RELEASED, doing="start gathering")

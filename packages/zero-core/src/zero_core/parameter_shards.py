@@ -6,8 +6,11 @@ Per group, this rank's shard is its bucket slices end to end (compute dtype):
     tier     holds the shard as                 a gather takes bucket k's slice as
     DEVICE   one device tensor per group        a view (no copy)
     HOST     one host tensor per group          a copy into a pooled device buffer
-    DISK     one swap file per bucket slice     a read into a pooled device buffer
+    DISK     one swap file per bucket slice     a read into an aligned host buffer
              offload_dir/zero-swap-rank{r}/params.g{g}.b{k}.{first parameter}.swap
+                                                (then copied up on a GPU); the gatherer
+                                                asks for the next units' slices ahead
+                                                (``read_ahead``): read on I/O threads
 
 Writes (initial values, then the updated masters after each step) arrive piece by piece;
 a swapped bucket slice is written out when all of its elements have arrived
@@ -17,6 +20,7 @@ a swapped bucket slice is written out when all of its elements have arrived
 from __future__ import annotations
 
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,7 +30,7 @@ from zero_comm import Communicator
 from .group_layout import GroupLayout
 from .offload_tiers import Tier, host_empty
 from .partial_blocks import PartialBlocks
-from .swap_file import SwapFile
+from .swap_file import SwapFile, aligned_empty
 
 BLOCK = "shard"
 
@@ -45,6 +49,7 @@ class ParameterShards:
         folder: Path | None = None,
         labels: dict[tuple[int, int], str] | None = None,
         pin: bool = True,
+        io_threads: int = 2,
     ) -> None:
         self.layouts = layouts
         self.dtype = dtype
@@ -53,7 +58,11 @@ class ParameterShards:
         self.shards: list[torch.Tensor] = []
         self._files: dict[tuple[int, int], SwapFile] = {}
         self.bytes_read = 0
+        self._pending: dict[tuple[int, int], tuple[Future[None], torch.Tensor]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}  # aligned host buffers, by numel
+        self._pool: ThreadPoolExecutor | None = None
         if tier is Tier.DISK:
+            self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="zero-params")
             assert folder is not None and labels is not None
             folder.mkdir(parents=True, exist_ok=True)
             itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -135,22 +144,48 @@ class ParameterShards:
         if self.tier is Tier.DEVICE:
             start = layout_bucket.local_offset
             return self.shards[group][start : start + layout_bucket.slice_numel]
-        staged = self.comm.buffers.take(layout_bucket.slice_numel, self.dtype)
         if self.tier is Tier.HOST:
+            staged = self.comm.buffers.take(layout_bucket.slice_numel, self.dtype)
             start = layout_bucket.local_offset
             staged.copy_(self.shards[group][start : start + layout_bucket.slice_numel])
-        elif staged.device.type == "cpu":
-            self._files[(group, bucket)].read(0, staged, BLOCK)
-        else:  # a GPU: read into host memory, then copy up
-            host = torch.empty(staged.numel(), dtype=self.dtype)
+            return staged
+        future, host = self._pending.pop((group, bucket), (None, None))
+        if future is None or host is None:
+            host = self._host_buffer(layout_bucket.slice_numel)
             self._files[(group, bucket)].read(0, host, BLOCK)
-            staged.copy_(host)
-        self.bytes_read += staged.numel() * staged.element_size()
+        else:
+            future.result()
+        self.bytes_read += host.numel() * host.element_size()
+        if self.comm.device.type == "cpu":
+            return host
+        staged = self.comm.buffers.take(host.numel(), self.dtype)  # a GPU: copy up
+        staged.copy_(host)
+        self._give_back_host(host)
         return staged
 
+    def read_ahead(self, group: int, bucket: int) -> None:
+        """Start reading bucket ``bucket``'s slice of ``group`` from disk on an I/O thread
+        (the disk tier only; a no-op if already reading): ``take`` then waits for it."""
+        if self._pool is None or (group, bucket) in self._pending:
+            return
+        host = self._host_buffer(self.layouts[group].buckets[bucket].slice_numel)
+        future = self._pool.submit(self._files[(group, bucket)].read, 0, host, BLOCK)
+        self._pending[(group, bucket)] = (future, host)
+
     def give_back(self, tensor: torch.Tensor) -> None:
-        if self.tier is not Tier.DEVICE:
+        if self.tier is Tier.DEVICE:
+            return
+        if self.tier is Tier.DISK and tensor.device.type == "cpu":
+            self._give_back_host(tensor)
+        else:
             self.comm.buffers.give_back(tensor)
+
+    def _host_buffer(self, numel: int) -> torch.Tensor:
+        free = self._free.get(numel)
+        return free.pop() if free else aligned_empty(numel, self.dtype)
+
+    def _give_back_host(self, tensor: torch.Tensor) -> None:
+        self._free.setdefault(tensor.numel(), []).append(tensor)
 
     # -------------------------------------------------------------- report
     def device_tensors(self) -> list[torch.Tensor]:
@@ -161,7 +196,10 @@ class ParameterShards:
         if self.tier is Tier.HOST:
             return sum(s.numel() * s.element_size() for s in self.shards)
         if self.tier is Tier.DISK:
-            return self._filling.open_bytes + self._updates.open_bytes
+            held = [b for free in self._free.values() for b in free]
+            held += [b for _, b in self._pending.values()]
+            buffers = sum(b.numel() * b.element_size() for b in held)
+            return self._filling.open_bytes + self._updates.open_bytes + buffers
         return 0
 
     @property
@@ -169,5 +207,7 @@ class ParameterShards:
         return sum(f.nbytes for f in self._files.values())
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         for swap in self._files.values():
             swap.remove()
