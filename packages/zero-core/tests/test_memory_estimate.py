@@ -1,10 +1,13 @@
-"""The memory formulas against the paper's Figure 1, and their structure as properties."""
+"""The memory formulas against the paper's Figure 1, and their structure as properties; the
+offload tiers' placement of the same bytes (measured against an engine in
+test_offload_memory.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -17,6 +20,8 @@ from zero_core.activation_estimate import (
     paper_activation_elements,
 )
 from zero_core.estimate_cli import main
+from zero_core.grad_norm import BLOCK
+from zero_core.memory_estimate import SLICE_ALIGNMENT, TIERS, tiered_state_bytes
 
 
 def test_paper_figure_1() -> None:
@@ -90,3 +95,193 @@ def test_zero_estimate_adds_activations_to_every_stage(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["--params", "1e6", "--world-size", "2", "--layers", "3"])
     assert "give all of --layers" in capsys.readouterr().err
+
+
+@st.composite
+def tier_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """Arguments of tiered_state_bytes: any model, stage 1-3, tiers the stage allows."""
+    stage = draw(st.integers(1, 3))
+    width = draw(st.sampled_from([2, 4]))  # bf16/fp16 or float32 parameters and gradients
+    return {
+        "params": draw(st.integers(0, 10**12)),
+        "world_size": draw(st.integers(1, 4096)),
+        "stage": stage,
+        "optimizer_state_bytes": draw(st.sampled_from([0, 4, 8])) + (4 if width == 2 else 0),
+        "param_bytes": width,
+        "grad_bytes": width,
+        "offload_optimizer": draw(st.sampled_from(TIERS)),
+        "offload_params": draw(st.sampled_from(TIERS)) if stage == 3 else "none",
+        "offload_fraction": draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])),
+        "sub_group_numel": draw(st.sampled_from([1, 1000, 2**22])),
+        "buffer_count": draw(st.integers(3, 8)),
+        "bucket_numel": draw(st.sampled_from([128, 2**20, 2**22])),
+        "prefetch_numel": draw(st.sampled_from([0, 2**16, 2**24])),
+    }
+
+
+@given(st.integers(0, 10**12), st.integers(1, 4096), st.integers(0, 3), st.sampled_from([2, 4]),
+       st.floats(0, 32))  # fmt: skip
+def test_without_tiers_everything_is_on_the_device(
+    params: int, n: int, stage: int, width: int, k: float
+) -> None:
+    """No offload: the paper's formula, all on the device, for any K; separate masters (4
+    bytes of K) apart from the states, aliased ones (float32 parameters) inside the
+    parameters; a K too small for a master is kept whole."""
+    plain = model_state_bytes(params, n, stage, optimizer_state_bytes=k, param_bytes=width,
+                              grad_bytes=width)  # fmt: skip
+    tiered = tiered_state_bytes(params, n, stage, optimizer_state_bytes=k, param_bytes=width,
+                                grad_bytes=width)  # fmt: skip
+    assert (tiered.host, tiered.disk, tiered.staging) == (0, 0, 0)
+    assert (tiered.parameters, tiered.gradients) == (plain.parameters, plain.gradients)
+    assert tiered.master_weights + tiered.optimizer_states == pytest.approx(
+        plain.optimizer_states, rel=1e-12
+    )
+    separate = width == 2 and k >= 4
+    assert tiered.master_weights == (
+        pytest.approx(4 * params / (n if stage else 1)) if separate else 0
+    )
+    assert tiered.device == pytest.approx(plain.total, rel=1e-12)
+
+
+@given(tier_cases())
+def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any]) -> None:
+    """device + host + disk is the paper's total, plus 4 S where float32 parameters lose
+    their aliased master to a separate one (any tier); a fraction f of the masters and
+    states (S elements of 4 + s bytes) leaves the device for the tier; host and disk hold
+    nothing of a tier not asked for."""
+    tiered = tiered_state_bytes(**case)
+    sizes = ("optimizer_state_bytes", "param_bytes", "grad_bytes")
+    plain = model_state_bytes(
+        case["params"], case["world_size"], case["stage"], **{k: case[k] for k in sizes}
+    )
+    shard = case["params"] / case["world_size"]
+    offloads = case["offload_optimizer"] != "none" or case["offload_params"] != "none"
+    separate = 4 * shard if case["param_bytes"] == 4 and offloads else 0
+    assert tiered.model_states == pytest.approx(plain.total + separate, rel=1e-9)
+    assert tiered.gradients == plain.gradients  # gradients never leave the device
+    moved = 0.0
+    if case["offload_optimizer"] != "none":
+        states = case["optimizer_state_bytes"] - (0 if case["param_bytes"] == 4 else 4)
+        moved = (4 + states) * shard * case["offload_fraction"]
+    if case["offload_params"] != "none":
+        assert tiered.parameters == 0
+    for tier, held in (("cpu", tiered.host), ("disk", tiered.disk)):
+        expected = moved if case["offload_optimizer"] == tier else 0.0
+        expected += plain.parameters if case["offload_params"] == tier else 0.0
+        assert held == pytest.approx(expected, rel=1e-9, abs=1e-6)
+    # Staging: the optimizer's pipeline (B tiles of 4 + s bytes per element, at most what
+    # is on disk), the parameters' read buffers (at most the shard, at least one slice).
+    pipeline = case["buffer_count"] * case["sub_group_numel"] * (4 + 8)
+    reads = plain.parameters if case["offload_params"] == "disk" else 0.0
+    assert tiered.staging <= pipeline + 1e-6 * tiered.staging
+    assert tiered.read_ahead <= reads + 1e-6 * tiered.read_ahead
+    disk_optimizer = case["offload_optimizer"] == "disk" and moved > 0
+    assert (tiered.staging > 0) == disk_optimizer
+    assert (tiered.read_ahead > 0) == (reads > 0)
+
+
+@given(tier_cases())
+def test_fraction_zero_leaves_the_device_as_without_offload(case: dict[str, Any]) -> None:
+    """offload_fraction 0: nothing in the optimizer's tier; the device holds what it holds
+    without offload, plus the separate float32 master of float32 parameters."""
+    case = {**case, "offload_fraction": 0.0, "offload_params": "none"}
+    tiered = tiered_state_bytes(**case)
+    plain = tiered_state_bytes(**{**case, "offload_optimizer": "none"})
+    assert (tiered.host, tiered.disk, tiered.staging) == (0, 0, 0)
+    separate = case["offload_optimizer"] != "none" and case["param_bytes"] == 4
+    extra = 4 * case["params"] / case["world_size"] if separate else 0
+    assert tiered.device == pytest.approx(plain.device + extra, rel=1e-12)
+
+
+def test_stage3_disk_everything_leaves_only_gradients_on_the_device() -> None:
+    """Stage 3, masters, states and parameter shards on disk: the device keeps the
+    gradient shard 2 Ψ / N; the disk (2 + 12) Ψ / N; host memory only staging buffers:
+    the pipeline's, B x T x (4 + 8) with T = min(sub-group, bucket slice), and the
+    parameters' reads (while forward and backward run), 2 bytes x 2 R / N for R =
+    prefetch_numel (a slice at least)."""
+    psi, n = 2**30, 8
+    tiered = tiered_state_bytes(
+        psi, n, 3, offload_optimizer="disk", offload_params="disk", sub_group_numel=2**20,
+        buffer_count=5, bucket_numel=2**22,
+    )  # fmt: skip
+    assert tiered.device == tiered.gradients == 2 * psi / n
+    assert tiered.disk == (2 + 12) * psi / n
+    assert tiered.host == 0
+    reads = 2 * (2 * 2**24 / n)  # the default prefetch_numel, 2**24
+    assert tiered.staging == 5 * 2**19 * 12  # a bucket slice, 2**22 / 8, < 2**20
+    assert tiered.read_ahead == reads  # only while forward and backward run
+    no_prefetch = tiered_state_bytes(psi, n, 3, offload_params="disk", prefetch_numel=0)
+    assert no_prefetch.read_ahead == 2 * 2**19  # one bucket slice's read buffer
+    small = tiered_state_bytes(2**16, n, 3, offload_params="disk")
+    assert small.read_ahead == small.disk == 2 * 2**16 / n  # read ahead whole
+    bigger_tiles = tiered_state_bytes(psi, n, 3, offload_optimizer="disk",
+                                      sub_group_numel=2**20, largest_param_numel=2**26)  # fmt: skip
+    assert bigger_tiles.staging == 4 * 2**20 * 12  # one parameter's slice, 2**23, is larger
+    assert SLICE_ALIGNMENT == BLOCK  # what the engine pads bucket slices to
+    few_tiles = tiered_state_bytes(4096, 2, 1, offload_optimizer="disk", sub_group_numel=1000)
+    assert few_tiles.staging == 3 * 1000 * 12  # 2048 elements: 3 tiles, 3 buffers used
+
+
+def test_float32_offload_keeps_the_parameter_and_moves_a_separate_master() -> None:
+    """Float32 Adam at stage 2 is 4Ψ + (4 + 8)Ψ/N; with the optimizer on the host the
+    device keeps 4Ψ + 4Ψ/N (parameters, gradient shard) and the host gets a float32 master
+    and two moments, (4 + 8)Ψ/N: 4Ψ/N more than without offload."""
+    psi, n = 1000, 4
+    fp32: dict[str, Any] = {"optimizer_state_bytes": 8, "param_bytes": 4, "grad_bytes": 4}
+    plain = tiered_state_bytes(psi, n, 2, **fp32)
+    host = tiered_state_bytes(psi, n, 2, offload_optimizer="cpu", **fp32)
+    assert plain.device == 4 * psi + 4 * psi / n + 8 * psi / n and plain.master_weights == 0
+    assert host.device == 4 * psi + 4 * psi / n
+    assert host.host == (4 + 8) * psi / n
+    assert host.model_states - plain.model_states == 4 * psi / n
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"stage": 0, "offload_optimizer": "cpu"}, "needs stage 1, 2 or 3"),
+    ({"stage": 2, "offload_params": "disk"}, "needs stage 3"),
+    ({"offload_optimizer": "nvme"}, "offload_optimizer must be one of"),
+    ({"offload_optimizer": "cpu", "offload_fraction": 1.5}, "offload_fraction"),
+    ({"optimizer_state_bytes": 2, "offload_optimizer": "disk"}, "at least 4"),
+    ({"buffer_count": 0}, "buffer_count"),
+])  # fmt: skip
+def test_bad_tier_input_is_named(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, Any] = {"params": 10, "world_size": 2, "stage": 3, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        tiered_state_bytes(**args)
+
+
+def test_cli_prints_each_tier_and_what_a_stage_cannot_offload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--offload-optimizer disk --offload-params cpu: stage 0 offloads nothing (n/a), stages
+    1-2 the optimizer only, stage 3 both; the categories' total is device + host + disk
+    less the staging buffers; --json says which tiers each stage applied."""
+    argv = ["--params", "7.5e9", "--world-size", "64", "--offload-optimizer", "disk",
+            "--offload-params", "cpu"]  # fmt: skip
+    main([*argv, "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rows["0"]["host"] is None and rows["0"]["disk"] is None
+    assert rows["0"]["device"] == rows["0"]["total"] == 16 * 7.5e9
+    assert [rows[s]["offload_params"] for s in "0123"] == ["none", "none", "none", "cpu"]
+    assert [rows[s]["offload_optimizer"] for s in "0123"] == ["none", "disk", "disk", "disk"]
+    for stage in "123":
+        row = rows[stage]
+        assert row["device"] + row["host"] - row["staging"] + row["disk"] == pytest.approx(
+            row["total"]
+        )
+        assert row["disk"] == pytest.approx(12 * 7.5e9 / 64)
+        assert row["staging"] > 0
+    assert rows["3"]["device"] == pytest.approx(2 * 7.5e9 / 64)  # the gradient shard
+    assert rows["3"]["host"] == pytest.approx(2 * 7.5e9 / 64 + rows["3"]["staging"])
+    main(argv)
+    table = capsys.readouterr().out
+    assert "device" in table and "host" in table and "disk" in table
+    stage0 = next(line for line in table.splitlines() if "stage 0" in line)
+    assert stage0.count("n/a") == 4  # host, disk, staging, read ahead
+    main(["--params", "1e6", "--world-size", "2", "--offload-params", "disk", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [rows[s]["disk"] for s in "012"] == [None, None, None]  # nothing asked applies
+    assert rows["3"]["disk"] == 2 * 1e6 / 2 and rows["3"]["parameters"] == 2 * 1e6 / 2
+    with pytest.raises(SystemExit):
+        main(["--params", "1e6", "--world-size", "2", "--offload-fraction", "2"])
+    assert "--offload-fraction" in capsys.readouterr().err

@@ -1,7 +1,9 @@
-"""``zero-estimate``: per-rank memory of every ZeRO stage: model states, and with a model
-shape, the activations of one step (zero_core.activation_estimate).
+"""``zero-estimate``: per-rank memory of every ZeRO stage: model states on the device, in
+host memory and on disk (offload tiers), and with a model shape, the activations of one
+step (zero_core.activation_estimate).
 
 zero-estimate --params 7.5e9 --world-size 64
+zero-estimate --params 7.5e9 --world-size 64 --offload-optimizer disk --offload-params cpu
 zero-estimate --params 124e6 --world-size 4 --dtype fp32 --layers 12 --width 768 --heads 12 \
     --vocab-size 50257 --tokens 1024 --checkpoint partitioned --tp 2
 """
@@ -11,9 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
-from .memory_estimate import OPTIMIZER_STATE_BYTES, STAGES, model_state_bytes, state_bytes_per_param
+from .memory_estimate import (
+    OPTIMIZER_STATE_BYTES,
+    STAGES,
+    TIERS,
+    model_state_bytes,
+    state_bytes_per_param,
+    tiered_state_bytes,
+)
 
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -49,10 +59,46 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--checkpoint", choices=("none", "full", "partitioned"), default="none",
         help="activation checkpointing of the blocks; partitioned = P_a over --tp",
     )  # fmt: skip
+    tiers = parser.add_argument_group("offload tiers (ZeRO-Offload / ZeRO-Infinity)")
+    tiers.add_argument(
+        "--offload-optimizer", choices=TIERS, default="none",
+        help="stages 1-3: float32 masters and optimizer states in host memory or on disk",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--offload-params", choices=TIERS, default="none",
+        help="stage 3: the compute-parameter shards in host memory or on disk",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--offload-fraction", type=float, default=1.0,
+        help="fraction of the masters and optimizer states in the tier (default 1)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--offload-sub-group-numel", type=int, default=2**22,
+        help="elements per disk-tier sub-group (tile; default 2**22)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--offload-buffer-count", type=int, default=4,
+        help="disk-tier pipeline buffers in host memory (default 4)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--bucket-numel", type=int, default=2**22,
+        help="elements per bucket: a tile is at most a bucket slice (default 2**22)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--prefetch-numel", type=int, default=2**24,
+        help="stage 3: elements gathered ahead; disk-tier parameters are read as many more "
+        "ahead, into host buffers (default 2**24)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.params < 0 or args.world_size < 1:
         parser.error("--params must be >= 0 and --world-size >= 1")
+    if not 0 <= args.offload_fraction <= 1:
+        parser.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
+    if min(args.offload_sub_group_numel, args.offload_buffer_count, args.bucket_numel) < 1:
+        parser.error("--offload-sub-group-numel, --offload-buffer-count, --bucket-numel: >= 1")
+    if args.prefetch_numel < 0:
+        parser.error(f"--prefetch-numel must be >= 0, got {args.prefetch_numel}")
     sizes = [args.layers, args.width, args.heads, args.vocab_size, args.tokens]
     activations: ActivationBytes | None = None
     if any(v is not None for v in sizes):
@@ -67,31 +113,95 @@ def main(argv: Sequence[str] | None = None) -> None:
     if k is None:
         k = state_bytes_per_param(DTYPE_BYTES[args.dtype], args.optimizer)
     width = DTYPE_BYTES[args.dtype]
-    rows = {
-        stage: model_state_bytes(
-            args.params, args.world_size, stage,
-            optimizer_state_bytes=k, param_bytes=width, grad_bytes=width,
-        )
-        for stage in STAGES
-    }  # fmt: skip
-    extra = activations.peak if activations is not None else 0.0
+    if width != 4 and k < 4 and args.offload_optimizer != "none":
+        parser.error(f"-K {k:g} has no room for the 4-byte float32 master of {args.dtype}")
+    # The largest parameter of a transformer is its (vocab-parallel) embedding.
+    largest = args.vocab_size * args.width / args.tp if activations is not None else 0
+    rows = {stage: _row(args, stage, k, width, largest) for stage in STAGES}
     if args.json:
-        table = {str(s): {**r._asdict(), "total": r.total} for s, r in rows.items()}
+        table = {str(s): row for s, row in rows.items()}
         if activations is not None:
             for entry in table.values():
                 entry.update(activations_kept=activations.kept, activations_peak=activations.peak,
-                           step_peak=entry["total"] + activations.peak)  # fmt: skip
+                             step_peak=entry["device"] + activations.peak)  # fmt: skip
         print(json.dumps(table))
         return
+    _print_table(args, k, rows, activations)
+
+
+def _row(
+    args: argparse.Namespace, stage: int, k: float, width: int, largest: float
+) -> dict[str, Any]:
+    """One stage's bytes: the paper's categories over every tier (``total``), and where
+    they are; the tiers this stage cannot apply are dropped (stage 0 never offloads,
+    parameters only at stage 3), and where it applies none of those asked for, host and
+    disk are None (n/a)."""
+    optimizer = args.offload_optimizer if stage >= 1 else "none"
+    params = args.offload_params if stage == 3 else "none"
+    tiered = tiered_state_bytes(
+        args.params, args.world_size, stage, optimizer_state_bytes=k, param_bytes=width,
+        grad_bytes=width, offload_optimizer=optimizer, offload_params=params,
+        offload_fraction=args.offload_fraction, sub_group_numel=args.offload_sub_group_numel,
+        buffer_count=args.offload_buffer_count, bucket_numel=args.bucket_numel,
+        largest_param_numel=largest, prefetch_numel=args.prefetch_numel,
+    )  # fmt: skip
+    plain = model_state_bytes(
+        args.params, args.world_size, stage, optimizer_state_bytes=k, param_bytes=width,
+        grad_bytes=width,
+    )  # fmt: skip
+    parameters = plain.parameters  # in whichever tier
+    optimizer_states = tiered.model_states - parameters - plain.gradients  # + separate masters
+    asked = args.offload_optimizer != "none" or args.offload_params != "none"
+    applies = optimizer != "none" or params != "none"
+    na = asked and not applies
+    return {
+        "parameters": parameters,
+        "gradients": plain.gradients,
+        "optimizer_states": optimizer_states,
+        "total": tiered.model_states,
+        "device": tiered.device,
+        "host": None if na else tiered.host_resident,
+        "disk": None if na else tiered.disk,
+        "staging": None if na else tiered.staging,
+        "read_ahead": None if na else tiered.read_ahead,
+        "offload_optimizer": optimizer,
+        "offload_params": params,
+    }
+
+
+def _gb(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.{digits}f} GB"
+
+
+def _print_table(
+    args: argparse.Namespace, k: float, rows: dict[int, dict[str, Any]],
+    activations: ActivationBytes | None,
+) -> None:  # fmt: skip
     print(
         f"model states per rank, Ψ={args.params:.4g}, N={args.world_size}, "
         f"{args.dtype} parameters and gradients, K={k:g}"
     )
+    asked = args.offload_optimizer != "none" or args.offload_params != "none"
+    if asked:
+        print(
+            f"tiers: masters and optimizer states {args.offload_optimizer} (fraction "
+            f"{args.offload_fraction:g}, stages 1-3), parameters {args.offload_params} (stage 3)"
+        )
+    digits = 1 if activations is None and not asked else 3
+    extra = activations.peak if activations is not None else 0.0
+    staging = "disk" in (args.offload_optimizer, args.offload_params)
+    header = f"  {'stage':17s} {'device':>13s} {'host':>13s} {'disk':>13s}"
+    print(header + (f" {'(host: staging)':>16s} {'(+ read ahead)':>15s}" if staging else ""))
     for stage, row in rows.items():
-        digits = 1 if activations is None else 3
-        line = f"  stage {stage} {STAGE_NAMES[stage]:9s} {row.total / 1e9:10.{digits}f} GB"
+        line = f"  stage {stage} {STAGE_NAMES[stage]:9s}"
+        line += "".join(f" {_gb(row[t], digits):>13s}" for t in ("device", "host", "disk"))
+        if staging:
+            line += f" {_gb(row['staging'], digits):>16s} {_gb(row['read_ahead'], digits):>15s}"
         if activations is not None:
-            line += f"  + activations {extra / 1e9:.3f} GB = {(row.total + extra) / 1e9:.3f} GB"
+            line += (
+                f"  + activations {extra / 1e9:.3f} GB = {(row['device'] + extra) / 1e9:.3f} GB "
+                "on the device"
+            )
         print(line)
     if activations is not None:
         print(f"activations ({args.checkpoint} checkpointing, TP {args.tp}): "

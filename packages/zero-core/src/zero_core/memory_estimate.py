@@ -11,13 +11,45 @@ parameters on N data-parallel ranks (Rajbhandari et al. 2019, Figure 1):
     stage 3 (P_os+g+p)    (2 + 2 + K) Ψ / N
 
 Paper check, Ψ = 7.5e9, N = 64, K = 12: 120, 31.4, 16.6 and 1.9 GB (1 GB = 1e9 bytes).
+
+Tiers (ZeRO-Offload, ZeRO-Infinity; zero_core.offload_tiers). With S the rank's shard of
+the model states (Ψ / N at stages 1-3), a fraction f of S in the ``offload_optimizer`` tier,
+s = K - 4 the optimizer's own state bytes (K for float32 parameters, which are their own
+master without offload) and p, g the parameter and gradient bytes, one rank holds
+
+                     device                         host / disk (the tier)
+    parameters       p Ψ  (p Ψ / N at stage 3)      stage 3: p Ψ / N with offload_params
+    gradients        g Ψ  (g Ψ / N at stages 2, 3)  -
+    masters + states (4 + s)(1 - f) S               (4 + s) f S
+                     (s S: float32, no tier at all)
+    staging          -                              host: B T (4 + s) (optimizer on disk)
+    read ahead       -                              host, during forward and backward:
+                                                    p min(S, max(T', 2 R / N)) (params)
+
+Offloaded masters are never the parameters' storage: with float32 parameters and any
+tier, the engine keeps a separate float32 master (4 S bytes more than without offload),
+and the 4-byte parameter stays where it was. The disk tier steps its tiles of
+T = min(offload_sub_group_numel, a bucket slice, f S) elements through B =
+offload_buffer_count host buffers, each holding one tile's master and states. Stage 3
+reads disk-tier parameter slices into host buffers ahead of their gathers, which start up
+to R = prefetch_numel elements ahead and read up to R more: about 2 R / N elements, at
+least a bucket slice T', at most the shard, held only while forward and backward run
+(``read_ahead``; not at the step boundary). (Not counted, here or by MemoryReport: one
+4 KiB page per I/O thread for the tail of a transfer, and swap_file.STAGING_BYTES per
+thread that moves an unaligned tensor: checkpoint saves and loads of disk tiers.)
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 STAGES = (0, 1, 2, 3)
+TIERS = ("none", "cpu", "disk")
+MASTER_BYTES = 4  # a float32 master weight
+# Elements every parameter starts at a multiple of, and every bucket slice is a multiple
+# of (zero_core.grad_norm.BLOCK; bucket slices are padded to it).
+SLICE_ALIGNMENT = 128
 ADAM_STATE_BYTES = 12
 # float32 bytes per parameter an optimizer keeps, besides the fp32 master copy.
 OPTIMIZER_STATE_BYTES = {
@@ -66,3 +98,139 @@ def model_state_bytes(
         gradients=params * grad_bytes / (n if stage >= 2 else 1),
         optimizer_states=params * optimizer_state_bytes / (n if stage >= 1 else 1),
     )
+
+
+class TieredStateBytes(NamedTuple):
+    """Bytes one rank holds, by tier: the device's by category (as MemoryReport counts
+    them), the offloaded model states in host memory and in swap files, and the host
+    memory of the disk tiers' buffers (``staging``: the optimizer's pipeline, held for
+    good; ``read_ahead``: the disk parameters' reads, while forward and backward run;
+    neither is model states)."""
+
+    parameters: float
+    gradients: float
+    master_weights: float  # separate float32 masters on the device (aliased: 0)
+    optimizer_states: float  # on the device
+    host: float
+    disk: float
+    staging: float
+    read_ahead: float = 0.0  # host, while forward and backward run (disk parameters)
+
+    @property
+    def device(self) -> float:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+    @property
+    def host_resident(self) -> float:
+        """Host bytes in use at the step boundary: offloaded model states and the staging
+        buffers (what MemoryReport.host counts then); add ``read_ahead`` for the peak."""
+        return self.host + self.staging
+
+    @property
+    def model_states(self) -> float:
+        """Model states in every tier (staging buffers apart)."""
+        return self.device + self.host + self.disk
+
+
+def tiered_state_bytes(
+    params: float,
+    world_size: int,
+    stage: int,
+    *,
+    optimizer_state_bytes: float = ADAM_STATE_BYTES,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
+    offload_fraction: float = 1.0,
+    sub_group_numel: int = 2**22,
+    buffer_count: int = 4,
+    bucket_numel: int = 2**22,
+    largest_param_numel: float = 0,
+    prefetch_numel: int = 2**24,
+) -> TieredStateBytes:
+    """Per-rank bytes of ``params`` parameters at ``stage`` on ``world_size`` ranks, placed
+    in the tiers of ``offload_optimizer`` and ``offload_params`` (ZeroConfig's fields of
+    the same names; see the module docstring).
+
+    ``optimizer_state_bytes`` is the paper's K, as for :func:`model_state_bytes`: it holds
+    a 4-byte float32 master unless ``param_bytes`` is 4 (float32 parameters are their own
+    master). ``sub_group_numel``, ``buffer_count``, ``bucket_numel`` and ``prefetch_numel``
+    size the disk tiers' staging buffers; ``largest_param_numel`` matters only where one
+    parameter is larger than ``bucket_numel`` (it gets a bucket of its own, with larger
+    slices and tiles).
+    Without offload this is :func:`model_state_bytes` with the master apart."""
+    plain = model_state_bytes(
+        params, world_size, stage, optimizer_state_bytes=optimizer_state_bytes,
+        param_bytes=param_bytes, grad_bytes=grad_bytes,
+    )  # fmt: skip
+    for name, tier in (
+        ("offload_optimizer", offload_optimizer),
+        ("offload_params", offload_params),
+    ):
+        if tier not in TIERS:
+            raise ValueError(f"{name} must be one of {TIERS}, got {tier!r}")
+    if offload_optimizer != "none" and stage == 0:
+        raise ValueError(
+            f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3 (stage 0 replicates "
+            "the optimizer states; there is nothing sharded to offload)"
+        )
+    if offload_params != "none" and stage != 3:
+        raise ValueError(f"offload_params={offload_params!r} needs stage 3, got stage {stage}")
+    if not 0 <= offload_fraction <= 1:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
+    if sub_group_numel < 1 or buffer_count < 1 or bucket_numel < 1 or prefetch_numel < 0:
+        raise ValueError(
+            "sub_group_numel, buffer_count and bucket_numel must be >= 1 and prefetch_numel "
+            f">= 0, got {sub_group_numel}, {buffer_count}, {bucket_numel} and {prefetch_numel}"
+        )
+    own_master = param_bytes == 4  # float32 parameters: the master is the parameter
+    states = optimizer_state_bytes - (0 if own_master else MASTER_BYTES)  # s, master apart
+    master = MASTER_BYTES
+    if states < 0 and offload_optimizer == "none":  # a K with no master in it: kept whole
+        states, master = optimizer_state_bytes, 0
+    elif states < 0:
+        raise ValueError(
+            f"optimizer_state_bytes={optimizer_state_bytes} holds a {MASTER_BYTES}-byte master "
+            f"with {param_bytes}-byte parameters, so it must be at least {MASTER_BYTES}"
+        )
+    offloads = offload_optimizer != "none" or offload_params != "none"
+    separate = not own_master or offloads  # with any tier, masters are never aliased
+    shard = params / (world_size if stage >= 1 else 1)  # S: elements of the rank's master
+    tiered = shard * offload_fraction if offload_optimizer != "none" else 0.0
+    resident = shard - tiered
+    moved = {"cpu": 0.0, "disk": 0.0}
+    if offload_optimizer != "none":
+        moved[offload_optimizer] += (MASTER_BYTES + states) * tiered
+    parameters = plain.parameters
+    if offload_params != "none":
+        moved[offload_params] += parameters
+        parameters = 0.0
+    staging = 0.0
+    slice_numel = _largest_slice(stage, world_size, bucket_numel, largest_param_numel)
+    if offload_optimizer == "disk" and tiered > 0:
+        tile = min(sub_group_numel, slice_numel, tiered)  # the largest tile
+        buffers = min(buffer_count, math.ceil(tiered / tile))
+        staging += buffers * tile * (MASTER_BYTES + states)
+    read_ahead = 0.0
+    if offload_params == "disk":
+        ahead = max(slice_numel, 2 * prefetch_numel / world_size)
+        read_ahead = param_bytes * min(shard, ahead)
+    return TieredStateBytes(
+        parameters=parameters,
+        gradients=plain.gradients,
+        master_weights=master * resident if separate else 0.0,
+        optimizer_states=states * resident,
+        host=moved["cpu"],
+        disk=moved["disk"],
+        staging=staging,
+        read_ahead=read_ahead,
+    )
+
+
+def _largest_slice(stage: int, world_size: int, bucket_numel: int, largest_param: float) -> int:
+    """Elements of the largest bucket slice a rank owns: a bucket holds up to
+    ``bucket_numel`` elements (or one larger parameter), padded to N x SLICE_ALIGNMENT."""
+    n = world_size if stage >= 1 else 1
+    biggest = max(bucket_numel, math.ceil(largest_param))
+    return math.ceil(biggest / (n * SLICE_ALIGNMENT)) * SLICE_ALIGNMENT

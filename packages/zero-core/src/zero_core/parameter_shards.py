@@ -59,7 +59,6 @@ class ParameterShards:
         self._files: dict[tuple[int, int], SwapFile] = {}
         self.bytes_read = 0
         self._pending: dict[tuple[int, int], tuple[Future[None], torch.Tensor]] = {}
-        self._free: dict[int, list[torch.Tensor]] = {}  # aligned host buffers, by numel
         self._pool: ThreadPoolExecutor | None = None
         if tier is Tier.DISK:
             self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="zero-params")
@@ -181,11 +180,12 @@ class ParameterShards:
             self.comm.buffers.give_back(tensor)
 
     def _host_buffer(self, numel: int) -> torch.Tensor:
-        free = self._free.get(numel)
-        return free.pop() if free else aligned_empty(numel, self.dtype)
+        # Fresh each time, not pooled: a pool would keep the high-water mark of the reads
+        # ahead (most of the shard) in memory for good.
+        return aligned_empty(numel, self.dtype)
 
     def _give_back_host(self, tensor: torch.Tensor) -> None:
-        self._free.setdefault(tensor.numel(), []).append(tensor)
+        return None  # dropped: its memory goes back with the last reference
 
     # -------------------------------------------------------------- report
     def device_tensors(self) -> list[torch.Tensor]:
@@ -196,8 +196,7 @@ class ParameterShards:
         if self.tier is Tier.HOST:
             return sum(s.numel() * s.element_size() for s in self.shards)
         if self.tier is Tier.DISK:
-            held = [b for free in self._free.values() for b in free]
-            held += [b for _, b in self._pending.values()]
+            held = [b for _, b in self._pending.values()]
             buffers = sum(b.numel() * b.element_size() for b in held)
             return self._filling.open_bytes + self._updates.open_bytes + buffers
         return 0

@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from .offload_tiers import host_device
+from .swap_file import aligned_empty
 
 Flush = Callable[[Hashable, torch.Tensor], None]
 
@@ -30,6 +30,7 @@ class PartialBlocks:
         self.expected = expected  # elements written before a block is complete
         self.dtype = dtype
         self.flush = flush
+        # Aligned, so a direct write needs no bounce buffer (swap_file).
         self._open: dict[Hashable, tuple[torch.Tensor, int]] = {}
         self._done: set[Hashable] = set()
 
@@ -42,7 +43,7 @@ class PartialBlocks:
             )
         buffer, count = self._open.get(key, (None, 0))
         if buffer is None:
-            buffer = torch.zeros(self.numels[key], dtype=self.dtype, device=host_device())
+            buffer = aligned_empty(self.numels[key], self.dtype).zero_()
         buffer[offset : offset + values.numel()] = values.reshape(-1)
         count += values.numel()
         if count >= self.expected[key]:
@@ -59,7 +60,7 @@ class PartialBlocks:
             if key not in self._done:
                 buffer, _ = self._open.pop(key, (None, 0))
                 if buffer is None:
-                    buffer = torch.zeros(self.numels[key], dtype=self.dtype, device=host_device())
+                    buffer = aligned_empty(self.numels[key], self.dtype).zero_()
                 self.flush(key, buffer)
         self._done.clear()
 

@@ -413,7 +413,7 @@ class SwapFile:
         page: torch.Tensor | None = None
         if body < n:
             tail = n - body
-            page = self._staging()[:ALIGNMENT]
+            page = self._tail_page()
             if writing:
                 page[:tail].copy_(raw[body:])
                 page[tail:].zero_()
@@ -451,6 +451,14 @@ class SwapFile:
         if moved < total and moved % ALIGNMENT:
             moved += _loop(self._buffered_fd, _advance(pieces, moved), offset + moved, writing)
         return moved
+
+    def _tail_page(self) -> torch.Tensor:
+        """This thread's one aligned page for the last, partial page of a transfer."""
+        page: torch.Tensor | None = getattr(_THREAD_STAGING, "page", None)
+        if page is None:
+            page = aligned_empty(ALIGNMENT, torch.uint8)
+            _THREAD_STAGING.page = page
+        return page
 
     def _staging(self) -> torch.Tensor:
         buffer: torch.Tensor | None = getattr(_THREAD_STAGING, "staging", None)
