@@ -296,3 +296,28 @@ def bench(session: nox.Session) -> None:
                 env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
     session.run("python", "tools/bench_peers.py", "--all", *session.posargs,
                 env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
+
+
+@nox.session
+def bench_offload(session: nox.Session) -> None:
+    """Offload (ZeRO-Offload / ZeRO-Infinity) measured: the swap pipeline against dd on the
+    same folder (docs/benchmarks/swap.md), the CPU optimizer step against memory bandwidth
+    (docs/benchmarks/cpu-optimizer.md), and the largest GPT under a per-rank memory cap
+    with and without disk offload (docs/benchmarks/offload.md). About 40 minutes on 2 cores.
+    Extra arguments go to tools/bench_offload.py: nox -s bench_offload -- --cap-mib 1024
+    DeepSpeed (its stage 3 with CPU offload beside ours) is installed as in nox -s bench.
+    """
+    _install(session)
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    session.run("python", "-m", "pip", "install", "-c", str(constraints), "deepspeed",
+                env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
+    out = Path("docs/benchmarks")
+    raw = out / "offload-json"
+    raw.mkdir(parents=True, exist_ok=True)
+    session.run("python", "tools/bench_swap.py", "--size-mib", "1024", "--rounds", "3",
+                "--json", str(raw / "swap.json"), "--markdown", str(out / "swap.md"))  # fmt: skip
+    for threads in ("1", "2"):
+        session.run("python", "tools/bench_cpu_optimizer.py", "--threads", threads, "--json",
+                    str(raw / f"cpu-optimizer-{threads}.json"))  # fmt: skip
+    session.run("python", "tools/bench_offload.py", "--out", str(out), *session.posargs)

@@ -10,6 +10,14 @@ saving a checkpoint to DIR/ckpt after each step. At step 3 the victim dies:
     collective  right after it issued an all-gather, before waiting for it
     step        as the optimizer step starts
     save        after writing its checkpoint shard, before the save completes
+    swap        inside the disk pipeline of the optimizer step: once the swap write of
+                its 3rd disk tile's ``exp_avg`` has landed, while that tile's other
+                writes and the next tiles' reads are in flight
+
+For ``swap`` every rank keeps its masters, optimizer states and parameter shards on disk
+(offload_optimizer and offload_params "disk", swap files under DIR/swap, tiles of
+SWAP_TILE_NUMEL elements: each rank's ~5,500 elements make 6 tiles or more); the victim's
+swap files stay behind, half written.
 
 Just before, it writes the time and its pid to DIR/killed_at. A surviving rank prints one JSON line
 ``{"rank", "error", "message", "after_kill_s"}`` and exits 3; the numbers of steps it
@@ -34,11 +42,24 @@ import zero_comm
 import zero_core
 from zero_comm.testing.threads import pin_test_threads
 
-WHERE = ("forward", "backward", "collective", "step", "save")
+WHERE = ("forward", "backward", "collective", "step", "save", "swap")
 KILL_STEP = 3
+SWAP_TILE_NUMEL = 1024  # elements per disk tile (offload_sub_group_numel)
+SWAP_KILL_TILE = 2  # the victim dies in the write of its 3rd disk tile
 
 
-def build(comm: zero_comm.Communicator) -> zero_core.ZeroEngine:
+def build(comm: zero_comm.Communicator, offload_dir: Path | None = None) -> zero_core.ZeroEngine:
+    """The job's engine: stage 3, everything on the device, or with ``offload_dir`` the
+    masters, optimizer states and parameter shards in swap files under it."""
+    tiers: dict[str, Any] = {}
+    if offload_dir is not None:
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        tiers = {
+            "offload_optimizer": "disk",
+            "offload_params": "disk",
+            "offload_dir": str(offload_dir),
+            "offload_sub_group_numel": SWAP_TILE_NUMEL,
+        }
     generator = torch.Generator().manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
     with torch.no_grad():
@@ -47,7 +68,7 @@ def build(comm: zero_comm.Communicator) -> zero_core.ZeroEngine:
     return zero_core.initialize(
         model,
         torch.optim.Adam(model.parameters(), lr=1e-2),
-        zero_core.ZeroConfig(stage=3, persistence_threshold=0),
+        zero_core.ZeroConfig(stage=3, persistence_threshold=0, **tiers),
         comm,
     )
 
@@ -59,13 +80,18 @@ def train_step(engine: zero_core.ZeroEngine, step: int) -> None:
     engine.step()
 
 
-def expected_state(comm: zero_comm.Communicator, steps: int, folder: Path | None) -> Any:
-    """After loading ``folder`` (if given), train up to ``steps``; the full state."""
-    engine = build(comm)
+def expected_state(
+    comm: zero_comm.Communicator, steps: int, folder: Path | None, offload_dir: Path | None = None
+) -> Any:
+    """After loading ``folder`` (if given), train up to ``steps``; the full state. With
+    ``offload_dir``, on the disk tiers (``build``)."""
+    engine = build(comm, offload_dir)
     first = engine.load(folder)["steps"] if folder is not None else 0
     for step in range(first, steps):
         train_step(engine, step)
-    return engine.full_state_dict()
+    state = engine.full_state_dict()
+    engine.close()
+    return state
 
 
 def die(folder: Path) -> None:
@@ -103,6 +129,16 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
             die(folder)
 
         checkpoint.write_file = write_then_die  # type: ignore[assignment]
+    elif where == "swap":
+        swap: Any = engine.masters.swap  # type: ignore[union-attr]
+        swap_write = swap.write  # the pipeline's threads call the instance's attribute
+
+        def swap_write_then_die(index: int, key: str, value: torch.Tensor) -> None:
+            swap_write(index, key, value)
+            if index == SWAP_KILL_TILE and key == "exp_avg":
+                die(folder)
+
+        swap.write = swap_write_then_die
 
 
 def main() -> int:
@@ -115,7 +151,7 @@ def main() -> int:
     args = parser.parse_args()
     pin_test_threads()  # the test compares with its own run: the same thread count
     comm = zero_comm.init(args.backend, deterministic=True, timeout=args.timeout)
-    engine = build(comm)
+    engine = build(comm, args.folder / "swap" if args.where == "swap" else None)
     try:
         for step in range(6):
             if step == KILL_STEP and comm.rank == args.victim:

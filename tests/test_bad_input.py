@@ -203,12 +203,20 @@ def rows(tmp: Path) -> list[Row]:
             r"zero_optimization\.cpu_offload is not supported",
         ),
         (
-            "DeepSpeed offload to a device",
+            "DeepSpeed parameter offload below stage 3",
             lambda: ZeroConfig.from_deepspeed(
-                {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+                {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
             ),
             ValueError,
-            r"offload_param\.device='cpu'.*set device to 'none'",
+            r"offload_params='cpu' needs stage=3",
+        ),
+        (
+            "DeepSpeed NVMe offload without a path",
+            lambda: ZeroConfig.from_deepspeed(
+                {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}
+            ),
+            ValueError,
+            r"needs offload_dir",
         ),
         (
             "bf16 and fp16",

@@ -1,6 +1,6 @@
-"""A rank killed for real (SIGKILL) in forward, backward, a collective, the optimizer step
-or a checkpoint save: the others stop at once naming it, the launchers exit non-zero
-naming it, and the last complete checkpoint resumes bit for bit."""
+"""A rank killed for real (SIGKILL) in forward, backward, a collective, the optimizer step,
+the disk tier's swap pipeline or a checkpoint save: the others stop at once naming it, the
+launchers exit non-zero naming it, and the last complete checkpoint resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import zero_comm
 from zero_comm import run_simulated
 from zero_comm.launch import free_port, rank_environment
 from zero_comm.testing import find_mpiexec, is_open_mpi
@@ -23,7 +24,7 @@ from zero_models.run_metrics import read_metrics
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fault_rank import WHERE, expected_state  # noqa: E402
+from fault_rank import KILL_STEP, WHERE, build, expected_state, train_step  # noqa: E402
 
 TIMEOUT_S = 10.0
 
@@ -53,7 +54,8 @@ SLOW = pytest.mark.faults
 
 @pytest.mark.gloo
 @pytest.mark.parametrize(
-    "where", [w if w in ("backward", "save") else pytest.param(w, marks=SLOW) for w in WHERE]
+    "where",
+    [w if w in ("backward", "save") else pytest.param(w, marks=SLOW) for w in WHERE if w != "swap"],
 )
 def test_every_survivor_names_the_killed_rank_and_the_last_checkpoint_resumes(
     where: str, tmp_path: Path
@@ -72,6 +74,66 @@ def test_every_survivor_names_the_killed_rank_and_the_last_checkpoint_resumes(
     resumed = run_simulated(3, lambda comm: expected_state(comm, 6, tmp_path / "ckpt"))[0]
     straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def swap_files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> contents)."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+# 20-35 s on 2 cores, nearly all of it starting the 3 ranks (the four in-process runs take
+# ~3 s): with the faults, not in the default run.
+@pytest.mark.gloo
+@SLOW
+def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_path: Path) -> None:
+    """Every rank's masters, Adam states and parameter shards on disk (fault_rank.build);
+    rank 1 dies in step 3's swap pipeline (its 3rd tile's write landed, the tile's other
+    writes and the next tiles' reads in flight). The survivors name it; its swap files
+    stay behind, half written (theirs are removed as they exit). The checkpoint of step 3
+    resumes on the disk tiers, with fresh swap files (the left-over ones are neither read
+    nor changed), and without them: both end bitwise equal to an uninterrupted run, on
+    the disk tiers or not (the tiers are exact: torch.equal)."""
+    processes = start_ranks("swap", tmp_path)
+    outputs = [p.communicate(timeout=120) for p in processes]
+    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
+    assert processes[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
+    for rank in (0, 2):
+        assert processes[rank].returncode == 3, outputs[rank][1][-2000:]
+        report = json.loads(outputs[rank][0].strip().splitlines()[-1])
+        assert report["error"] in ("PeerFailureError", "CommTimeoutError"), report
+        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
+        assert report["after_kill_s"] < TIMEOUT_S + 2, report
+    swap, checkpoint = tmp_path / "swap", tmp_path / "ckpt"
+    saved = json.loads((checkpoint / "index.json").read_text())["extra"]["steps"]
+    assert saved == KILL_STEP  # the save before the step it died in
+    left = swap_files(swap)
+    victims = {Path(name).parts[0] for name in left}
+    assert victims == {f"zero-swap.rank1.pid{victim_pid}.0"}, sorted(left)
+    assert any(name.endswith(".exp_avg.swap") for name in left), sorted(left)
+
+    def resume_on_disk(comm: zero_comm.Communicator) -> dict[str, torch.Tensor]:
+        engine = build(comm, swap)
+        fresh = engine.masters.swap.folder  # type: ignore[union-attr]
+        assert fresh.name not in victims and any(fresh.iterdir())
+        for step in range(engine.load(checkpoint)["steps"], 6):
+            train_step(engine, step)
+        state = engine.full_state_dict()
+        engine.close()
+        assert not fresh.exists()
+        return state
+
+    on_disk = run_simulated(3, resume_on_disk)[0]
+    on_device = run_simulated(3, lambda comm: expected_state(comm, 6, checkpoint))[0]
+    runs = {"resumed on disk": on_disk, "resumed on the device": on_device}
+    assert swap_files(swap) == left, "the left-over swap files are not consumed"
+    runs["straight on disk"] = run_simulated(
+        3, lambda comm: expected_state(comm, 6, None, tmp_path / "straight")
+    )[0]
+    straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
+    for name, state in runs.items():
+        assert state.keys() == straight.keys()
+        unequal = [k for k in straight if not torch.equal(state[k], straight[k])]
+        assert not unequal, f"{name} differs from the uninterrupted run on the device: {unequal}"
 
 
 @pytest.mark.gloo

@@ -50,7 +50,10 @@ DEEPSPEED = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
 # optimizer states and parameter shards in swap files under $ZERO_BENCH_OFFLOAD_DIR (else
 # the temporary folder), "-cpu" in host memory (the same memory on a CPU-only machine).
 OURS_OFFLOAD = ("ours-3-disk", "ours-3-cpu")
-VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET, *OURS_OFFLOAD)
+# DeepSpeed's stage 3 with offload_optimizer and offload_param on "cpu" (its NVMe tier
+# needs libaio), stepping the same torch AdamW.
+DEEPSPEED_OFFLOAD = ("deepspeed-3-cpu",)
+VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET, *OURS_OFFLOAD, *DEEPSPEED_OFFLOAD)
 DEFAULT_VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED)
 
 
@@ -323,9 +326,12 @@ def fsdp2_gpt(config: GPTConfig, seed: int, group: Any) -> nn.Module:
 class DeepSpeedPeer(Trainer):
     """DeepSpeed's ZeRO stage 1, 2 or 3 on the world (it clones the world group itself)."""
 
-    def __init__(self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, batch: int) -> None:
+    def __init__(
+        self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, batch: int,
+        offload: bool = False,
+    ) -> None:  # fmt: skip
         deepspeed = importlib.import_module("deepspeed")
-        self.name = f"deepspeed-{stage}"
+        self.name = f"deepspeed-{stage}" + ("-cpu" if offload else "")
         self.counter = peer_comm.CallCounter(peer_comm.ANY_GROUP)
         self.module = build_gpt(config, seed)
         zero: dict[str, Any] = {
@@ -335,6 +341,9 @@ class DeepSpeedPeer(Trainer):
         }
         if stage == 3:
             zero["stage3_prefetch_bucket_size"] = BUCKET_NUMEL
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            zero["offload_param"] = {"device": "cpu"}
         ds_config = {
             "train_micro_batch_size_per_gpu": batch,
             "gradient_accumulation_steps": 1,
@@ -343,6 +352,7 @@ class DeepSpeedPeer(Trainer):
             "gradient_clipping": 0.0,  # its default is 1.0: the others do not clip
             "steps_per_print": 2**30,
             "wall_clock_breakdown": False,
+            "zero_force_ds_cpu_optimizer": False,  # the same torch AdamW as the others
         }
         with self.counter:
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
@@ -413,4 +423,6 @@ def make_trainer(
         return TorchPeer(variant, config, seed, hyper, getattr(comm, "group", None))
     if variant in DEEPSPEED:
         return DeepSpeedPeer(int(variant[-1]), config, seed, hyper, batch)
+    if variant in DEEPSPEED_OFFLOAD:
+        return DeepSpeedPeer(3, config, seed, hyper, batch, offload=True)
     raise ValueError(f"variant {variant!r}: choose from {', '.join(VARIANTS)}")

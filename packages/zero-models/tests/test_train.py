@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +312,129 @@ def test_a_deepspeed_config_drives_the_run(tmp_path: Path) -> None:
     refused = run("--model", "test", "--deepspeed", "bad.json", cwd=tmp_path)
     assert refused.returncode == 2
     assert "train_batch_size=6 does not divide into 2 x 2 ranks" in refused.stderr
+
+
+# zero-train whose every rank may take BUDGET MiB of address space more than it holds once
+# started (RLIMIT_AS, set as the build begins, as tools/bench_peers.py's probes do): each
+# rank runs this file instead of `-m zero_models.train`, through zero-train's own launch.
+CAPPED_TRAIN = """
+import resource, sys
+import torch._dynamo  # imported on first use in the build: not the model's memory
+import zero_models.run_setup as run_setup
+import zero_models.train as train
+from zero_core.memory_tracker import process_status_kib
+
+budget, footprint, launch = int(sys.argv[1]) << 20, run_setup.run_footprint, train.launch
+
+def capped_footprint(*args, **kwargs):
+    mapped = process_status_kib("VmSize") * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + budget, resource.RLIM_INFINITY))
+    return footprint(*args, **kwargs)
+
+def launch_capped(command, world_size, **kwargs):  # command: python -m zero_models.train ...
+    return launch([sys.executable, __file__, sys.argv[1], *command[3:]], world_size, **kwargs)
+
+run_setup.run_footprint, train.launch = capped_footprint, launch_capped
+train.main(sys.argv[2:])
+"""
+
+
+def run_capped(budget_mib: int, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """zero-train on 2 ranks (fp32, stage 3, 200 kB of text), each rank capped at
+    ``budget_mib`` MiB of address space more than it held before the build."""
+    (cwd / "capped_train.py").write_text(CAPPED_TRAIN)
+    (cwd / "text.txt").write_bytes(bytes(range(32, 127)) * 2000)
+    command = [sys.executable, "capped_train.py", str(budget_mib), "--data", "text.txt",
+               "--steps", "2", "--sample-tokens", "4", "--out", "o", *args]  # fmt: skip
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def one_line_per_rank(result: subprocess.CompletedProcess[str], phase: str) -> list[str]:
+    """The job ended with EXIT_OUT_OF_MEMORY and, on stderr, one line from each rank
+    saying it ran out of memory in ``phase`` (a regular expression), nothing else."""
+    from zero_models.out_of_memory import EXIT_OUT_OF_MEMORY
+
+    assert result.returncode == EXIT_OUT_OF_MEMORY, result.stderr[-3000:]
+    lines = sorted(line for line in result.stderr.splitlines() if line.strip())
+    assert len(lines) == 2, result.stderr[-3000:]
+    for rank, line in enumerate(lines):
+        start = rf"\[rank {rank}\] out of memory in {phase} at stage 3 \(fp32, 2 ranks\)"
+        assert re.match(start, line), line
+    return lines
+
+
+def test_out_of_memory_in_the_build_ends_in_one_line_per_rank(tmp_path: Path) -> None:
+    """GPT-2 small at stage 3 on 2 ranks holds 0.92 GiB of model states per rank (fp32
+    Adam: 16 bytes x 124M / 2): under a 300 MiB cap its build fails, and each rank
+    says so in one line, with zero-estimate's bytes and the tiers that keep the least."""
+    from zero_core.memory_estimate import model_state_bytes
+    from zero_models.gpt import PRESETS
+
+    result = run_capped(300, "--model", "gpt2", "--context", "64", "--batch-size", "2",
+                        cwd=tmp_path)  # fmt: skip
+    params = PRESETS["gpt2"].with_overrides(context=64).num_params
+    states = model_state_bytes(params, 2, 3, optimizer_state_bytes=8, param_bytes=4, grad_bytes=4)
+    for line in one_line_per_rank(result, "the build"):
+        assert f"zero-estimate predicts {states.total / 2**30:.2f} GiB of model states" in line
+        assert "--offload-optimizer disk --offload-params disk --offload-dir DIR" in line
+
+
+def test_out_of_memory_in_a_step_ends_in_one_line_per_rank(tmp_path: Path) -> None:
+    """The test GPT's build fits in 200 MiB, its first forward (4096 sequences of 32
+    tokens: ~0.5 GiB of activations per rank) does not: one line per rank naming the
+    phase and step, and activation checkpointing as what keeps the least."""
+    result = run_capped(200, "--model", "test", "--batch-size", "4096", cwd=tmp_path)
+    for line in one_line_per_rank(result, r"the (forward|backward) of step 1"):
+        assert "zero-estimate predicts 0.3 MiB of model states per rank + 0.52 GiB" in line
+        assert "--checkpoint full would keep" in line
+
+
+def test_what_counts_as_running_out_of_memory() -> None:
+    import torch
+
+    from zero_models.out_of_memory import failed_allocation, is_out_of_memory
+
+    cpu = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 154389504 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 ...")
+    assert is_out_of_memory(cpu) and failed_allocation(cpu) == "0.14 GiB"
+    assert is_out_of_memory(cuda) and failed_allocation(cuda) == "2.00 GiB"
+    assert is_out_of_memory(MemoryError()) and failed_allocation(MemoryError()) == ""
+    try:  # raised while handling one: a swap thread's, a hook's
+        try:
+            raise MemoryError
+        except MemoryError as exc:
+            raise RuntimeError("[rank 1] step of tile 3 failed") from exc
+    except RuntimeError as wrapped:
+        assert is_out_of_memory(wrapped)
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits() -> None:
+    """The issue's case: GPT-2 medium at stage 3 on 2 ranks in bf16 (1024 tokens per rank),
+    about 1.3 GiB left to each rank by a 2.5 GB cap. zero-estimate's 16 bytes x 355M / 2
+    = 2.64 GiB of model states per rank: only the disk tiers and activation checkpointing
+    together fit (on a GPU, whose host memory is another place, the host tier does)."""
+    import zero_core
+    from zero_core.activation_estimate import TransformerShape
+    from zero_core.memory_estimate import model_state_bytes
+    from zero_models.gpt import PRESETS
+    from zero_models.out_of_memory import Footprint, Placement, out_of_memory_line
+
+    gpt = PRESETS["gpt2-medium"]
+    shape = TransformerShape(gpt.layers, gpt.width, gpt.heads, gpt.vocab_size, 1024)
+    run = Footprint(gpt.num_params, 2, 2, 1, "bf16", Placement(3, "none", "none", "none"),
+                    shape, "cpu", zero_core.ZeroConfig(stage=3), 4.0 * gpt.vocab_size * gpt.width,
+                    1.3 * 2**30)  # fmt: skip
+    line = out_of_memory_line(1, "the build", run, MemoryError())
+    states = model_state_bytes(gpt.num_params, 2, 3).total / 2**30
+    assert line.startswith(
+        f"[rank 1] out of memory in the build at stage 3 (bf16, 2 ranks): zero-estimate "
+        f"predicts {states:.2f} GiB of model states per rank + 1.33 GiB of activations; this "
+        "rank had about 1.30 GiB free; --checkpoint full --offload-optimizer disk "
+        "--offload-params disk --offload-dir DIR would keep "
+    ), line
+    on_gpu = out_of_memory_line(1, "the build", run._replace(device="cuda"), MemoryError())
+    assert "; --checkpoint full --offload-optimizer cpu" in on_gpu and "disk" not in on_gpu

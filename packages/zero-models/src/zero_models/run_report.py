@@ -84,8 +84,10 @@ def print_memory(reports: list[dict[str, Any]], stage0: float) -> None:
             line += f" {mib(r.get('host', 0))} {mib(r.get('disk', 0))}"
         print(line)
     if tiers:
-        print("(host and disk: offloaded model states and their staging buffers, outside the "
-              "device's columns; on a CPU-only machine host memory is the device's own)")  # fmt: skip
+        print(
+            "(host and disk: offloaded model states and their staging buffers, outside "
+            "the device's columns; on a CPU-only machine host memory is the device's own)"
+        )
 
 
 def print_communication(args: argparse.Namespace, moved: Fraction, psi: int, n: int) -> None:

@@ -5,24 +5,35 @@
     run.close()               # every rank, at the end
 
 ``build_run`` is collective: every rank calls it with the same options, since it joins the
-world (zero_comm.init) and splits it into the tensor- and data-parallel communicators.
+world (zero_comm.init) and splits it into the tensor- and data-parallel communicators. A rank
+that runs out of memory building the model or the engine ends with one line
+(out_of_memory).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 import zero_comm
 import zero_core
+from zero_comm.launcher_env import detect_launch_env
 from zero_core.activation_checkpoint import ActivationCheckpointing
+from zero_core.activation_estimate import TransformerShape
 
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import BatchSampler, load_tokens
 from .gpt import GPT, GPTConfig
+from .out_of_memory import (
+    Footprint,
+    Placement,
+    available_bytes,
+    remove_swap_folders,
+    stop_in_one_line,
+)
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
 from .train_options import DTYPES, model_config
 
@@ -39,6 +50,7 @@ class Run(NamedTuple):
     sampler: BatchSampler
     tracker: zero_core.MemoryTracker
     checkpointing: ActivationCheckpointing | None
+    footprint: Footprint  # what zero-estimate predicts, for a rank out of memory
 
     def close(self) -> None:
         """Close every communicator of this rank, the world last."""
@@ -47,10 +59,14 @@ class Run(NamedTuple):
         self.world.close()
 
 
-def build_run(args: argparse.Namespace) -> Run:
+def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: False) -> Run:
     """Communicators, the GPT (on meta without TP, its values streamed in), the
     engine and the data sampler of this rank. The data's vocabulary decides the model's:
-    byte-level data (the default corpus, or tokens below 256) gets at least 256 tokens."""
+    byte-level data (the default corpus, or tokens below 256) gets at least 256 tokens.
+
+    Running out of memory in the build, or a peer's end met there, ends this rank with
+    one line (out_of_memory.stop_in_one_line; ``signalled``: whether this rank has
+    received a signal, which ends its wait to be stopped)."""
     world = zero_comm.init(args.backend, deterministic=True)
     metrics_comm = world.split(color=0)
     mesh = make_mesh(world, args.tp)
@@ -58,19 +74,11 @@ def build_run(args: argparse.Namespace) -> Run:
     tokens = load_tokens(args.data)
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
-    model, init_values, model_parallel = build_model(args, config, world, mesh)
-    checkpointing = checkpoint_gpt_blocks(
-        model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
-    )
     setup = getattr(args, "deepspeed_setup", None)
-    own_optimizer = setup is None or setup.optimizer is None
-    engine = zero_core.initialize(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        if own_optimizer
-        else None,
-        setup
-        or zero_core.ZeroConfig(
+    zero_config = (
+        setup.zero
+        if setup is not None
+        else zero_core.ZeroConfig(
             stage=args.stage,
             param_dtype=DTYPES[args.dtype],
             gradient_accumulation_steps=args.grad_accum,
@@ -78,17 +86,64 @@ def build_run(args: argparse.Namespace) -> Run:
             offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params,
             offload_dir=None if args.offload_dir is None else str(args.offload_dir),
-        ),
-        mesh.dp,
-        model_parallel=model_parallel,
-        init_values=init_values,
+        )
     )
+    footprint = run_footprint(args, config, world, mesh, zero_config)
+    with stop_in_one_line(
+        world.rank, lambda: "the build", footprint, signalled=signalled,
+        before=lambda: remove_swap_folders(zero_config.offload_dir),
+    ):  # fmt: skip
+        model, init_values, model_parallel = build_model(args, config, world, mesh)
+        checkpointing = checkpoint_gpt_blocks(
+            model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
+        )
+        own_optimizer = setup is None or setup.optimizer is None
+        engine = zero_core.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+            if own_optimizer
+            else None,
+            setup or zero_config,
+            mesh.dp,
+            model_parallel=model_parallel,
+            init_values=init_values,
+        )
     sampler = BatchSampler(
         tokens, context=config.context, global_batch=args.batch_size,
         dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed,
     )  # fmt: skip
     tracker = zero_core.MemoryTracker(world.device)
-    return Run(world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing)
+    return Run(
+        world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing,
+        footprint,
+    )  # fmt: skip
+
+
+def run_footprint(
+    args: argparse.Namespace,
+    config: GPTConfig,
+    world: zero_comm.Communicator,
+    mesh: Mesh,
+    zero_config: zero_core.ZeroConfig,
+) -> Footprint:
+    """What zero-estimate needs of this run, and what this rank has before the build."""
+    dtype = {dtype: name for name, dtype in DTYPES.items()}[zero_config.param_dtype]
+    tokens = args.batch_size // mesh.dp.world_size * config.context  # one micro-step's
+    placement = Placement(
+        zero_config.stage, args.checkpoint, zero_config.offload_optimizer,
+        zero_config.offload_params,
+    )  # fmt: skip
+    shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size, tokens)
+    local_ranks = detect_launch_env().local_world_size
+    # The build holds one parameter's float32 initial value (build_model), the largest an
+    # embedding or an MLP matrix; with tensor parallelism the whole model, until sliced.
+    largest = max(config.vocab_size, config.context, 4 * config.width) * config.width
+    transient = 4.0 * (config.num_params if args.tp > 1 else largest)
+    return Footprint(
+        config.num_params / args.tp, world.world_size, mesh.dp.world_size, args.tp, dtype,
+        placement, shape, world.device.type, zero_config, transient,
+        available_bytes(world.device, local_ranks),
+    )  # fmt: skip
 
 
 def build_model(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
+from .out_of_memory import EXIT_OUT_OF_MEMORY
 from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
 from .trainer import Trainer
 
@@ -31,8 +32,9 @@ from .trainer import Trainer
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse ``argv`` (default: sys.argv[1:]; a wrong option exits 2 with one line of
     usage). Without a launcher and with --nproc > 1, run ``--nproc`` ranks of this module
-    under zero-launch and exit with its code (EXIT_FAILED and EXIT_PREEMPTED pass through
-    as the ranks' own); otherwise this process is one rank, and trains."""
+    under zero-launch and exit with its code (EXIT_FAILED, EXIT_PREEMPTED and
+    EXIT_OUT_OF_MEMORY pass through as the ranks' own, each said in the ranks' own words);
+    otherwise this process is one rank, and trains."""
     args = parse_options(argv)
     if detect_launch_env().launcher == "none" and args.nproc > 1:
         command = [
@@ -41,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "zero_models.train",
             *(sys.argv[1:] if argv is None else argv),
         ]
-        sys.exit(launch(command, args.nproc, reported_codes=(EXIT_FAILED, EXIT_PREEMPTED)))
+        reported = (EXIT_FAILED, EXIT_PREEMPTED, EXIT_OUT_OF_MEMORY)
+        sys.exit(launch(command, args.nproc, reported_codes=reported))
     Trainer(args).fit()
 
 

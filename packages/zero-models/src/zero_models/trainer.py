@@ -5,7 +5,9 @@
 
 Every rank runs the same steps and the same collectives in the same order; rank 0 (the
 lead) alone prints, writes ``OUT/metrics.jsonl`` (and with --tensorboard the same values as
-TensorBoard events) and clears an --overwrite'd folder.
+TensorBoard events) and clears an --overwrite'd folder. A rank that runs out of memory, in
+the build or in a step, prints one line naming where and what would fit, and exits with
+out_of_memory.EXIT_OUT_OF_MEMORY.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn, TextIO
@@ -30,6 +33,7 @@ import zero_core
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.memory_tracker import process_status_kib
 
+from .out_of_memory import stop_in_one_line
 from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics
 from .run_report import report
@@ -104,10 +108,9 @@ class Trainer:
         self.preemption = PreemptionFlag(args.preempt_signals)
         threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
         torch.set_num_threads(threads)
-        self.run = build_run(args)
+        self.run = build_run(args, signalled=lambda: self.preemption.received is not None)
         self.engine = self.run.engine
         self.lead = self.run.world.rank == 0
-        self.first_step = self.resume()
         self.end_step: int = args.steps if args.stop_after is None else args.stop_after
         self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
         self.history: list[tuple[int, float]] = []
@@ -115,19 +118,34 @@ class Trainer:
         self.tensorboard: TensorBoardLog | None = None
         self.progress: tqdm[None] | None = None
         self.started = 0.0  # perf_counter() when fit() began
-        if self.lead:
-            plural = "s" if threads > 1 else ""
-            self.announce(f"{threads} thread{plural} per rank ({threads_from})")
-            self.metrics = self.open_metrics()
-            if args.tensorboard is not None:
-                self.tensorboard = TensorBoardLog(args.tensorboard, self.first_step)
+        self.phase = "the start-up"  # where this rank is, for the line it may end with
+        with self.stops_in_one_line():
+            self.first_step = self.resume()
+            self.phase = "the start-up"
+            if self.lead:
+                plural = "s" if threads > 1 else ""
+                self.announce(f"{threads} thread{plural} per rank ({threads_from})")
+                self.metrics = self.open_metrics()
+                if args.tensorboard is not None:
+                    self.tensorboard = TensorBoardLog(args.tensorboard, self.first_step)
 
     def resume(self) -> int:
         """Collective: load --resume into the engine (none: a fresh start); the step to
         start from, which the checkpoint's extra data records (``save``)."""
         if self.args.resume is None:
             return 0
+        self.phase = f"the load of {self.args.resume}"
         return int(self.engine.load(self.args.resume).get("step", 0))
+
+    def stops_in_one_line(self) -> AbstractContextManager[None]:
+        """A block in which running out of memory, or a peer's end met in a collective,
+        ends this rank with one line naming ``self.phase`` (out_of_memory), after
+        removing its swap files."""
+        run = self.run
+        return stop_in_one_line(
+            run.world.rank, lambda: self.phase, run.footprint, before=self.engine.close,
+            signalled=lambda: self.preemption.received is not None,
+        )  # fmt: skip
 
     def announce(self, threads: str) -> None:
         """Lead: clear an --overwrite'd folder, then say what is about to train."""
@@ -174,10 +192,11 @@ class Trainer:
             self.progress = tqdm(total=self.end_step, initial=self.first_step,
                                  desc="zero-train", unit="step", file=sys.stdout)  # fmt: skip
         step, stopping = self.first_step, False
-        for step in range(self.first_step, self.end_step):
-            stopping = self.train_one(step)
-            if stopping:
-                break
+        with self.stops_in_one_line():
+            for step in range(self.first_step, self.end_step):
+                stopping = self.train_one(step)
+                if stopping:
+                    break
         self.close_logs()
         if stopping:
             self.exit_preempted(step)
@@ -204,10 +223,13 @@ class Trainer:
         own = own_schedule(self.args)
         step_lr = learning_rate(step, self.args) if own else current_lr(self.engine)
         own_loss, grad_norm = self.optimizer_step(step)
+        self.phase = f"the end of step {step + 1}"
         loss, stopping = self.agree(own_loss)
         per_rank = self.gather_rank_stats(time.perf_counter() - step_start)
         if stopping or self.save_due(step):
+            self.phase = f"the save after step {step + 1}"
             self.save(step)
+            self.phase = f"the end of step {step + 1}"
         if self.metrics is not None:
             self.log(step, loss, step_lr, grad_norm, per_rank, stopping)
         return stopping
@@ -225,6 +247,7 @@ class Trainer:
         total, applied = 0.0, False
         for micro in range(args.grad_accum):
             inputs, targets = (t.to(device) for t in self.run.sampler.batch(step, micro))
+            self.phase = f"the forward of step {step + 1}"
             with tracker.phase("forward"):
                 logits = engine(inputs)
                 if args.tp > 1:
@@ -234,10 +257,12 @@ class Trainer:
                         logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
                     )
                 del logits  # the loss's graph keeps what backward needs
+            self.phase = f"the backward of step {step + 1}"
             with tracker.phase("backward"):
                 engine.backward(loss)
             total += loss.item() / args.grad_accum
             del loss
+            self.phase = f"the optimizer step of step {step + 1}"
             with tracker.phase("step"):
                 applied = engine.step()  # True at the last micro-batch, unless skipped
         return total, engine.last_grad_norm if applied else None
