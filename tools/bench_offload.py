@@ -65,6 +65,7 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
             "ZERO_BENCH_OFFLOAD_DIR": str(args.offload_dir),
             "ZERO_BENCH_BUCKET_NUMEL": str(args.bucket_numel),
             "ZERO_BENCH_SUB_GROUP_NUMEL": str(args.sub_group_numel),
+            "ZERO_BENCH_PREFETCH_NUMEL": str(args.prefetch_numel),
             "DS_ACCELERATOR": "cpu",
         }
         started = time.perf_counter()
@@ -90,6 +91,8 @@ def largest(args: argparse.Namespace, variant: str, deadline: float) -> dict[str
     # state on disk, the float32 gradient shard (4Ψ/N) and working buffers.
     resident = 4 if variant == "ours-3-disk" else MODEL_STATE_BYTES
     guess = max(1, int(0.5 * args.cap_mib * MIB * args.nproc / (resident * per_layer)))
+    given = dict(item.split("=") for item in args.first_layers)
+    guess = int(given.get(variant, guess))
     lo, hi, layers = 0, 0, guess
     probes: list[dict[str, Any]] = []
     while len(probes) < args.max_probes and time.time() < deadline:
@@ -151,7 +154,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
         f"Cap: RLIMIT_AS = address space after start-up + {args.cap_mib} MiB, per rank, "
         f"{args.nproc} ranks (gloo), GPT width {args.width}, {args.heads} heads, context "
         f"{args.context}, one sequence per rank, float32, AdamW, bucket_numel "
-        f"{args.bucket_numel}, offload_sub_group_numel {args.sub_group_numel}, "
+        f"{args.bucket_numel}, prefetch_numel {args.prefetch_numel} (ours), "
+        f"offload_sub_group_numel {args.sub_group_numel}, "
         f"{args.threads} thread(s) per rank; "
         + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
         + ". Model states: 16 bytes per parameter for the whole model. ours-3-disk: "
@@ -183,6 +187,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bucket-numel", type=int, default=2**20)
     p.add_argument("--sub-group-numel", type=int, default=2**19)
+    p.add_argument("--prefetch-numel", type=int, default=2**22, help="ours: stage 3's window")
+    p.add_argument(
+        "--first-layers", nargs="*", default=[], metavar="VARIANT=LAYERS",
+        help="where a variant's search starts (default: from the paper's formula)",
+    )  # fmt: skip
     p.add_argument("--probe-steps", type=int, default=3)
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--max-probes", type=int, default=6)

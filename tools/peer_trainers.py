@@ -193,6 +193,7 @@ class Ours(Trainer):
                 stage=stage,
                 # tools/bench_offload.py sets its own for both of its variants
                 bucket_numel=int(os.environ.get("ZERO_BENCH_BUCKET_NUMEL", BUCKET_NUMEL)),
+                prefetch_numel=int(os.environ.get("ZERO_BENCH_PREFETCH_NUMEL", 2**24)),
                 **tiers,
             ),
             comm,

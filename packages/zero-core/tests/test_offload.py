@@ -35,7 +35,7 @@ def with_tiers(case: ParityCase, optimizer: str, params: str, **more: object) ->
     return normalised(ParityCase(**{**case.__dict__, **tiers}))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(case=offloaded_parity_cases(), world_size=st.sampled_from([1, 2, 3, 4]))
 def test_every_tier_equals_the_device_only_engine_bit_for_bit(
     case: ParityCase, world_size: int

@@ -27,6 +27,7 @@ def run(
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
 
 
+@pytest.mark.slow  # 18 s: nox -s slow; the default run keeps the event-file checks below
 def test_event_files_hold_the_metrics_at_their_steps_and_resume_appends(tmp_path: Path) -> None:
     """2 steps on 2 ranks that save, then --resume auto to step 4: OUT/tensorboard holds
     two event files, read back as one run whose every scalar has metrics.jsonl's steps and
