@@ -180,7 +180,8 @@ class Ours(Trainer):
                 tiers["offload_dir"] = folder
         self.comm = comm
         init_values = None
-        if stage == 3:  # built on the meta device, as zero-train does: no rank holds it whole
+        if stage >= 1:  # built on the meta device, as zero-train does: set-up holds the
+            # stage's own model states and one tensor more, never the whole float32 model
             with torch.device("meta"):
                 model = GPT(config, seed=seed)
             init_values = model.initial_values(seed)
