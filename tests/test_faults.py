@@ -47,6 +47,22 @@ def start_ranks(where: str, folder: Path, world_size: int = 3) -> list[subproces
     ]
 
 
+def survivors_name_the_killed_rank(where: str, folder: Path) -> int:
+    """Run fault_rank.py's 3 ranks with rank 1 killed at ``where``: rank 1 dies by SIGKILL,
+    and ranks 0 and 2 exit 3 naming it within the timeout. Returns the victim's pid."""
+    processes = start_ranks(where, folder)
+    outputs = [p.communicate(timeout=120) for p in processes]
+    victim_pid = int((folder / "killed_at").read_text().split()[1])
+    assert processes[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
+    for rank in (0, 2):
+        assert processes[rank].returncode == 3, outputs[rank][1][-2000:]
+        report = json.loads(outputs[rank][0].strip().splitlines()[-1])
+        assert report["error"] in ("PeerFailureError", "CommTimeoutError"), report
+        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
+        assert report["after_kill_s"] < TIMEOUT_S + 2, report
+    return victim_pid
+
+
 # The default test run keeps one point (a collective failing mid-backward; zero-train's own
 # fault test below kills a rank too); `nox -s faults` runs them all, the save included.
 SLOW = pytest.mark.faults
@@ -60,16 +76,7 @@ SLOW = pytest.mark.faults
 def test_every_survivor_names_the_killed_rank_and_the_last_checkpoint_resumes(
     where: str, tmp_path: Path
 ) -> None:
-    processes = start_ranks(where, tmp_path)
-    outputs = [p.communicate(timeout=120) for p in processes]
-    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
-    assert processes[1].returncode == -signal.SIGKILL
-    for rank in (0, 2):
-        assert processes[rank].returncode == 3, outputs[rank][1][-2000:]
-        report = json.loads(outputs[rank][0].strip().splitlines()[-1])
-        assert report["error"] in ("PeerFailureError", "CommTimeoutError"), report
-        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
-        assert report["after_kill_s"] < TIMEOUT_S + 2, report
+    survivors_name_the_killed_rank(where, tmp_path)
     # The checkpoint on disk is complete (whatever step it is from) and resumes exactly.
     resumed = run_simulated(3, lambda comm: expected_state(comm, 6, tmp_path / "ckpt"))[0]
     straight = run_simulated(3, lambda comm: expected_state(comm, 6, None))[0]
@@ -93,16 +100,7 @@ def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_pa
     resumes on the disk tiers, with fresh swap files (the left-over ones are neither read
     nor changed), and without them: both end bitwise equal to an uninterrupted run, on
     the disk tiers or not (the tiers are exact: torch.equal)."""
-    processes = start_ranks("swap", tmp_path)
-    outputs = [p.communicate(timeout=120) for p in processes]
-    victim_pid = int((tmp_path / "killed_at").read_text().split()[1])
-    assert processes[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
-    for rank in (0, 2):
-        assert processes[rank].returncode == 3, outputs[rank][1][-2000:]
-        report = json.loads(outputs[rank][0].strip().splitlines()[-1])
-        assert report["error"] in ("PeerFailureError", "CommTimeoutError"), report
-        assert f"rank 1 (pid {victim_pid}) is dead" in report["message"], report
-        assert report["after_kill_s"] < TIMEOUT_S + 2, report
+    victim_pid = survivors_name_the_killed_rank("swap", tmp_path)
     swap, checkpoint = tmp_path / "swap", tmp_path / "ckpt"
     saved = json.loads((checkpoint / "index.json").read_text())["extra"]["steps"]
     assert saved == KILL_STEP  # the save before the step it died in

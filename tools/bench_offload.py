@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -29,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_peers_search import search_layers
 
 from zero_models.gpt import GPTConfig
 
@@ -93,28 +94,13 @@ def largest(args: argparse.Namespace, variant: str, deadline: float) -> dict[str
     guess = max(1, int(0.5 * args.cap_mib * MIB * args.nproc / (resident * per_layer)))
     given = dict(item.split("=") for item in args.first_layers)
     guess = int(given.get(variant, guess))
-    lo, hi, layers = 0, 0, guess
-    probes: list[dict[str, Any]] = []
-    while len(probes) < args.max_probes and time.time() < deadline:
-        result = probe(args, variant, layers)
-        probes.append(result)
-        print(f"[offload] {variant} {layers} layers ({result['parameters'] / 1e6:.0f}M): "
-              f"{'ok' if result['ok'] else 'fails'} ({result['how'][:160]}, "
-              f"{result['seconds']:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
-        if result["ok"]:
-            lo = layers
-        else:
-            hi = layers
-        if hi and hi - lo <= max(1, lo // 8):
-            break
-        if not hi:
-            layers = math.ceil(layers * 1.5)
-        elif not lo:
-            layers = max(1, math.floor(layers / 1.5))
-            if layers >= hi:
-                break
-        else:
-            layers = (lo + hi) // 2
+    lo, hi, probes = search_layers(
+        lambda layers: probe(args, variant, layers),
+        guess,
+        max_probes=args.max_probes,
+        deadline=deadline,
+        label="offload",
+    )
     best = next((p for p in probes if p["ok"] and p["layers"] == lo), None)
     return {"variant": variant, "layers": lo, "first_failing_layers": hi or None,
             "best": best, "probes": probes}  # fmt: skip

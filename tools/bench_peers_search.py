@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,26 +171,34 @@ def probe(variant: str, layers: int, budget_mib: int) -> dict[str, Any]:
         }
 
 
-def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
-    """The most layers of width SEARCH_WIDTH that ``variant`` trains on N = 4 in the budget."""
-    per_layer = search_config(2).num_params - search_config(1).num_params
-    bytes_per_param = (paper_model_states_mib(variant, 1, SEARCH_N) or 16 / 2**20) * 2**20
-    guess = max(1, int(0.7 * budget_mib * 2**20 / (bytes_per_param * per_layer)))
-    lo, hi = 0, 0  # most layers that ran; fewest that failed (0: none yet)
+def search_layers(
+    run_probe: Callable[[int], dict[str, Any]],
+    guess: int,
+    *,
+    max_probes: int,
+    deadline: float,
+    label: str,
+    retry_errors: bool = False,
+) -> tuple[int, int, list[dict[str, Any]]]:
+    """The most layers for which ``run_probe(layers)["ok"]``: from ``guess``, grow (x1.5)
+    or shrink (/1.5) until a probe brackets the limit, then bisect until the bracket is
+    within 1/8 of the answer, at most ``max_probes`` probes before ``deadline``. Returns
+    (most layers that ran, fewest that failed or 0, every probe). With ``retry_errors``
+    a probe that failed other than by memory is run once more, so that noise is not read
+    as capacity."""
+    lo, hi = 0, 0
     probes: list[dict[str, Any]] = []
     layers = guess
-    while len(probes) < MAX_PROBES and time.time() < deadline:
-        result = probe(variant, layers, budget_mib)
-        if not result["ok"] and result["how"].startswith("error"):
-            # Not an out-of-memory: a crash (a C++ allocation under the cap in a helper
-            # thread, a peer's teardown) is retried once, so noise is not read as capacity.
+    while len(probes) < max_probes and time.time() < deadline:
+        result = run_probe(layers)
+        if retry_errors and not result["ok"] and result["how"].startswith("error"):
             probes.append(result)
-            result = {**probe(variant, layers, budget_mib), "retry": True}
+            result = {**run_probe(layers), "retry": True}
         probes.append(result)
         print(
-            f"[search] {variant} {layers} layers ({result['parameters'] / 1e6:.0f}M): "
-            f"{'ok' if result['ok'] else 'fails'} ({result['how']}, "
-            f"{result['seconds']:.0f} s)",
+            f"[{label}] {result.get('variant', '')} {layers} layers "
+            f"({result['parameters'] / 1e6:.0f}M): {'ok' if result['ok'] else 'fails'} "
+            f"({result['how'][:160]}, {result['seconds']:.0f} s)",
             file=sys.stderr,
             flush=True,
         )
@@ -207,6 +216,24 @@ def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
                 break
         else:
             layers = (lo + hi) // 2
+    return lo, hi, probes
+
+
+def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
+    """The most layers of width SEARCH_WIDTH that ``variant`` trains on N = 4 in the budget."""
+    per_layer = search_config(2).num_params - search_config(1).num_params
+    bytes_per_param = (paper_model_states_mib(variant, 1, SEARCH_N) or 16 / 2**20) * 2**20
+    guess = max(1, int(0.7 * budget_mib * 2**20 / (bytes_per_param * per_layer)))
+    # A crash (a C++ allocation under the cap in a helper thread, a peer's teardown) is
+    # retried once, so noise is not read as capacity.
+    lo, hi, probes = search_layers(
+        lambda layers: probe(variant, layers, budget_mib),
+        guess,
+        max_probes=MAX_PROBES,
+        deadline=deadline,
+        label="search",
+        retry_errors=True,
+    )
     return {
         "variant": variant,
         "layers": lo,

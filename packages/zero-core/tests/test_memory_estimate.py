@@ -238,7 +238,7 @@ def test_float32_offload_keeps_the_parameter_and_moves_a_separate_master() -> No
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"stage": 0, "offload_optimizer": "cpu"}, "needs stage 1, 2 or 3"),
-    ({"stage": 2, "offload_params": "disk"}, "needs stage 3"),
+    ({"stage": 2, "offload_params": "disk"}, "needs stage=3"),
     ({"offload_optimizer": "nvme"}, "offload_optimizer must be one of"),
     ({"offload_optimizer": "cpu", "offload_fraction": 1.5}, "offload_fraction"),
     ({"optimizer_state_bytes": 2, "offload_optimizer": "disk"}, "at least 4"),

@@ -29,6 +29,22 @@ AVAILABLE_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "disk")
 
 
+def offload_stage_error(stage: int, offload_optimizer: str, offload_params: str) -> str:
+    """Why these tiers cannot be used at ``stage`` ("" if they can): the one statement of
+    the rule, for ZeroConfig, zero-estimate and zero-train."""
+    if offload_optimizer != "none" and stage == 0:
+        return (
+            f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3 (stage 0 "
+            "replicates the optimizer states; there is nothing sharded to offload)"
+        )
+    if offload_params != "none" and stage != 3:
+        return (
+            f"offload_params={offload_params!r} needs stage=3 (only stage 3 partitions the "
+            f"parameters); this config has stage={stage}"
+        )
+    return ""
+
+
 def _dtype(value: torch.dtype | str) -> torch.dtype:
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
@@ -189,16 +205,9 @@ class ZeroConfig:
             raise ValueError(
                 f"offload_pin_memory={self.offload_pin_memory!r} must be True or False"
             )
-        if self.offload_optimizer != "none" and self.stage == 0:
-            raise ValueError(
-                f"offload_optimizer={self.offload_optimizer!r} needs stage 1, 2 or 3 (stage 0 "
-                "replicates the optimizer states; there is nothing sharded to offload)"
-            )
-        if self.offload_params != "none" and self.stage != 3:
-            raise ValueError(
-                f"offload_params={self.offload_params!r} needs stage=3 (only stage 3 "
-                f"partitions the parameters); this config has stage={self.stage}"
-            )
+        wrong_stage = offload_stage_error(self.stage, self.offload_optimizer, self.offload_params)
+        if wrong_stage:
+            raise ValueError(wrong_stage)
         disk = "disk" in (self.offload_optimizer, self.offload_params)
         if disk and not self.offload_dir:
             raise ValueError(

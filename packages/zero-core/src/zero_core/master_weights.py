@@ -100,25 +100,12 @@ class MasterWeights:
 
     def shard_pieces(self, group: int) -> list[ShardPiece]:
         """Which elements of which parameter sit where in this rank's master of ``group``."""
-        return [
-            ShardPiece(p.param_index, p.param_range, p.local_range.start)
-            for p in self.layouts[group].local_pieces(self.rank)
-        ]
+        return shard_pieces(self.layouts[group], self.rank)
 
     def full_values(self, comm: Communicator, slots: Iterable[ParamSlot]) -> list[torch.Tensor]:
         """Collective where the master is sharded: every slot's whole float32 value (in
         slot order, shaped like the parameter), on every rank."""
-        fulls: list[list[torch.Tensor]] = []
-        for layout, slices in zip(self.layouts, self.slices, strict=True):
-            fulls.append([])
-            for bucket, mine in zip(layout.buckets, slices, strict=True):
-                if layout.world_size == 1:
-                    fulls[-1].append(mine)
-                    continue
-                full = torch.empty(bucket.layout.padded_numel, device=mine.device)
-                comm.all_gather(full, mine)
-                fulls[-1].append(full)
-        return [fulls[s.group][s.bucket][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
+        return full_values(comm, self.layouts, slots, lambda g, k: self.slices[g][k])
 
     def write_back(
         self, slots: Iterable[ParamSlot], full_bucket: Callable[[int, int], torch.Tensor]
@@ -196,6 +183,37 @@ class MasterWeights:
 
     def close(self) -> None:
         return None
+
+
+def shard_pieces(layout: GroupLayout, rank: int) -> list[ShardPiece]:
+    """Which elements of which parameter sit where in ``rank``'s master of a group."""
+    return [
+        ShardPiece(p.param_index, p.param_range, p.local_range.start)
+        for p in layout.local_pieces(rank)
+    ]
+
+
+def full_values(
+    comm: Communicator,
+    layouts: list[GroupLayout],
+    slots: Iterable[ParamSlot],
+    bucket_slice: Callable[[int, int], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Collective: every slot's whole float32 value (slot order, shaped like the
+    parameter), on every rank, all-gathered bucket by bucket from each rank's
+    ``bucket_slice(group, bucket)`` (float32); a layout of one rank is its own."""
+    fulls: list[list[torch.Tensor]] = []
+    for g, layout in enumerate(layouts):
+        fulls.append([])
+        for k, bucket in enumerate(layout.buckets):
+            mine = bucket_slice(g, k)
+            if layout.world_size == 1:
+                fulls[-1].append(mine)
+                continue
+            full = torch.empty(bucket.layout.padded_numel, device=mine.device)
+            comm.all_gather(full, mine)
+            fulls[-1].append(full)
+    return [fulls[s.group][s.bucket][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
 
 
 def check_tile_counts(

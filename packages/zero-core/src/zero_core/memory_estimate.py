@@ -44,6 +44,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .config import offload_stage_error
+
 STAGES = (0, 1, 2, 3)
 TIERS = ("none", "cpu", "disk")
 MASTER_BYTES = 4  # a float32 master weight
@@ -170,13 +172,9 @@ def tiered_state_bytes(
     ):
         if tier not in TIERS:
             raise ValueError(f"{name} must be one of {TIERS}, got {tier!r}")
-    if offload_optimizer != "none" and stage == 0:
-        raise ValueError(
-            f"offload_optimizer={offload_optimizer!r} needs stage 1, 2 or 3 (stage 0 replicates "
-            "the optimizer states; there is nothing sharded to offload)"
-        )
-    if offload_params != "none" and stage != 3:
-        raise ValueError(f"offload_params={offload_params!r} needs stage 3, got stage {stage}")
+    wrong_stage = offload_stage_error(stage, offload_optimizer, offload_params)
+    if wrong_stage:
+        raise ValueError(wrong_stage)
     if not 0 <= offload_fraction <= 1:
         raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
     if sub_group_numel < 1 or buffer_count < 1 or bucket_numel < 1 or prefetch_numel < 0:

@@ -50,9 +50,10 @@ def first_names(
     """For each (group, start in this rank's master), the name of the first parameter
     at or after it: what the swap file of a tile or slice is named by."""
     out: dict[tuple[int, int], str] = {}
+    pieces = {g: layouts[g].local_pieces(rank) for g in {g for g, _ in starts}}
     for g, start in starts:
         name = "padding"
-        for piece in layouts[g].local_pieces(rank):
+        for piece in pieces[g]:
             if piece.local_range.stop > start:
                 name = slots.by_group[g][piece.param_index].name
                 break

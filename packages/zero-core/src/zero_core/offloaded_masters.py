@@ -26,7 +26,14 @@ from torch import nn
 from zero_comm import Communicator
 
 from .group_layout import GroupLayout
-from .master_weights import Tile, TileVisitor, check_tile_counts, load_tiles
+from .master_weights import (
+    Tile,
+    TileVisitor,
+    check_tile_counts,
+    full_values,
+    load_tiles,
+    shard_pieces,
+)
 from .memory import tensor_bytes
 from .offload_tiers import Tier, TileSpec, host_device, host_empty
 from .param_table import ParamSlot
@@ -128,10 +135,7 @@ class OffloadedMasters:
             self._filling.finish()
 
     def shard_pieces(self, group: int) -> list[ShardPiece]:
-        return [
-            ShardPiece(p.param_index, p.param_range, p.local_range.start)
-            for p in self.layouts[group].local_pieces(self.rank)
-        ]
+        return shard_pieces(self.layouts[group], self.rank)
 
     # -------------------------------------------------------------- step
     def step(
@@ -222,15 +226,7 @@ class OffloadedMasters:
 
     def full_values(self, comm: Communicator, slots: Iterable[ParamSlot]) -> list[torch.Tensor]:
         """Collective where the master is sharded: every slot's whole float32 value."""
-        fulls: list[list[torch.Tensor]] = []
-        for g, layout in enumerate(self.layouts):
-            fulls.append([])
-            for k, bucket in enumerate(layout.buckets):
-                mine = self.bucket_slice(g, k)
-                full = torch.empty(bucket.layout.padded_numel, device=mine.device)
-                comm.all_gather(full, mine)
-                fulls[-1].append(full)
-        return [fulls[s.group][s.bucket][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
+        return full_values(comm, self.layouts, slots, self.bucket_slice)
 
     def write_back(
         self, slots: Iterable[ParamSlot], full_bucket: Callable[[int, int], torch.Tensor]

@@ -91,6 +91,15 @@ def padded_bytes(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
+def _thread_buffer(name: str, nbytes: int) -> torch.Tensor:
+    """The calling thread's aligned buffer ``name`` of ``nbytes`` bytes (made once)."""
+    buffer: torch.Tensor | None = getattr(_THREAD_STAGING, name, None)
+    if buffer is None:
+        buffer = aligned_empty(nbytes, torch.uint8)
+        setattr(_THREAD_STAGING, name, buffer)
+    return buffer
+
+
 def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D CPU tensor of ``numel`` elements at an ``ALIGNMENT``-aligned address whose
     storage extends at least ``padded_bytes(numel * itemsize)`` bytes from its start.
@@ -454,18 +463,11 @@ class SwapFile:
 
     def _tail_page(self) -> torch.Tensor:
         """This thread's one aligned page for the last, partial page of a transfer."""
-        page: torch.Tensor | None = getattr(_THREAD_STAGING, "page", None)
-        if page is None:
-            page = aligned_empty(ALIGNMENT, torch.uint8)
-            _THREAD_STAGING.page = page
-        return page
+        return _thread_buffer("page", ALIGNMENT)
 
     def _staging(self) -> torch.Tensor:
-        buffer: torch.Tensor | None = getattr(_THREAD_STAGING, "staging", None)
-        if buffer is None:
-            buffer = aligned_empty(STAGING_BYTES, torch.uint8)
-            _THREAD_STAGING.staging = buffer
-        return buffer
+        """This thread's bounce buffer for tensors that are not aligned."""
+        return _thread_buffer("staging", STAGING_BYTES)
 
     # -- lifetime ----------------------------------------------------------------------
 

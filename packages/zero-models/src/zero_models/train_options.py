@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
-from zero_core.config import SHORT_DTYPE_NAMES
+from zero_core.config import SHORT_DTYPE_NAMES, offload_stage_error
 
 from .checkpoint_plan import CHECKPOINT_MODES
 from .gpt import PRESETS, GPTConfig
@@ -179,10 +179,9 @@ def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
 
 def offload_error(args: argparse.Namespace) -> str:
     """What is wrong with the offload flags ("" if nothing): checked before launching."""
-    if args.offload_optimizer != "none" and args.stage == 0:
-        return "--offload-optimizer needs --stage 1, 2 or 3 (stage 0 shards nothing)"
-    if args.offload_params != "none" and args.stage != 3:
-        return f"--offload-params needs --stage 3 (this run has --stage {args.stage})"
+    wrong_stage = offload_stage_error(args.stage, args.offload_optimizer, args.offload_params)
+    if wrong_stage:
+        return f"--stage {args.stage} with --offload-optimizer/--offload-params: {wrong_stage}"
     disk = "disk" in (args.offload_optimizer, args.offload_params)
     if disk and args.offload_dir is None:
         return "--offload-optimizer/--offload-params disk need --offload-dir DIR (swap files)"
