@@ -3,7 +3,8 @@
 A buffer is a 1-D view of a cached flat tensor ("its storage"). What the pool promises:
 a buffer has the size and dtype asked for; buffers in flight never share memory; a
 returned buffer is reused by a later ``take`` of the same dtype that fits in it, so a
-steady loop allocates nothing; new storage holds the next power of two of elements.
+steady loop allocates nothing; new storage holds the request's size class of elements
+(at most 1/8 more, exactly the request for small multiples of a power of two).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_comm.buffers import BufferPool
+from zero_comm.buffers import BufferPool, size_class
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.uint8)
 CPU = torch.device("cpu")
@@ -27,10 +28,6 @@ def storage_of(buffer: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the storage under ``buffer``."""
     storage = buffer.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def pool() -> BufferPool:
@@ -51,7 +48,7 @@ def test_take_gives_a_flat_buffer_of_the_size_and_dtype_asked(
     assert buffer.device == CPU
     assert buffer.is_contiguous()
     _, nbytes = storage_of(buffer)
-    assert nbytes == next_power_of_two(numel) * buffer.element_size()
+    assert nbytes == size_class(numel) * buffer.element_size()
     assert buffers.bytes_held == nbytes
     buffer.fill_(1)  # writable, every element
 
@@ -63,7 +60,7 @@ def test_returned_buffer_is_reused() -> None:
     buffers.give_back(first)
     second = buffers.take(100, torch.float32)
     assert second.data_ptr() == address
-    assert buffers.bytes_held == 128 * 4
+    assert buffers.bytes_held == size_class(100) * 4
 
 
 @given(
@@ -74,7 +71,7 @@ def test_returned_buffer_is_reused() -> None:
 def test_a_returned_buffer_serves_any_request_that_fits(
     first: int, second: int, dtype: torch.dtype
 ) -> None:
-    """Storage of next_power_of_two(first) elements is reused for ``second`` exactly
+    """Storage of size_class(first) elements is reused for ``second`` exactly
     when ``second`` fits in it; otherwise the outgrown storage is dropped and new storage
     allocated."""
     buffers = pool()
@@ -83,12 +80,12 @@ def test_a_returned_buffer_serves_any_request_that_fits(
     buffers.give_back(buffer)
     again = buffers.take(second, dtype)
     assert again.shape == (second,)
-    if second <= next_power_of_two(first):
+    if second <= size_class(first):
         assert storage_of(again)[0] == address
         assert buffers.bytes_held == held
     else:
         assert storage_of(again)[0] != address
-        assert buffers.bytes_held == next_power_of_two(second) * again.element_size()
+        assert buffers.bytes_held == size_class(second) * again.element_size()
 
 
 def test_a_steady_loop_allocates_nothing_after_its_first_iteration() -> None:
@@ -103,18 +100,19 @@ def test_a_steady_loop_allocates_nothing_after_its_first_iteration() -> None:
         if held_after_first is None:
             held_after_first = buffers.bytes_held
         assert buffers.bytes_held == held_after_first
-    assert held_after_first == (1024 * 4 + 256 * 4 + 1024 * 2 + 8 * 8)
+    itemsize = {d: torch.empty(0, dtype=d).element_size() for _, d in sizes}
+    assert held_after_first == sum(size_class(n) * itemsize[d] for n, d in sizes)
 
 
 def test_the_smallest_fitting_buffer_is_chosen() -> None:
     buffers = pool()
     big, small, middle = (buffers.take(n, torch.float32) for n in (1000, 10, 100))
-    addresses = {n: storage_of(b)[0] for n, b in ((1024, big), (16, small), (128, middle))}
+    addresses = {n: storage_of(b)[0] for n, b in ((1000, big), (10, small), (100, middle))}
     for buffer in (big, small, middle):
         buffers.give_back(buffer)
-    assert storage_of(buffers.take(50, torch.float32))[0] == addresses[128]
-    assert storage_of(buffers.take(5, torch.float32))[0] == addresses[16]
-    assert storage_of(buffers.take(5, torch.float32))[0] == addresses[1024]
+    assert storage_of(buffers.take(50, torch.float32))[0] == addresses[100]
+    assert storage_of(buffers.take(5, torch.float32))[0] == addresses[10]
+    assert storage_of(buffers.take(5, torch.float32))[0] == addresses[1000]
 
 
 def test_giving_back_a_slice_returns_its_whole_storage() -> None:
@@ -179,7 +177,7 @@ def test_any_sequence_keeps_buffers_in_flight_apart(ops: list[Take | GiveBack]) 
     """A model of the pool: free storages per dtype. After every step,
 
     - a take reuses the smallest free storage of its dtype that fits, else drops the free
-      storages of that dtype (all too small) and allocates the next power of two;
+      storages of that dtype (all too small) and allocates the request's size class;
     - the storages of the buffers in flight are pairwise disjoint in memory;
     - ``bytes_held`` is the size of the storages in flight plus those free.
     """
@@ -203,7 +201,7 @@ def test_any_sequence_keeps_buffers_in_flight_apart(ops: list[Take | GiveBack]) 
                 for dropped, _ in free.pop(op.dtype, []):
                     del allocated[dropped]
                 assert address not in allocated
-                assert nbytes == next_power_of_two(op.numel) * itemsize
+                assert nbytes == size_class(op.numel) * itemsize
                 allocated[address] = nbytes
             in_flight.append(buffer)
         elif in_flight:
@@ -261,8 +259,8 @@ def test_concurrent_takes_never_share_a_buffer() -> None:
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     # A storage is allocated only when every one that fits is in flight (at most 7 others),
-    # so each size class 1, 2, ..., 64 holds at most 8: 8 * 127 int64 elements in all.
-    assert buffers.bytes_held <= 8 * 127 * 8
+    # so each size class of 1, 2, ..., 64 holds at most 8 storages of int64.
+    assert buffers.bytes_held <= 8 * sum({size_class(n) for n in range(1, 65)}) * 8
 
 
 def test_pool_holds_no_more_than_the_peak_in_flight() -> None:
@@ -271,7 +269,7 @@ def test_pool_holds_no_more_than_the_peak_in_flight() -> None:
     peak = 0
     for numel in (3, 5, 9, 17):
         buffer = buffers.take(numel, torch.float32)
-        peak = max(peak, next_power_of_two(numel) * 4)
+        peak = max(peak, size_class(numel) * 4)
         buffers.give_back(buffer)
     assert buffers.bytes_held <= peak
 

@@ -10,6 +10,7 @@ import torch
 import zero_core
 from zero_comm import run_simulated
 from zero_core import ZeroConfig
+from zero_core.config import translate_deepspeed
 
 
 def test_defaults_and_dtype_names() -> None:
@@ -29,6 +30,7 @@ def test_defaults_and_dtype_names() -> None:
         ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan"),
         ({"loss_scale": 128.0}, "float16 only"),
         ({"param_dtype": "fp16", "initial_loss_scale": 0.5}, "min_loss_scale"),
+        ({"overlap_comm": "false"}, "overlap_comm='false' must be True or False"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, object], message: str) -> None:
@@ -77,6 +79,22 @@ def test_deepspeed_dict() -> None:
 def test_deepspeed_keys_we_do_not_support_are_rejected_by_name(config: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         ZeroConfig.from_deepspeed(config)
+
+
+def test_deepspeed_overlap_comm_maps_to_the_config_and_is_noted_where_it_does_nothing() -> None:
+    assert ZeroConfig().overlap_comm is True
+    for stage in (0, 1):
+        zero = {"stage": stage, "overlap_comm": False}
+        fields, notes = translate_deepspeed({"zero_optimization": zero})
+        assert fields == zero and not any("overlap_comm" in note for note in notes)
+        assert ZeroConfig.from_deepspeed({"zero_optimization": zero}).overlap_comm is False
+    for stage in (2, 3):
+        _, notes = translate_deepspeed(
+            {"zero_optimization": {"stage": stage, "overlap_comm": False}}
+        )
+        assert any("overlap_comm=false: no effect at stages 2 and 3" in n for n in notes)
+    _, notes = translate_deepspeed({"zero_optimization": {"overlap_comm": True}})
+    assert not any("overlap_comm" in note for note in notes)
 
 
 def test_deepspeed_stage_3_keys_map_to_the_config() -> None:

@@ -108,7 +108,8 @@ def test_hugging_face_examples_resolve_with_the_trainers_settings(config: dict[s
         "WarmupLR",
         {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10},
     )
-    assert any("overlap_comm" in note for note in setup.no_effect)
+    assert setup.zero.overlap_comm is True
+    assert any("contiguous_gradients" in note for note in setup.no_effect)
     assert any("steps_per_print" in note for note in setup.no_effect)
 
 

@@ -19,6 +19,7 @@ from zero_core.activation_estimate import (
     activation_bytes,
     paper_activation_elements,
 )
+from zero_core.config import DEFAULT_PREFETCH_NUMEL
 from zero_core.estimate_cli import main
 from zero_core.grad_norm import BLOCK
 from zero_core.memory_estimate import SLICE_ALIGNMENT, TIERS, tiered_state_bytes
@@ -207,7 +208,7 @@ def test_stage3_disk_everything_leaves_only_gradients_on_the_device() -> None:
     assert tiered.device == tiered.gradients == 2 * psi / n
     assert tiered.disk == (2 + 12) * psi / n
     assert tiered.host == 0
-    reads = 2 * (2 * 2**24 / n)  # the default prefetch_numel, 2**24
+    reads = 2 * (2 * DEFAULT_PREFETCH_NUMEL / n)  # the default prefetch_numel
     assert tiered.staging == 5 * 2**19 * 12  # a bucket slice, 2**22 / 8, < 2**20
     assert tiered.read_ahead == reads  # only while forward and backward run
     no_prefetch = tiered_state_bytes(psi, n, 3, offload_params="disk", prefetch_numel=0)

@@ -1,20 +1,31 @@
-"""Gradients replicated on every rank (stage 0), all-reduced after each backward.
+"""Gradients replicated on every rank (stage 0), all-reduced during backward.
 
 As DDP does with ``gradient_as_bucket_view``, each group's gradients are views into one
 flat buffer that autograd fills in place (the group's layout: one bucket, no gaps):
 
     group g   | grad p0 | grad p1 | grad p2 |   p.grad = views; all-reduced in chunks of
-                                                 at most bucket_numel elements
+              |  chunk 0     | chunk 1  |c2|   at most bucket_numel elements
+
+As DDP's reducer does, a chunk's all-reduce is launched (asynchronously) as soon as every
+parameter overlapping it has its gradient, in one canonical order on every rank (last
+chunk first, over all groups: backward_overlap), at most ``max_buckets_in_flight`` at
+once; after backward the rest are launched (parameters without a gradient are zeros) and
+all are waited for. Each element goes through the same all-reduce of the same chunk
+whenever it is launched, so the bits do not depend on the overlap (``overlap_comm=False``
+launches everything after backward).
 
 With accumulation, the reduced gradients are summed into a second buffer of the same size.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
-from zero_comm import Communicator
+from zero_comm import Communicator, Handle
 
+from .backward_overlap import LaunchOrder, register_gradient_hooks
 from .config import ZeroConfig
 from .grad_norm import param_row_sums
 from .group_layout import MIN_PIECE_NUMEL, GroupLayout
@@ -45,17 +56,64 @@ class AllReducedGradients:
         accumulate = config.gradient_accumulation_steps > 1
         self._accumulated = [torch.zeros_like(g) for g in self.flats] if accumulate else None
         self._label = ""
+        # Every group's chunks, (group, start, stop), and the parameters overlapping each.
+        self.chunks = [
+            (g, start, stop)
+            for g, group in enumerate(slots.by_group)
+            for start, stop in self._chunks(group)
+        ]
+        members = [
+            [
+                s
+                for s in slots.by_group[g]
+                if s.numel and start < s.flat.stop and s.flat.start < stop
+            ]
+            for g, start, stop in self.chunks
+        ]
+        self.order = LaunchOrder(
+            members, comm.rank, "use checkpoint(..., use_reentrant=False), or overlap_comm=False"
+        )
+        self._in_flight: deque[Handle] = deque()
+        self._accepting = False  # inside engine.backward: hooks launch complete chunks
+        self._hooks = (
+            register_gradient_hooks(self, slots, AllReducedGradients._on_gradient)
+            if config.overlap_comm
+            else []
+        )
 
     def before_backward(self, first_micro_step: bool, label: str) -> None:
         self._label = label
+        self.order.begin()
+        self._accepting = self.config.overlap_comm
+
+    def _on_gradient(self, slot: ParamSlot) -> None:
+        """Hook: ``slot``'s gradient is in its view (restored there if the user replaced
+        ``.grad``); launch the chunks this completes, in canonical order."""
+        if not self._accepting:
+            return
+        restore_grad_view(slot)
+        self.order.arrive(slot)  # raises if a chunk of it was launched already
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        for index in self.order.take_ready():
+            group, start, stop = self.chunks[index]
+            chunk = self.flats[group][start:stop]
+            while len(self._in_flight) >= self.config.max_buckets_in_flight:
+                self._in_flight.popleft().wait()
+            label = "gradients" + self._label
+            self._in_flight.append(self.comm.all_reduce(chunk, async_op=True, label=label))
 
     def after_backward(self, first_micro_step: bool) -> None:
-        """All-reduce this micro-step's gradients, and add them into the accumulation."""
-        for group, flat in zip(self.slots.by_group, self.flats, strict=True):
-            for slot in group:
+        """All-reduce what backward left (parameters without a gradient are zeros), wait
+        for every chunk, and add this micro-step's gradients into the accumulation."""
+        for slot in self.slots:
+            if not self.order.has_arrived(slot):
                 restore_grad_view(slot)
-            for start, stop in self._chunks(group):
-                self.comm.all_reduce(flat[start:stop], label="gradients" + self._label)
+        self.order.complete_all()
+        self._launch_ready()
+        while self._in_flight:
+            self._in_flight.popleft().wait()
         if self._accumulated is not None:
             for total, flat in zip(self._accumulated, self.flats, strict=True):
                 if first_micro_step:
@@ -65,7 +123,7 @@ class AllReducedGradients:
                 flat.zero_()
 
     def end_backward(self) -> None:
-        return None
+        self._accepting = False
 
     def _chunks(self, group: list[ParamSlot]) -> list[tuple[int, int]]:
         """Ranges of at most ``bucket_numel`` elements, ending at parameter boundaries
@@ -90,8 +148,10 @@ class AllReducedGradients:
         return self._accumulated if self._accumulated is not None else self.flats
 
     def float32_gradients(self) -> list[torch.Tensor]:
-        """Per group, the reduced gradient as a new float32 tensor."""
-        return [g.to(torch.float32, copy=True) for g in self._reduced()]
+        """Per group, the reduced gradient in float32: the buffer itself when it is
+        float32 (step() scales it in place and clears it after; between backward and
+        step ``p.grad`` still reads the reduced sum), else a float32 copy."""
+        return [g if g.dtype == torch.float32 else g.float() for g in self._reduced()]
 
     def row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The grad_norm row sums of every parameter, in parameter order."""

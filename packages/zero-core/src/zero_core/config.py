@@ -56,6 +56,11 @@ def _dtype(value: torch.dtype | str) -> torch.dtype:
     )
 
 
+# Stage 3's prefetch window: docs/stage3-memory.md measured 2**21..2**24 against the
+# step's memory peak; 2**22 keeps the gathered peak at a third of 2**24's.
+DEFAULT_PREFETCH_NUMEL = 2**22
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Settings of one engine.
@@ -72,7 +77,16 @@ class ZeroConfig:
     initial_loss_scale, loss_scale_window, hysteresis, min_loss_scale: dynamic scaling
         starts at ``initial_loss_scale``, doubles after ``loss_scale_window`` steps without
         overflow, and halves (not below ``min_loss_scale``) after ``hysteresis`` overflows.
-    max_buckets_in_flight: stage 2: reduce-scatters outstanding at once during backward.
+    max_buckets_in_flight: gradient collectives (stage 0: all-reduces, stages 1-3:
+        reduce-scatters) outstanding at once during backward.
+    overlap_comm: stages 0 and 1: reduce each gradient bucket during backward, as soon
+        as every parameter in it has its gradient (in one order on every rank, the same
+        bits either way). False reduces them all after backward: the way to train a model
+        whose parameters get a second gradient after their bucket was launched
+        (reentrant activation checkpointing, ``checkpoint(..., use_reentrant=True)``),
+        which is otherwise an error. Stages 2 and 3 hold no full gradient, so they always
+        reduce during backward (use ``use_reentrant=False`` there). DeepSpeed's
+        ``zero_optimization.overlap_comm``.
     prefetch_numel: stage 3: parameter elements gathered ahead of use (in the order recorded
         on the first step); 0 turns prefetching off.
     max_live_numel: stage 3: prefetching never makes more parameter elements gathered at
@@ -119,7 +133,8 @@ class ZeroConfig:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
     max_buckets_in_flight: int = 2
-    prefetch_numel: int = 2**24
+    overlap_comm: bool = True
+    prefetch_numel: int = DEFAULT_PREFETCH_NUMEL
     max_live_numel: int = 2**28
     persistence_threshold: int = 2**12
     allow_untested_optimizer: bool = False
@@ -158,7 +173,7 @@ class ZeroConfig:
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a number or None")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
-        for name in ("allow_untested_optimizer", "cast_forward_inputs"):
+        for name in ("allow_untested_optimizer", "cast_forward_inputs", "overlap_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.clip_grad_norm is not None and not (
@@ -241,6 +256,7 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
     "zero_optimization": {
         "stage": "stage",
         "reduce_bucket_size": "bucket_numel",
+        "overlap_comm": "overlap_comm",
         "stage3_prefetch_bucket_size": "prefetch_numel",
         "stage3_max_live_parameters": "max_live_numel",
         "stage3_param_persistence_threshold": "persistence_threshold",
@@ -263,13 +279,13 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
 # Read by zero_core.deepspeed_config (they configure the training loop, not the engine).
 TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler")
 # Accepted and without effect here: logging and profiling, and what zero_core always does
-# (overlap, contiguous buckets, reduce-scatter) or does its own way.
+# (contiguous buckets, reduce-scatter) or does its own way.
 NO_EFFECT_KEYS = (
     "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
     "tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler", "comet",
 )  # fmt: skip
 NO_EFFECT_ZERO_KEYS = (
-    "overlap_comm", "contiguous_gradients", "allgather_partitions", "reduce_scatter",
+    "contiguous_gradients", "allgather_partitions", "reduce_scatter",
     "allgather_bucket_size", "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "round_robin_gradients",
@@ -342,6 +358,12 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
                 notes.append(f"{key}.{sub}: 'auto' means zero_core's default")
             elif name is not None:
                 out[name] = sub_value
+    stage = out.get("stage", ZeroConfig.stage)
+    if out.get("overlap_comm") is False and isinstance(stage, int) and stage >= 2:
+        notes.append(
+            "zero_optimization.overlap_comm=false: no effect at stages 2 and 3 (they hold "
+            "no full gradient, so they always reduce during backward)"
+        )
     if out.get("clip_grad_norm") == 0:
         out["clip_grad_norm"] = None  # DeepSpeed's default, meaning no clipping
     bf16 = _enabled(config, "bf16")

@@ -68,7 +68,7 @@ from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
 from .sharded_state import ShardedGroupState, ShardedState
-from .stage_policy import StagePolicy
+from .stage_policy import ParameterPlacement, StagePolicy
 
 
 class Engine:
@@ -238,7 +238,14 @@ class Engine:
             if coefficient is not None:
                 for g in gradients:
                     g.mul_(coefficient)
-        self.masters.step(self.optimizer, gradients, self.parameters.take_master_values)
+        # Whole parameters are all-gathered bucket by bucket after the step: stepping the
+        # masters bucket by bucket lets each gather start as soon as its bucket is stepped.
+        self.masters.step(
+            self.optimizer,
+            gradients,
+            self.parameters.take_master_values,
+            bucket_by_bucket=self.policy.parameters is ParameterPlacement.REPLICATED,
+        )
         self.parameters.publish()
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
+from .config import DEFAULT_PREFETCH_NUMEL
 from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
@@ -85,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="elements per bucket: a tile is at most a bucket slice (default 2**22)",
     )  # fmt: skip
     tiers.add_argument(
-        "--prefetch-numel", type=int, default=2**24,
+        "--prefetch-numel", type=int, default=DEFAULT_PREFETCH_NUMEL,
         help="stage 3: elements gathered ahead; disk-tier parameters are read as many more "
-        "ahead, into host buffers (default 2**24)",
+        "ahead, into host buffers (default 2**22)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

@@ -1,17 +1,14 @@
 """Reduce-scatter gradient buckets, in one order on every rank, overlapped with backward.
 
-A bucket is *complete* when every parameter in it has its gradient for this micro-step.
-Buckets are launched strictly in one canonical order: by default last bucket first (the
-order backward usually completes them), over all parameter groups; stage 3 passes its own
-(fetch units in reverse registration order):
-
-    complete:  b5  b4  b2  b3  b1  b0      (the order hooks happen to fire)
-    launched:  b5  b4  .   b3+b2  b1  b0   (b2 waits for b3: same order on every rank)
-
-so every rank issues the same sequence of collectives even if its hooks fire in another
-order or some parameter gets no gradient (those buckets complete in ``finish``). At most
-``max_in_flight`` reduce-scatters are outstanding; each one's result (this rank's slice of
-the bucket) is added into that bucket's *target*, a view of the rank's gradient shard.
+A bucket is *complete* when every parameter in it has its gradient for this micro-step;
+complete buckets are launched in one canonical order (backward_overlap.LaunchOrder: by
+default last bucket first, over all parameter groups; stage 3 passes its own, fetch
+units in reverse registration order), so every rank issues the same sequence of
+collectives whatever order its hooks fire in. Buckets some parameter got no gradient for
+complete in ``finish``. With ``overlap`` off nothing is launched before ``finish``. At
+most ``max_in_flight`` reduce-scatters are outstanding; each one's result (this rank's
+slice of the bucket) is added into that bucket's *target*, a view of the rank's gradient
+shard.
 
 Constant buffers (ZeRO-R's C_B): a bucket holds at most ``chunk_numel`` elements unless a
 single parameter is larger. Such an *oversized* bucket is never copied whole into a staging
@@ -36,6 +33,7 @@ import torch
 
 from zero_comm import Communicator, Handle
 
+from .backward_overlap import LaunchOrder
 from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
@@ -67,16 +65,20 @@ class BucketReducer:
         launch_order: list[int] | None = None,
         labels: list[str] | None = None,
         chunk_numel: int | None = None,
+        *,
+        overlap: bool = True,
+        remedy: str = "use checkpoint(..., use_reentrant=False)",
     ) -> None:
         """``launch_order``: slot indices in the order their reduce-scatters are issued
         (default: last slot first); ``labels``: each slot's label for the communicator's
         consistency check; ``chunk_numel``: the most elements one collective stages (buckets
-        larger than this are reduced in pieces; None: never)."""
+        larger than this are reduced in pieces; None: never); ``overlap``: launch complete
+        buckets during backward (False: all in ``finish``); ``remedy``: the advice of the
+        error a second gradient after its bucket's launch raises."""
         self.comm = comm
         self.chunk_numel = chunk_numel
-        self.launch_order = launch_order or list(range(len(slots) - 1, -1, -1))
-        if sorted(self.launch_order) != list(range(len(slots))):
-            raise ValueError(f"launch_order {launch_order} must list each of {len(slots)} slots")
+        self.overlap = overlap
+        self.order = LaunchOrder([slot.params for slot in slots], comm.rank, remedy, launch_order)
         self.labels = labels or [""] * len(slots)
         self.slots = slots
         self.dtype = dtype
@@ -86,23 +88,17 @@ class BucketReducer:
             member.index: index for index, slot in enumerate(slots) for member in slot.params
         }
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
-        self._arrived = [0] * len(slots)
-        self._next = 0  # position in launch_order of the next bucket to launch
         self._in_flight: deque[Finish] = deque()
         self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
         self._pieces_left = [0] * len(slots)
         self._first = True
         self._tag = ""
-        self._seen: set[int] = set()  # slot indices with a gradient in this micro-step
-        self._position = {index: at for at, index in enumerate(self.launch_order)}
 
     def begin(self, first_micro_step: bool, tag: str = "") -> None:
         """Start a micro-step; ``tag`` is appended to every label (the micro-step)."""
         self._first = first_micro_step
         self._tag = tag
-        self._seen = set()
-        self._arrived = [0] * len(self.slots)
-        self._next = 0
+        self.order.begin()
 
     def _stage(self, index: int) -> torch.Tensor:
         staging = self._staging[index]
@@ -120,13 +116,7 @@ class BucketReducer:
         """Hook: ``member``'s ``.grad`` holds this micro-step's gradient; move it into its
         bucket."""
         index, flat, param = self._bucket_of[member.index], member.flat, member.param
-        again = member.index in self._seen
-        if again and self._position[index] < self._next:
-            raise RuntimeError(
-                f"[rank {self.comm.rank}] parameter {member.name} received a second gradient "
-                "after its bucket was already reduced (reentrant activation checkpointing "
-                "does this); use checkpoint(..., use_reentrant=False), or stage 1"
-            )
+        again = not self.order.arrive(member)  # raises if its bucket was launched
         if param.grad is not None and self._oversized(index):
             held = self._held[index]
             if again and held is not None:
@@ -141,24 +131,24 @@ class BucketReducer:
             else:
                 region.copy_(param.grad.reshape(-1))
             param.grad = None
-        if not again:
-            self._seen.add(member.index)
-            self._arrived[index] += 1
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def mark_ready(self, member: ParamSlot) -> None:
-        """Stage 1: the gradient is already in place in the persistent bucket."""
-        self._arrived[self._bucket_of[member.index]] += 1
-        self._launch_ready()
+        """Stage 1: the gradient is already in place in the persistent bucket (autograd
+        accumulated it into the ``p.grad`` view; a second one adds there too, so it is
+        an error only once the bucket was launched)."""
+        self.order.arrive(member)
+        if self.overlap:
+            self._launch_ready()
 
-    def _complete(self, index: int) -> bool:
-        return self._arrived[index] >= len(self.slots[index].params)
+    def has_gradient(self, member: ParamSlot) -> bool:
+        """Whether ``member``'s gradient arrived in this micro-step."""
+        return self.order.has_arrived(member)
 
     def _launch_ready(self) -> None:
-        order = self.launch_order
-        while self._next < len(order) and self._complete(order[self._next]):
-            self._launch(order[self._next])
-            self._next += 1
+        for index in self.order.take_ready():
+            self._launch(index)
 
     def _oversized(self, index: int) -> bool:
         if self.chunk_numel is None:
@@ -180,6 +170,7 @@ class BucketReducer:
             self._launch_in_pieces(index)
             return
         slot = self.slots[index]
+        self._make_room()
         out = self.comm.buffers.take(slot.slice_numel, self.dtype)
         handle = self.comm.reduce_scatter(
             out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
@@ -202,6 +193,7 @@ class BucketReducer:
         self._pieces_left[index] = len(starts)
         for a in starts:
             piece = Range(a, min(a + width, slot.slice_numel))
+            self._make_room()
             send = self.comm.buffers.take(n * piece.size, self.dtype)
             for r, row in enumerate(send.view(n, piece.size)):
                 _copy_bucket_range(row, source, offset, r * slot.slice_numel + piece.start)
@@ -210,10 +202,14 @@ class BucketReducer:
             handle = self.comm.reduce_scatter(out, send, async_op=True, label=label)
             self._track((index, handle, out, send, piece))
 
+    def _make_room(self) -> None:
+        """Before a launch: finish the oldest until fewer than ``max_in_flight`` are out
+        (their buffers go back to the pool before the next ones are taken)."""
+        while len(self._in_flight) >= self.max_in_flight:
+            self._finish_oldest()
+
     def _track(self, launched: Finish) -> None:
         self._in_flight.append(launched)
-        while len(self._in_flight) > self.max_in_flight:
-            self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         index, handle, out, send, piece = self._in_flight.popleft()
@@ -239,8 +235,7 @@ class BucketReducer:
     def finish(self) -> None:
         """After backward: complete every bucket (missing gradients are zeros), launch the
         rest in canonical order, and wait for all of them."""
-        for index in range(len(self.slots)):
-            self._arrived[index] = len(self.slots[index].params)
+        self.order.complete_all()
         self._launch_ready()
         while self._in_flight:
             self._finish_oldest()

@@ -13,7 +13,9 @@ bucket (stages 0-2) or of the compute shard (stage 3), so the optimizer's in-pla
 lands in the parameters and there is one copy of the weights, not two.
 
 A group of one bucket with a master tensor of its own is stepped as one tile; otherwise
-one tile per bucket slice, so the optimizer's temporaries are bounded by a bucket.
+one tile per bucket slice, so the optimizer's temporaries are bounded by a bucket. Either
+way a tile is one bucket's slice, so the optimizer can be stepped bucket by bucket while
+the parameters gather the buckets already stepped (``step``, optimizer_parts).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from zero_comm import Communicator
 
 from .group_layout import GroupLayout
 from .memory import optimizer_state_bytes, tensor_bytes
+from .optimizer_parts import step_part, steps_in_parts
 from .param_table import ParamSlot
 from .sharded_state import ShardPiece
 
@@ -73,6 +76,8 @@ class MasterWeights:
                     ]
                 )
         self.tiles: list[list[Tile]] = [self._tiles(g) for g in range(len(layouts))]
+        # Whether the parameters gather anything after a step (not at stage 0).
+        self.sharded = any(layout.world_size > 1 for layout in layouts)
 
     def _tiles(self, group: int) -> list[Tile]:
         layout = self.layouts[group]
@@ -124,18 +129,35 @@ class MasterWeights:
 
     # ------------------------------------------------------------ the step
     def step(
-        self, optimizer: torch.optim.Optimizer, gradients: list[torch.Tensor], updated: TileVisitor
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradients: list[torch.Tensor],
+        updated: TileVisitor,
+        *,
+        bucket_by_bucket: bool = False,
     ) -> None:
         """Step ``optimizer`` over every tile with its slice of ``gradients`` (float32,
-        one per group, laid out like the master), then hand each tile's new values to
-        ``updated`` (not for aliased masters: the parameters are those values)."""
-        for tiles, g in zip(self.tiles, gradients, strict=True):
-            for tile, where in tiles:
-                tile.grad = g[where]
-        optimizer.step()
-        for tiles in self.tiles:
-            for tile, _ in tiles:
-                tile.grad = None
+        one per group, laid out like the master) and hand the tiles' new values to
+        ``updated``, in group and bucket order.
+
+        With ``bucket_by_bucket`` (the parameters gather a bucket as soon as its values
+        are handed over), a master sharded over more than one rank and an optimizer that
+        optimizer_parts allows: one ``optimizer.step()`` per tile, i.e. per bucket slice,
+        each tile handed over right after its step, aliased or not (an aliased tile's
+        values already are the parameters'; the call says they are final). Otherwise one
+        ``optimizer.step()`` over every tile, then every tile handed over (not for
+        aliased masters: the parameters are those values). Both give the same bits."""
+        parts = [
+            (group, tile, where, g[where])
+            for group, (tiles, g) in enumerate(zip(self.tiles, gradients, strict=True))
+            for tile, where in tiles
+        ]
+        if bucket_by_bucket and self.sharded and steps_in_parts(optimizer):
+            for group, tile, where, gradient in parts:
+                step_part(optimizer, [(tile, gradient)])
+                updated(group, where.start or 0, tile.detach().view(-1))
+            return
+        step_part(optimizer, [(tile, gradient) for _, tile, _, gradient in parts])
         if not self.aliased:
             self.visit(updated)
 

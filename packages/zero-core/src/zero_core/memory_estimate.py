@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .config import offload_stage_error
+from .config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
 
 STAGES = (0, 1, 2, 3)
 TIERS = ("none", "cpu", "disk")
@@ -149,7 +149,7 @@ def tiered_state_bytes(
     buffer_count: int = 4,
     bucket_numel: int = 2**22,
     largest_param_numel: float = 0,
-    prefetch_numel: int = 2**24,
+    prefetch_numel: int = DEFAULT_PREFETCH_NUMEL,
 ) -> TieredStateBytes:
     """Per-rank bytes of ``params`` parameters at ``stage`` on ``world_size`` ranks, placed
     in the tiers of ``offload_optimizer`` and ``offload_params`` (ZeroConfig's fields of

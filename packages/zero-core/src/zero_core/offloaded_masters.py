@@ -139,10 +139,22 @@ class OffloadedMasters:
 
     # -------------------------------------------------------------- step
     def step(
-        self, optimizer: torch.optim.Optimizer, gradients: list[torch.Tensor], updated: TileVisitor
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradients: list[torch.Tensor],
+        updated: TileVisitor,
+        *,
+        bucket_by_bucket: bool = False,
     ) -> None:
         """Step the resident tiles at once, then the disk tiles one at a time through the
-        pipeline; each tile's new values go to ``updated`` as they are ready."""
+        pipeline; each tile's new values go to ``updated`` as they are ready (so the
+        parameters gather the resident buckets while the disk tiles are stepped).
+
+        ``bucket_by_bucket`` is not taken up here: the resident tiles may sit on two
+        devices (DEVICE and HOST tiers), and torch picks the optimizer's implementation
+        from the devices of the tensors of one call, so one call per tile could pick
+        another one than the call over all of them."""
+        del bucket_by_bucket
         resident = [
             (spec, tile) for specs, tiles in zip(self.plan, self.tiles, strict=True)
             for spec, (tile, _) in zip(specs, tiles, strict=True) if spec.tier is not Tier.DISK

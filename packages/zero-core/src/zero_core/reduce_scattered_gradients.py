@@ -2,8 +2,10 @@
 
 Two placements of the gradient before it is reduced:
 
-    full buffers (stage 1)   every rank | g g g g g g g g g g g g g g g g |  p.grad views,
-                             reduced after backward; rank r's slice lands in its target
+    full buffers (stage 1)   every rank | g g g g g g g g g g g g g g g g |  p.grad views;
+                             a hook marks each gradient ready as autograd accumulates it
+                             and complete buckets are reduced during backward (after it,
+                             with overlap_comm=False); rank r's slice lands in its target
     sharded (stages 2, 3)    a hook moves each gradient into a pooled staging bucket as
                              soon as autograd has it, and frees it; complete buckets are
                              reduced during backward (grad_reducer)
@@ -16,7 +18,6 @@ The target is the gradient shard (sharded), this rank's own slice of the full bu
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from zero_comm import Communicator, ReduceOp
 
 from .allreduced_gradients import restore_grad_view
+from .backward_overlap import register_gradient_hooks
 from .config import ZeroConfig
 from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot
@@ -71,14 +73,26 @@ class ReduceScatteredGradients:
                         self.grad_buckets[g][k] if full_buffers else None,
                     )
                 )
+        # Full buffers can wait for the end of backward (a reentrant checkpoint's second
+        # gradient then adds in place); sharded gradients cannot, they are freed as they come.
+        overlap = config.overlap_comm or not full_buffers
+        remedy = "use checkpoint(..., use_reentrant=False)" + (
+            ", or overlap_comm=False"
+            if full_buffers
+            else ", or stage 0 or 1 with overlap_comm=False"
+        )
         self.reducer = BucketReducer(
             comm, buckets, dtype, config.max_buckets_in_flight, launch_order, labels,
-            chunk_numel=config.bucket_numel,
+            chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
         )  # fmt: skip
         # Called with each slot whose gradient a hook handed over (stage 3 frees units).
         self.gradient_listeners: list[Callable[[ParamSlot], None]] = []
         self._accepting = False  # inside engine.backward: hooks hand gradients over
-        self._hooks: list[Any] = [] if full_buffers else self._register_hooks()
+        self._hooks: list[Any] = (
+            register_gradient_hooks(self, slots, ReduceScatteredGradients._on_gradient)
+            if overlap
+            else []
+        )
 
     def _full_buffer_targets(self) -> list[list[torch.Tensor]]:
         rank = self.comm.rank
@@ -110,41 +124,31 @@ class ReduceScatteredGradients:
             for shard, layout in zip(self.grad_shards, self.layouts, strict=True)
         ]
 
-    def _register_hooks(self) -> list[Any]:
-        """Hand each gradient to the reducer as soon as autograd has accumulated it."""
-        # A weak reference: the model's parameters must not keep a deleted engine alive.
-        gradients = weakref.ref(self)
-
-        def hook_for(slot: ParamSlot) -> Callable[[torch.Tensor], None]:
-            def on_gradient(param: torch.Tensor) -> None:
-                alive = gradients()
-                if alive is not None:
-                    alive._on_gradient(slot)
-
-            return on_gradient
-
-        return [
-            slot.param.register_post_accumulate_grad_hook(hook_for(slot))  # type: ignore[no-untyped-call]
-            for slot in self.slots
-        ]
-
     def _on_gradient(self, slot: ParamSlot) -> None:
+        """Hook: hand ``slot``'s gradient over (full buffers: it is in its view already,
+        restored there if the user replaced ``.grad``; sharded: moved into its bucket)."""
         if self._accepting:
-            self.reducer.grad_ready(slot)
+            if self.grads_are_views:
+                restore_grad_view(slot)
+                self.reducer.mark_ready(slot)
+            else:
+                self.reducer.grad_ready(slot)
             for listener in self.gradient_listeners:
                 listener(slot)
 
     # -------------------------------------------------------------- the step
     def before_backward(self, first_micro_step: bool, label: str) -> None:
         self.reducer.begin(first_micro_step, label)
-        self._accepting = not self.grads_are_views
+        self._accepting = self.reducer.overlap
 
     def after_backward(self, first_micro_step: bool) -> None:
-        """Reduce what backward left (full buffers: everything) and wait for it all."""
+        """Reduce what backward left (parameters without a gradient are zeros) and wait
+        for it all."""
         if self.grads_are_views:
             for slot in self.slots:
-                restore_grad_view(slot)
-                self.reducer.mark_ready(slot)
+                if not self.reducer.has_gradient(slot):
+                    restore_grad_view(slot)
+                    self.reducer.mark_ready(slot)
         self.reducer.finish()
         if self.grads_are_views and self.accumulating:
             self._zero_full_buffers()

@@ -9,9 +9,18 @@ the layout has one rank, stage 0):
 
 Publishing after the optimizer step: the masters hand each updated tile over
 (``take_master_values``: cast into the rank's own slice, unless the master is that
-slice); then, with a sharded master, every bucket is all-gathered from each rank's slice
-(bucket by bucket, at most ``max_buckets_in_flight`` at once; a bucket past
-``bucket_numel`` in column pieces).
+slice); with a sharded master, every bucket is all-gathered from each rank's slice (at
+most ``max_buckets_in_flight`` at once; a bucket past ``bucket_numel`` in column pieces).
+A bucket's all-gather is launched, asynchronously, as soon as every element of this
+rank's slice of it has been handed over, so it overlaps the optimizer's step of the next
+buckets when the masters step bucket by bucket (master_weights); ``publish`` launches
+the rest and waits for all:
+
+    optimizer     | step b0 | step b1 | step b2 |
+    all-gathers             | b0 ......| b1 .....| b2 ....|   <- publish waits here
+
+Launches follow the canonical order (group, then bucket) on every rank, whatever order
+the tiles arrive in: a bucket complete before an earlier one waits for it.
 """
 
 from __future__ import annotations
@@ -61,6 +70,17 @@ class ReplicatedParameters:
             full = self.buckets[slot.group][slot.bucket]
             slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
         self._owned = self.owned_slices()
+        # The buckets that are all-gathered, in launch order, and per group and bucket the
+        # elements of this rank's slice handed over since the last publish.
+        self._order = [
+            (g, k)
+            for g, layout in enumerate(layouts)
+            if layout.world_size > 1
+            for k in range(len(layout.buckets))
+        ]
+        self._received = [[0] * len(layout.buckets) for layout in layouts]
+        self._launched = 0  # buckets of _order launched since the last publish
+        self._in_flight: deque[InFlight] = deque()
 
     def owned_slices(self) -> list[list[torch.Tensor]]:
         """Per group and bucket, this rank's slice of the full buffer (what an aliased
@@ -86,8 +106,10 @@ class ReplicatedParameters:
 
     def take_master_values(self, group: int, start: int, values: torch.Tensor) -> None:
         """Elements [start, start + len(values)) of this rank's master of ``group``
-        (float32, updated) into its owned slices, cast to the compute dtype."""
-        for bucket, owned in zip(self.layouts[group].buckets, self._owned[group], strict=True):
+        (float32, updated, final for this step) into its owned slices, cast to the
+        compute dtype; then the all-gathers of the buckets now complete are launched."""
+        layout = self.layouts[group]
+        for k, (bucket, owned) in enumerate(zip(layout.buckets, self._owned[group], strict=True)):
             a = max(start, bucket.local_offset)
             b = min(start + values.numel(), bucket.local_offset + bucket.slice_numel)
             if a >= b:
@@ -96,25 +118,51 @@ class ReplicatedParameters:
             source = values[a - start : b - start]
             if target.data_ptr() != source.data_ptr():
                 target.copy_(source)
+            if layout.world_size > 1:
+                self._count(group, k, b - a)
+        self._launch(ready_only=True)
+
+    def _count(self, group: int, bucket: int, numel: int) -> None:
+        received = self._received[group][bucket] + numel
+        if received > self.layouts[group].buckets[bucket].slice_numel:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] bucket {bucket} of group {group} was handed more "
+                "master values than its slice holds since the last publish: each element "
+                "must be handed over once per publish (masters.step or masters.visit, then "
+                "parameters.publish)"
+            )
+        self._received[group][bucket] = received
 
     def publish(self) -> None:
         """Every rank's owned slices (updated by ``take_master_values``) into every
-        rank's full buckets; see the module docstring:
+        rank's full buckets; see the module docstring. Launches the all-gathers not
+        launched yet (all of them when no values were handed over: aliased masters
+        stepped at once), waits for every one, and starts the next count.
 
         full (N x S) viewed as rows:  full[r, a:b] = rank r's owned slice[a:b]
         """
-        in_flight: deque[InFlight] = deque()
-        for layout, fulls, slices in zip(self.layouts, self.buckets, self._owned, strict=True):
-            if layout.world_size == 1:
-                continue  # the owned slice is the whole bucket
-            for bucket, full, owned in zip(layout.buckets, fulls, slices, strict=True):
-                for launched in self._gather_bucket(bucket.layout.padded_numel, full, owned):
-                    in_flight.append(launched)
-                    if len(in_flight) > self.config.max_buckets_in_flight:
-                        self._finish(in_flight.popleft())
-        while in_flight:
-            self._finish(in_flight.popleft())
+        self._launch(ready_only=False)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+        self._launched = 0
+        self._received = [[0] * len(layout.buckets) for layout in self.layouts]
         self._check_storage()
+
+    def _launch(self, *, ready_only: bool) -> None:
+        """Launch the all-gathers of the next buckets in launch order: those whose slice
+        is complete (``ready_only``), or all that are left; at most
+        ``max_buckets_in_flight`` stay in flight (the oldest is waited for first)."""
+        while self._launched < len(self._order):
+            g, k = self._order[self._launched]
+            bucket = self.layouts[g].buckets[k]
+            if ready_only and self._received[g][k] < bucket.slice_numel:
+                return
+            full, owned = self.buckets[g][k], self._owned[g][k]
+            for launched in self._gather_bucket(bucket.layout.padded_numel, full, owned):
+                self._in_flight.append(launched)
+                if len(self._in_flight) > self.config.max_buckets_in_flight:
+                    self._finish(self._in_flight.popleft())
+            self._launched += 1
 
     def _gather_bucket(
         self, padded_numel: int, full: torch.Tensor, master: torch.Tensor

@@ -152,9 +152,13 @@ class ShardedParameters:
         self.gatherer.begin_pass(Pass.BACKWARD)
 
     def end_backward(self) -> None:
-        """Backward finished (or raised): free what it had gathered."""
+        """Backward finished (or raised): free what it had gathered, and the
+        communicator's free staging buffers (the gradient buckets' staging, used once per
+        backward): the optimizer step and the next forward use none, so holding them
+        would only add to those phases' peak."""
         if self.gatherer.phase is Pass.BACKWARD:
             self.gatherer.end_pass()
+        self.comm.buffers.release_free()
 
     def gradient_arrived(self, slot: ParamSlot) -> None:
         """Backward gave ``slot`` its gradient: once its unit has all of them, nothing in

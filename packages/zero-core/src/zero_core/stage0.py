@@ -1,7 +1,9 @@
 """Stage 0: plain data parallelism, the oracle every other stage must equal bit for bit.
 
 Every rank holds everything; per micro-step, the gradients of each group (one flat buffer
-in parameter order) are all-reduced; the optimizer updates the full float32 master weights.
+in parameter order) are all-reduced in chunks of bucket_numel elements, each launched during
+backward once its gradients are in (DDP's reducer; overlap_comm=False: after backward);
+the optimizer updates the full float32 master weights.
 
     16 elements, N = 4 ranks:   every rank  | p p p p p p p p p p p p p p p p |  (all of it)
 

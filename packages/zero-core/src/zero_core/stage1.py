@@ -6,8 +6,9 @@
     gradients  (compute dtype)   every rank | g g g g g g g g g g g g g g g g |  (p.grad views)
     master + optimizer states    rank 0 | m m m m |  rank 1 | m m m m |  ...  (its quarter)
 
-After backward, each bucket of the full gradient is reduce-scattered: rank r receives the
-reduced quarter it owns, steps its master quarter, and all-gathers the updated parameters.
+Each bucket of the full gradient is reduce-scattered during backward, as soon as its
+gradients are in (overlap_comm=False: after backward): rank r receives the reduced quarter
+it owns, steps its master quarter, and all-gathers the updated parameters.
 
 Memory per rank (mixed precision Adam, K = 12): 2Ψ + 2Ψ + KΨ/N = 4Ψ + KΨ/N, plus the
 alignment padding of the buckets; float32 Adam: 4Ψ + 4Ψ + 8Ψ/N (the master is this
