@@ -7,7 +7,7 @@
     nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
-    nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~45 min)
+    nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~1.5 h)
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
 
@@ -281,13 +281,20 @@ def bench_comm(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Our stages 0-3 against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO 1-3 on one
-    GPT, N = 2 and 4, ~20M and ~100M parameters, and the largest model each trains on 4 ranks
-    (tools/bench_peers.py --all); writes docs/benchmarks/peers.md and its charts.
+    GPT, N = 2 and 4, ~20M and ~100M parameters, with the peak memory of each phase; the
+    largest model each trains on 4 ranks, without and with activation checkpointing; and
+    the scaling of our stage 3 and FSDP2 over N = 1, 2, 4 (tools/bench_peers.py --all, which
+    runs tools/bench_scaling.py); writes docs/benchmarks/peers.md, scaling.md and charts.
+
+    About 1.5 hours on a 2-core machine: the launches ~37 min, the two searches up to
+    --search-minutes (45; a variant's search ends at its share of what is left), the
+    scaling ~10 min. Parts: --search-only, --scaling-only, --skip-scaling,
+    --search-checkpoint none|full|both, --report-only (rebuild peers.md from the JSON).
 
     DeepSpeed and matplotlib are installed here only, never as dependencies of our packages,
     with torch held at TORCH (a constraints file), DeepSpeed without pre-built ops. Where
     DeepSpeed does not install, the session goes on and the report says why it is missing.
-    Extra arguments go to the script: nox -s bench -- --rounds 5 --search-minutes 20
+    Extra arguments go to the script: nox -s bench -- --rounds 5 --search-minutes 60
     """
     _install(session, "numpy", "matplotlib")
     constraints = Path(session.create_tmp()) / "constraints.txt"

@@ -1,8 +1,10 @@
-"""tools/gpu_check.py: fails loudly without a GPU, and its code runs (on CPU, for testing)."""
+"""tools/gpu_check.py: fails loudly without a GPU, and its code runs (on CPU, for testing);
+tools/gpu_peers.py: the FLOPs formula, the batch plan against an H200's memory, the goal line."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
+from zero_models.gpt import PRESETS
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOL = TOOLS / "gpu_check.py"
+sys.path.insert(0, str(TOOLS))
+import gpu_peers  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check itself runs")
@@ -24,20 +31,98 @@ def test_without_a_gpu_the_check_fails_and_says_why() -> None:
 def test_the_check_runs_every_stage_on_cpu_when_allowed(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     result = subprocess.run(
-        [sys.executable, str(TOOL), "--allow-cpu", "--presets", "test", "--steps", "1",
-         "--warmup", "1", "--fragmentation-preset", "test", "--fragmentation-steps", "2",
-         "--offload-preset", "test",
-         "--json", str(out)],
+        [sys.executable, str(TOOL), "--allow-cpu", "--tiny", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    # The MFU section: the goal run (ours, stage 3) first, FSDP2 beside it, the same batch.
+    mfu = report["mfu"]
+    assert [(r["peer"], r["stage"]) for r in mfu] == [
+        ("ours", 3), ("fsdp2", 3), ("ours", 2), ("ours", 1), ("ours", 0)
+    ]  # fmt: skip
+    assert len({r["batch"] for r in mfu}) == 1
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in mfu)
+    assert all(math.isfinite(r["last_loss"]) for r in mfu)
+    # The goal line names the verdict; on a CPU it can only say "not met", and that it was
+    # not measured on an H200.
+    assert "not met" in report["mfu_goal"] and "not an H200" in report["mfu_goal"]
+    assert "MFU: tokens/s x (6 Psi + 12 L C T) / 989 TFLOPS" in result.stdout
+    rows = report["results"]
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
     assert all(r["tokens_per_s"] > 0 and r["last_loss"] == r["last_loss"] for r in rows)
     assert all(r["step_estimate_gib"] > r["model_states_estimate_gib"] for r in rows)
-    offload = json.loads(out.read_text())["offload"]
+    offload = report["offload"]
     assert [r.get("offload") for r in offload[:2]] == ["none", "cpu"]
     assert offload[1]["host_gib"] > 0 and offload[1]["tokens_per_s"] > 0
-    fragmentation = json.loads(out.read_text())["fragmentation"]
+    fragmentation = report["fragmentation"]
     assert [r["contiguous"] for r in fragmentation] == [False, True]
     assert fragmentation[1]["arena_mib"] > 0 and fragmentation[1]["outside_arena"] == 0
+
+
+def test_a_spent_budget_lists_every_run_as_not_run(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "--allow-cpu", "--tiny", "--budget-s", "0",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["not_run"] for r in report["mfu"]] == ["time budget"] * 5
+    assert [r["not_run"] for r in report["results"]] == ["time budget"] * 4
+    assert "not measured: time budget" in report["mfu_goal"]
+
+
+# ---------------------------------------------------------------- gpu_peers, pure parts
+H200_BYTES = 139 * 2**30  # about what the lent H200 reports as its total memory
+
+
+def test_flops_per_token_is_six_psi_plus_the_attention_term() -> None:
+    config = PRESETS["gpt2"]
+    psi = config.num_params
+    assert gpu_peers.flops_per_token(config, psi) == 6 * psi + 12 * 12 * 768 * 1024
+    assert 124e6 < psi < 125e6  # GPT-2 small, the tied embedding counted once
+
+
+def test_the_plan_fits_gpt2_xl_at_stage_0_on_an_h200_with_room_to_spare() -> None:
+    config = PRESETS["gpt2-xl"]
+    psi = config.num_params
+    plan = gpu_peers.mfu_plan(config, psi, H200_BYTES, fallback=4, max_batch=32)
+    assert plan.skipped == {}
+    peak = gpu_peers.predicted_peak(config, psi, 0, plan.batch)
+    assert peak <= gpu_peers.FIT_FRACTION * H200_BYTES
+    # the next candidate up would not fit: the plan takes the largest that does
+    bigger = gpu_peers.BATCH_CANDIDATES[gpu_peers.BATCH_CANDIDATES.index(plan.batch) - 1]
+    assert gpu_peers.predicted_peak(config, psi, 0, bigger) > gpu_peers.FIT_FRACTION * H200_BYTES
+
+
+def test_the_plan_skips_what_does_not_fit_and_says_by_how_much() -> None:
+    config = PRESETS["gpt2-xl"]
+    psi = config.num_params
+    # 16 bytes per parameter of model states alone: 23 GiB; no stage fits 20 GiB
+    plan = gpu_peers.mfu_plan(config, psi, 20 * 2**30, fallback=4, max_batch=32)
+    assert sorted(plan.skipped) == [0, 1, 2, 3]
+    assert all("GiB at batch 1 >" in why for why in plan.skipped.values())
+    # on CPU: no capacity, the fallback batch, nothing skipped
+    assert gpu_peers.mfu_plan(config, psi, None, fallback=4, max_batch=32) == (4, {})
+
+
+def test_the_goal_line_says_met_not_met_or_why_not_measured() -> None:
+    row = {"preset": "gpt2-xl", "peer": "ours", "stage": 3, "mfu": 0.41}
+    assert gpu_peers.goal_line([row], "NVIDIA H200").endswith(": met: 41.0%")
+    low = gpu_peers.goal_line([{**row, "mfu": 0.39}], "NVIDIA H200")
+    assert low.endswith(": not met: 39.0%")
+    fsdp2_only = [{**row, "peer": "fsdp2", "mfu": 0.5}]
+    assert "not measured: not in --mfu-presets" in gpu_peers.goal_line(fsdp2_only, "NVIDIA H200")
+    oom = [{"preset": "gpt2-xl", "peer": "ours", "stage": 3, "error": "OutOfMemoryError: x"}]
+    assert "not measured: OutOfMemoryError" in gpu_peers.goal_line(oom, "NVIDIA H200")
+
+
+def test_the_goal_runs_first() -> None:
+    order = gpu_peers.mfu_order(["gpt2-xl", "gpt2"])
+    assert order[:2] == [("gpt2-xl", "ours", 3), ("gpt2-xl", "fsdp2", 3)]
+    assert sorted(order) == sorted(
+        [(p, "ours", s) for p in ("gpt2-xl", "gpt2") for s in range(4)]
+        + [(p, "fsdp2", 3) for p in ("gpt2-xl", "gpt2")]
+    )

@@ -2,11 +2,15 @@
 """Our ZeRO stages against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed, on one GPT.
 
     python tools/bench_peers.py --all                  # what `nox -s bench` runs: N = 2 and 4,
-                                                       # both sizes, the largest-model search,
-                                                       # docs/benchmarks/peers.md and PNGs
+                                                       # both sizes, the largest-model search
+                                                       # without and with checkpointing,
+                                                       # docs/benchmarks/peers.md and PNGs,
+                                                       # then tools/bench_scaling.py
     zero-launch -n 2 python tools/bench_peers.py --size 20m --json out.json   # one launch
     zero-launch -n 2 python tools/bench_peers.py --smoke --json out.json      # seconds
     zero-launch -n 4 python tools/bench_peers.py --probe ours-3 --layers 24 --budget-mib 1536
+    zero-launch -n 2 python tools/bench_peers.py --smoke --checkpoint full    # every block
+                                                       # recomputed in backward, all variants
 
 One launch trains the same GPT (``--size``: SIZES below; vocabulary 256, the byte-level
 default corpus of zero_models.data, next-token cross-entropy) with every variant of
@@ -33,6 +37,15 @@ Per variant:
   engine communicator's ``stats``; peers: the hooked torch.distributed calls (tools/peer_comm.py).
 - loss after ``warmup + steps`` steps (every block starts from the initial values), the mean
   over ranks; the same for every round, so rank 0's last round is reported.
+- peak per phase: in the last timed step of each block, zero_core.MemoryTracker measures
+  the resident high-water mark of "forward", "backward" and "step" (it trims the allocator
+  and resets VmHWM at each phase start: milliseconds in one of the block's timed steps,
+  whose median the other two decide; the block's peak above is the larger of the
+  high-water mark before that step and these phase peaks). Reported per phase as the
+  increase over the block's pre-build baseline, the largest rank and round.
+
+``--checkpoint full`` checkpoints every transformer block of every variant the same way
+(tools/peer_trainers.py says how); ``none`` (the default) keeps all activations.
 """
 
 from __future__ import annotations
@@ -122,7 +135,8 @@ def run_block(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     comm: zero_comm.Communicator,
 ) -> dict[str, Any]:
-    """Build ``variant`` on ``comm``, train it ``warmup + steps`` steps, measure, destroy it.
+    """Build ``variant`` on ``comm``, train it ``warmup + steps`` steps, measure, destroy it;
+    the last step's phases are measured by a zero_core.MemoryTracker (module docstring).
 
     ``comm`` is made by the caller and closed only at the end of the launch: a gloo group
     created just after another was destroyed can find the old group's addresses in the
@@ -135,29 +149,52 @@ def run_block(
     base_kib = status_kib("VmRSS")
     reset_ok = reset_peak_rss()
     built = time.perf_counter()
-    trainer = make_trainer(variant, config, args.seed, Hyper(), comm, args.batch)
+    trainer = make_trainer(variant, config, args.seed, Hyper(), comm, args.batch, args.checkpoint)
     build_s = time.perf_counter() - built
     times: list[float] = []
     losses: list[float] = []
     states = None
+    last = len(batches) - 1
+    tracker = zero_core.MemoryTracker("cpu")
+    peak_before_kib = 0
     for step, (inputs, targets) in enumerate(batches):
         if step == args.warmup:
             trainer.comm_bytes_reset()
+        tracked = step == last and reset_ok
+        if tracked:
+            peak_before_kib = status_kib("VmHWM")  # the tracker resets the high-water mark
+        phase = tracker.phase if tracked else (lambda _name: contextlib.nullcontext())
         world.barrier()
         t0 = time.perf_counter()
-        losses.append(trainer.forward_backward(inputs, targets))
+        with phase("forward"):
+            loss = trainer.forward(inputs, targets)
+        with phase("backward"):
+            trainer.backward(loss)
+        losses.append(float(loss.item()))
+        del loss
         t1 = time.perf_counter()
-        if step == len(batches) - 1:
+        if step == last:
             states = trainer.state_bytes()
         t2 = time.perf_counter()
-        trainer.optimizer_step()
+        with phase("step"):
+            trainer.optimizer_step()
         t3 = time.perf_counter()
         if step >= args.warmup:
             times.append((t1 - t0) + (t3 - t2))
     comm_bytes, calls = trainer.comm_bytes()
     peak_kib = status_kib("VmHWM")
+    if tracker.peaks:
+        phase_kib = [p.peak_bytes // 1024 for p in tracker.history]
+        peak_kib = max([peak_kib, peak_before_kib, *phase_kib])
+    phase_peaks = {
+        p.phase: {
+            "increase_mib": (p.peak_bytes / 1024 - base_kib) / 1024,
+            "start_increase_mib": (p.start_bytes / 1024 - base_kib) / 1024,
+        }
+        for p in tracker.history
+    }
     trainer.close()
-    del trainer
+    del trainer, tracker
     comm.buffers.clear()
     trim_allocator()
     assert states is not None
@@ -172,6 +209,7 @@ def run_block(
         "rss_base_mib": base_kib / 1024,
         "rss_peak_mib": peak_kib / 1024,
         "rss_increase_mib": (peak_kib - base_kib) / 1024 if reset_ok else None,
+        "phase_peaks": phase_peaks,
     }
 
 
@@ -303,6 +341,14 @@ def summarize(
         blocks = [b for r in mine for b in rounds[(variant, r)]]
         last = rounds[(variant, mine[-1])]
         increases = [b["rss_increase_mib"] for b in blocks if b["rss_increase_mib"] is not None]
+        phase_names = dict.fromkeys(p for b in blocks for p in b.get("phase_peaks", {}))
+        phase_peaks = {
+            name: {
+                key: max(b["phase_peaks"][name][key] for b in blocks if name in b["phase_peaks"])
+                for key in ("increase_mib", "start_increase_mib")
+            }
+            for name in phase_names
+        }
         results.append(
             {
                 "variant": variant,
@@ -313,6 +359,7 @@ def summarize(
                     k: max(b["state_bytes"][k] for b in blocks) for k in blocks[0]["state_bytes"]
                 },
                 "rss_increase_mib": max(increases) if increases else None,
+                "phase_peaks": phase_peaks,
                 "rss_peak_mib": max(b["rss_peak_mib"] for b in blocks),
                 "comm_bytes_per_step": max(b["comm_bytes_per_step"] for b in blocks),
                 "comm_calls_per_step": last[0]["comm_calls_per_step"],
@@ -332,6 +379,7 @@ def summarize(
             "parameters": config.num_params,
         },
         "batch_per_rank": args.batch,
+        "checkpoint": args.checkpoint,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -411,7 +459,9 @@ def run_probe(args: argparse.Namespace) -> None:
     # A smoke-size block first, so that code paged in on first use (libtorch's kernels, the
     # framework's modules) is resident before the baseline and not counted as the model's.
     smoke = SIZES["smoke"].with_overrides(vocab_size=256)
-    warm = make_trainer(args.probe, smoke, args.seed, Hyper(), world.split(color=0), args.batch)
+    warm = make_trainer(
+        args.probe, smoke, args.seed, Hyper(), world.split(color=0), args.batch, args.checkpoint
+    )
     for step in range(2):
         inputs, targets = sampler.batch(step, 0)
         warm.forward_backward(inputs[:, : smoke.context], targets[:, : smoke.context])
@@ -426,7 +476,9 @@ def run_probe(args: argparse.Namespace) -> None:
     comm = world.split(color=0)
     phase = "build"
     try:
-        trainer = make_trainer(args.probe, config, args.seed, Hyper(), comm, args.batch)
+        trainer = make_trainer(
+            args.probe, config, args.seed, Hyper(), comm, args.batch, args.checkpoint
+        )
         step_seconds = []
         for step in range(args.probe_steps):
             started = time.perf_counter()
@@ -495,6 +547,12 @@ def parser() -> argparse.ArgumentParser:
         default=2,
         help="sequences per rank per step (--all: 2 at 20m, 1 at 100m)",
     )
+    p.add_argument(
+        "--checkpoint",
+        choices=("none", "full"),
+        default="none",
+        help="activation checkpointing of every block, every variant (peer_trainers)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
     p.add_argument("--steps", type=int, default=3, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3)
@@ -511,8 +569,27 @@ def parser() -> argparse.ArgumentParser:
         help="--all: memory per rank for the largest-model search",
     )
     p.add_argument(
-        "--search-minutes", type=float, default=12.0, help="--all: time budget of the whole search"
+        "--search-minutes",
+        type=float,
+        default=45.0,
+        help="--all: time budget of the whole search (both settings, every variant)",
     )
+    p.add_argument(
+        "--search-checkpoint",
+        choices=("none", "full", "both"),
+        default="both",
+        help="--all: search without activation checkpointing, with it, or both",
+    )
+    p.add_argument(
+        "--search-variants",
+        nargs="+",
+        choices=VARIANTS,
+        help="--all: the variants searched (default: bench_peers_search.SEARCH_VARIANTS)",
+    )
+    p.add_argument(
+        "--skip-scaling", action="store_true", help="--all: leave out tools/bench_scaling.py"
+    )
+    p.add_argument("--scaling-only", action="store_true", help="--all: tools/bench_scaling.py only")
     return p
 
 

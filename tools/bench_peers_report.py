@@ -19,6 +19,21 @@ from zero_core.memory_estimate import model_state_bytes, state_bytes_per_param
 
 MIB = 2**20
 TARGETS = {"ours-1": 1.05, "ours-2": 1.05, "ours-3": 1.15}
+# Largest-model goals of issue 17, in both checkpoint settings: (ours, peer, parameters of
+# ours >= factor x the peer's)
+LARGEST_GOALS = (
+    ("ours-3", "fsdp2", 1.15),
+    ("ours-1", "deepspeed-1", 1.0),
+    ("ours-2", "deepspeed-2", 1.0),
+    ("ours-3", "ddp", 3.5),
+)
+PHASES = ("forward", "backward", "step")
+# peers-json/ file of each largest-model search: checkpoint mode -> name
+SEARCH_FILES = {"none": "largest-n4.json", "full": "largest-n4-checkpoint.json"}
+CHECKPOINT_WORDS = {
+    "none": "without activation checkpointing",
+    "full": "with activation checkpointing (every block, recomputed in backward)",
+}
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -113,13 +128,20 @@ READING = [
 
 
 # ------------------------------------------------------------------ the whole report
-def _load(raw: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
+def _load(raw: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The launches (by N, then size), the largest-model searches (without checkpointing
+    first) and run.json."""
     launches = [json.loads(p.read_text()) for p in sorted(raw.glob("peers-*.json"))]
     launches.sort(key=lambda r: (r["world_size"], r["model"]["parameters"]))
-    search_path, run_path = raw / "largest-n4.json", raw / "run.json"
-    search = json.loads(search_path.read_text()) if search_path.exists() else None
+    searches = []
+    for mode, name in SEARCH_FILES.items():
+        if (raw / name).exists():
+            search = json.loads((raw / name).read_text())
+            search.setdefault("checkpoint", mode)  # written before the setting existed
+            searches.append(search)
+    run_path = raw / "run.json"
     run = json.loads(run_path.read_text()) if run_path.exists() else {}
-    return launches, search, run
+    return launches, searches, run
 
 
 def _label(report: dict[str, Any]) -> str:
@@ -154,9 +176,66 @@ def _result(report: dict[str, Any], variant: str) -> dict[str, Any] | None:
     return next((r for r in report["results"] if r["variant"] == variant), None)
 
 
-def targets(launches: list[dict[str, Any]], search: dict[str, Any] | None) -> list[str]:
+def largest_goals(search: dict[str, Any]) -> list[str]:
+    """LARGEST_GOALS rows of one search: met, missed, or '-' where a side did not run."""
+    found = {r["variant"]: r for r in search["results"]}
+    setting = "checkpointing" if search["checkpoint"] != "none" else "no checkpointing"
+    out = []
+    for ours, peer, factor in LARGEST_GOALS:
+        mine, theirs = found.get(ours), found.get(peer)
+        goal = f"largest model, {ours} >= {factor:g}x {peer}"
+        where = f"N={search['world_size']}, {setting}"
+        if mine is None or theirs is None or not theirs["parameters"]:
+            out.append(f"| {goal} | {where} | not searched | - |")
+            continue
+        ratio = mine["parameters"] / theirs["parameters"]
+        out.append(
+            f"| {goal} | {where} | {ratio:.2f}x ({mine['parameters'] / 1e6:.0f}M vs "
+            f"{theirs['parameters'] / 1e6:.0f}M) | {'yes' if ratio >= factor else 'NO'} |"
+        )
+    return out
+
+
+def largest_table(search: dict[str, Any]) -> list[str]:
+    """One search's table: every variant's answer and probes."""
+    lines = [
+        f"\n## Largest trainable GPT, N = {search['world_size']}, "
+        f"{CHECKPOINT_WORDS.get(search['checkpoint'], search['checkpoint'])}\n",
+        f"Width {search['width']}, {search['heads']} heads, context {search['context']}, "
+        f"{search['batch_per_rank']} sequence per rank, 2 steps, layers searched; memory cap "
+        f"{search['budget_mib_per_rank']} MiB per rank ({search['limit']}).\n",
+        "| variant | largest layers | parameters | first failing layers | probes "
+        "(layers: result, s) | peak RSS increase of the largest, MiB |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for r in search["results"]:
+        probes = "; ".join(
+            f"{p['layers']}{' again' if p.get('retry') else ''}: "
+            f"{'ok' if p['ok'] else p['how'][:40]}, {p['seconds']:.0f}"
+            for p in r["probes"]
+        )
+        best = [p for p in r["probes"] if p["ok"] and p["layers"] == r["layers"]]
+        rss = max(x["rss_increase_mib"] for x in best[0]["ranks"]) if best else None
+        lines.append(
+            f"| {r['variant']} | {r['layers']} | {r['parameters'] / 1e6:.0f}M "
+            f"| {r['first_failing_layers'] or '-'} | {probes} "
+            f"| {_f(rss, '.0f')} |"
+        )
+    return lines
+
+
+def phase_peak_cell(row: dict[str, Any], _report: dict[str, Any]) -> str:
+    """'forward / backward / step' peak increase, MiB, or '-' for a launch without them."""
+    peaks = row.get("phase_peaks") or {}
+    if not all(p in peaks for p in PHASES):
+        return "-"
+    return " / ".join(f"{peaks[p]['increase_mib']:.0f}" for p in PHASES)
+
+
+def targets(launches: list[dict[str, Any]], searches: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, each met or missed, figure by figure."""
-    out = ["\n## Targets of issue 8\n", "| target | run | figure | met |", "|---|---|---|---|"]
+    out = ["\n## Targets (issues 8 and 17)\n", "| target | run | figure | met |"]
+    out.append("|---|---|---|---|")
     for report in launches:
         for variant, bound in TARGETS.items():
             r = _result(report, variant)
@@ -196,19 +275,13 @@ def targets(launches: list[dict[str, Any]], search: dict[str, Any] | None) -> li
                     f"{mine / MIB:.0f} vs {other / MIB:.0f} MiB "
                     f"| {'yes' if mine <= other else 'NO'} |"
                 )
-    if search:
-        found = {r["variant"]: r for r in search["results"]}
-        if "ours-3" in found and "ddp" in found and found["ddp"]["parameters"]:
-            ratio = found["ours-3"]["parameters"] / found["ddp"]["parameters"]
-            out.append(
-                f"| largest model, ours-3 >= 3.5x DDP | N=4 | {ratio:.2f}x "
-                f"| {'yes' if ratio >= 3.5 else 'NO'} |"
-            )
+    for search in searches:
+        out += largest_goals(search)
     return out
 
 
 def write_docs(out: Path, raw: Path) -> None:
-    launches, search, run = _load(raw)
+    launches, searches, run = _load(raw)
     if not launches:
         raise SystemExit(f"no peers-*.json under {raw}: run the launches first")
     first = launches[0]
@@ -302,6 +375,14 @@ def write_docs(out: Path, raw: Path) -> None:
         "Loss after warm-up + timed steps (mean over ranks)",
         lambda r, _: f"{r['loss']:.5f}",
     )
+    if any(phase_peak_cell(r, rep) != "-" for rep in launches for r in rep["results"]):
+        lines += _pivot(
+            launches,
+            "Peak resident memory per phase of one step, MiB: forward / backward / step, "
+            "each the phase's high-water mark over the pre-build baseline (zero_core."
+            "MemoryTracker in the last timed step; largest rank and round)",
+            phase_peak_cell,
+        )
     det = [rep for rep in launches if _result(rep, "ours-0-det")]
     if det:
         lines += [
@@ -315,29 +396,8 @@ def write_docs(out: Path, raw: Path) -> None:
                 a, b = _result(rep, f"ours-{stage}-det"), _result(rep, f"ours-{stage}")
                 cells.append(f"{a['median_step_s'] / b['median_step_s']:.2f}" if a and b else "-")
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-    if search:
-        lines += [
-            f"\n## Largest trainable GPT, N = {search['world_size']}\n",
-            f"Width {search['width']}, {search['heads']} heads, context {search['context']}, "
-            f"{search['batch_per_rank']} sequence per rank, 2 steps, layers searched; memory cap "
-            f"{search['budget_mib_per_rank']} MiB per rank ({search['limit']}).\n",
-            "| variant | largest layers | parameters | first failing layers | probes "
-            "(layers: result, s) | peak RSS increase of the largest, MiB |",
-            "|---|---:|---:|---:|---|---:|",
-        ]
-        for r in search["results"]:
-            probes = "; ".join(
-                f"{p['layers']}{' again' if p.get('retry') else ''}: "
-                f"{'ok' if p['ok'] else p['how'][:40]}, {p['seconds']:.0f}"
-                for p in r["probes"]
-            )
-            best = [p for p in r["probes"] if p["ok"] and p["layers"] == r["layers"]]
-            rss = max(x["rss_increase_mib"] for x in best[0]["ranks"]) if best else None
-            lines.append(
-                f"| {r['variant']} | {r['layers']} | {r['parameters'] / 1e6:.0f}M "
-                f"| {r['first_failing_layers'] or '-'} | {probes} "
-                f"| {_f(rss, '.0f')} |"
-            )
+    for search in searches:
+        lines += largest_table(search)
     default = raw / "largest-n4-glibc-default.json"
     if default.exists():
         earlier = json.loads(default.read_text())
@@ -352,10 +412,10 @@ def write_docs(out: Path, raw: Path) -> None:
             "repeated gather/free of our stage 3 kept up to twice the resident memory "
             "(the bench launches above ran with glibc's defaults for every variant).",
         ]
-    lines += targets(launches, search)
+    lines += targets(launches, searches)
     lines += READING
     lines += ["\n## Per launch\n"] + [launch_table(rep) + "\n" for rep in launches]
-    charts = draw_charts(out, launches, search)
+    charts = draw_charts(out, launches, searches)
     if charts:
         lines += ["\n## Charts\n"] + [f"![{c}]({c})" for c in charts]
     else:
@@ -365,7 +425,7 @@ def write_docs(out: Path, raw: Path) -> None:
 
 
 def draw_charts(
-    out: Path, launches: list[dict[str, Any]], search: dict[str, Any] | None
+    out: Path, launches: list[dict[str, Any]], searches: list[dict[str, Any]]
 ) -> list[str]:
     try:
         matplotlib: Any = importlib.import_module("matplotlib")
@@ -397,14 +457,24 @@ def draw_charts(
     fig.savefig(out / "peers.png", dpi=90)
     plt.close(fig)
     names.append("peers.png")
-    if search:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        found = search["results"]
-        ax.bar([r["variant"] for r in found], [r["parameters"] / 1e6 for r in found])
+    if searches:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        searched = list(dict.fromkeys(r["variant"] for s in searches for r in s["results"]))
+        width = 0.8 / len(searches)
+        for k, search in enumerate(searches):
+            found = {r["variant"]: r["parameters"] / 1e6 for r in search["results"]}
+            ax.bar(
+                [i + k * width for i in range(len(searched))],
+                [found.get(v, 0.0) for v in searched],
+                width,
+                label=f"checkpoint {search['checkpoint']}, "
+                f"{search['budget_mib_per_rank']} MiB per rank",
+            )
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(searched))], searched, fontsize=8)
         ax.set_ylabel("parameters, millions")
+        ax.legend(fontsize=8)
         ax.set_title(
-            f"largest GPT trained, N = {search['world_size']}, "
-            f"{search['budget_mib_per_rank']} MiB per rank",
+            f"largest GPT trained, N = {searches[0]['world_size']}",
             fontsize=10,
         )
         ax.grid(axis="y", alpha=0.3)

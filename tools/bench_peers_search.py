@@ -5,7 +5,10 @@ Launches: N = 2 and 4, sizes 20m and 100m (bench_peers.SIZES), every variant, ea
 ``zero-launch -n N python tools/bench_peers.py ...`` of its own; the 20m launches also run our
 engines with deterministic reductions (``ours-*-det``), for the cost of determinism.
 
-Largest model (N = 4; DDP, our stages 1-3, FSDP2): GPTs of width ``SEARCH_WIDTH`` and a
+Largest model (N = 4; DDP, our stages 1-3, FSDP2, DeepSpeed ZeRO 1-3), twice: without
+activation checkpointing (``largest-n4.json``) and with every block checkpointed the same
+way in every variant (``--checkpoint full``, tools/peer_trainers.py; ``largest-n4-checkpoint
+.json``). GPTs of width ``SEARCH_WIDTH`` and a
 growing number of layers; each probe is its own launch that trains 2 steps (``--probe``; the
 second step is the first with gradients and optimizer states both held) with one sequence
 per rank. Memory is capped per rank: after ``zero_comm.init`` each rank sets
@@ -17,12 +20,19 @@ record both. A probe whose paper model-state bytes alone exceed the budget fails
 estimate, without running. The search per variant starts at the layer count that the paper's
 formula puts at ~70% of the budget, grows (x1.5) or shrinks (/1.5) until it brackets the
 limit, then bisects until the bracket is within 1/8 of the answer, at most ``MAX_PROBES``
-probes, within ``--search-minutes`` for all variants.
+probes, within ``--search-minutes`` for all variants and both settings together. With
+checkpointing, a variant's search starts one step (x1.125) above its answer without, and
+grows by x1.125: checkpointing at one sequence of 128 tokens frees ~8 MiB per block, so
+the answer moves by ~10%, and a finer step finds it in fewer probes.
+
+After the search, tools/bench_scaling.py (N = 1, 2, 4; docs/benchmarks/scaling.md) unless
+``--skip-scaling``; ``--scaling-only`` runs that alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -34,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_peers_report import paper_model_states_mib, write_docs
+from bench_peers_report import SEARCH_FILES, paper_model_states_mib, write_docs
 
 from zero_models.gpt import GPTConfig
 
@@ -42,7 +52,9 @@ TOOL = Path(__file__).resolve().parent / "bench_peers.py"
 LAUNCHER = (sys.executable, "-m", "zero_comm.launch")  # zero-launch
 # (size, N, sequences per rank): one sequence at 100M keeps the whole run under ~45 minutes
 LAUNCHES = (("20m", 2, 2), ("100m", 2, 1), ("20m", 4, 2), ("100m", 4, 1))
-SEARCH_VARIANTS = ("ddp", "ours-1", "ours-2", "ours-3", "fsdp2")
+SEARCH_VARIANTS = (
+    "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"
+)  # fmt: skip
 SEARCH_WIDTH, SEARCH_HEADS, SEARCH_CONTEXT, SEARCH_N = 1024, 16, 128, 4
 MAX_PROBES = 7
 # glibc's dynamic mmap threshold rises to the size of the largest block freed (up to 32 MiB),
@@ -64,6 +76,26 @@ def search_config(layers: int) -> GPTConfig:
     )
 
 
+def peers_launch(n: int, options: list[str]) -> list[str]:
+    """``zero-launch -n n python tools/bench_peers.py OPTIONS``: one launch of bench_peers
+    (its ranks build and time every variant in ``options`` in one process each)."""
+    return [*LAUNCHER, "-n", str(n), sys.executable, str(TOOL), *options]
+
+
+def run_launch(command: list[str], label: str, env: dict[str, str] | None = None) -> int:
+    """Run one launch, echoing the command and, when done, its exit status and duration;
+    its output goes to this process's."""
+    print("[bench] " + " ".join(command), file=sys.stderr, flush=True)
+    started = time.time()
+    done = subprocess.run(command, env=None if env is None else {**os.environ, **env})
+    print(
+        f"[bench] {label}: exit {done.returncode}, {time.time() - started:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return done.returncode
+
+
 def launch_command(
     size: str, n: int, batch: int, json_path: Path, args: argparse.Namespace
 ) -> list[str]:
@@ -81,35 +113,18 @@ def launch_command(
     ]
     if size == "20m":
         variants += ["ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det"]
-    return [
-        *LAUNCHER,
-        "-n",
-        str(n),
-        sys.executable,
-        str(TOOL),
-        "--size",
-        size,
-        "--steps",
-        str(args.steps),
-        "--rounds",
-        str(args.rounds),
-        "--warmup",
-        str(args.warmup),
-        "--batch",
-        str(batch),
-        "--variants",
-        *variants,
-        "--json",
-        str(json_path),
-    ]
+    options = ["--size", size, "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    options += ["--warmup", str(args.warmup), "--batch", str(batch), "--variants", *variants]
+    return peers_launch(n, [*options, "--json", str(json_path)])
 
 
-def probe(variant: str, layers: int, budget_mib: int) -> dict[str, Any]:
+def probe(variant: str, layers: int, budget_mib: int, checkpoint: str = "none") -> dict[str, Any]:
     """One probe: {"ok": bool, "how": "ran" | "estimate" | "oom" | "error: ...", ...}."""
     config = search_config(layers)
     paper = paper_model_states_mib(variant, config.num_params, SEARCH_N) or 0.0
     record: dict[str, Any] = {
         "variant": variant,
+        "checkpoint": checkpoint,
         "layers": layers,
         "parameters": config.num_params,
         "paper_model_states_mib": paper,
@@ -118,29 +133,29 @@ def probe(variant: str, layers: int, budget_mib: int) -> dict[str, Any]:
         return {**record, "ok": False, "how": "estimate", "seconds": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
-        command = [
-            *LAUNCHER,
-            "-n",
-            str(SEARCH_N),
-            sys.executable,
-            str(TOOL),
-            "--probe",
-            variant,
-            "--width",
-            str(SEARCH_WIDTH),
-            "--heads",
-            str(SEARCH_HEADS),
-            "--context",
-            str(SEARCH_CONTEXT),
-            "--layers",
-            str(layers),
-            "--batch",
-            "1",
-            "--budget-mib",
-            str(budget_mib),
-            "--json",
-            str(out),
-        ]
+        command = peers_launch(
+            SEARCH_N,
+            [
+                "--probe",
+                variant,
+                "--width",
+                str(SEARCH_WIDTH),
+                "--heads",
+                str(SEARCH_HEADS),
+                "--context",
+                str(SEARCH_CONTEXT),
+                "--layers",
+                str(layers),
+                "--batch",
+                "1",
+                "--budget-mib",
+                str(budget_mib),
+                "--checkpoint",
+                checkpoint,
+                "--json",
+                str(out),
+            ],
+        )
         env = {**os.environ, **MALLOC_ENV}
         started = time.perf_counter()
         try:
@@ -179,9 +194,10 @@ def search_layers(
     deadline: float,
     label: str,
     retry_errors: bool = False,
+    growth: float = 1.5,
 ) -> tuple[int, int, list[dict[str, Any]]]:
-    """The most layers for which ``run_probe(layers)["ok"]``: from ``guess``, grow (x1.5)
-    or shrink (/1.5) until a probe brackets the limit, then bisect until the bracket is
+    """The most layers for which ``run_probe(layers)["ok"]``: from ``guess``, grow (x``growth``)
+    or shrink (/``growth``) until a probe brackets the limit, then bisect until the bracket is
     within 1/8 of the answer, at most ``max_probes`` probes before ``deadline``. Returns
     (most layers that ran, fewest that failed or 0, every probe). With ``retry_errors``
     a probe that failed other than by memory is run once more, so that noise is not read
@@ -209,9 +225,9 @@ def search_layers(
         if hi and hi - lo <= max(1, lo // 8):
             break
         if not hi:
-            layers = math.ceil(layers * 1.5)
+            layers = max(layers + 1, math.ceil(layers * growth))
         elif not lo:
-            layers = max(1, math.floor(layers / 1.5))
+            layers = max(1, min(layers - 1, math.floor(layers / growth)))
             if layers >= hi:
                 break
         else:
@@ -219,23 +235,36 @@ def search_layers(
     return lo, hi, probes
 
 
-def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
-    """The most layers of width SEARCH_WIDTH that ``variant`` trains on N = 4 in the budget."""
+def largest(
+    variant: str,
+    budget_mib: int,
+    deadline: float,
+    checkpoint: str = "none",
+    without_checkpoint: int = 0,
+) -> dict[str, Any]:
+    """The most layers of width SEARCH_WIDTH that ``variant`` trains on N = 4 in the budget;
+    ``without_checkpoint``: the answer of the search without checkpointing (0: unknown),
+    where a search with checkpointing starts (module docstring)."""
     per_layer = search_config(2).num_params - search_config(1).num_params
     bytes_per_param = (paper_model_states_mib(variant, 1, SEARCH_N) or 16 / 2**20) * 2**20
     guess = max(1, int(0.7 * budget_mib * 2**20 / (bytes_per_param * per_layer)))
+    growth = 1.5
+    if checkpoint != "none" and without_checkpoint:
+        guess, growth = max(without_checkpoint + 1, math.ceil(without_checkpoint * 1.125)), 1.125
     # A crash (a C++ allocation under the cap in a helper thread, a peer's teardown) is
     # retried once, so noise is not read as capacity.
     lo, hi, probes = search_layers(
-        lambda layers: probe(variant, layers, budget_mib),
+        lambda layers: probe(variant, layers, budget_mib, checkpoint),
         guess,
         max_probes=MAX_PROBES,
         deadline=deadline,
-        label="search",
+        label=f"search, checkpoint {checkpoint}",
         retry_errors=True,
+        growth=growth,
     )
     return {
         "variant": variant,
+        "checkpoint": checkpoint,
         "layers": lo,
         "parameters": search_config(lo).num_params if lo else 0,
         "first_failing_layers": hi or None,
@@ -244,40 +273,72 @@ def largest(variant: str, budget_mib: int, deadline: float) -> dict[str, Any]:
     }
 
 
-def run_all(args: argparse.Namespace) -> None:
-    out: Path = args.out
-    raw = out / "peers-json"
-    raw.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    if not args.report_only:
-        for size, n, batch in LAUNCHES if not args.search_only else ():
-            path = raw / f"peers-{size}-n{n}.json"
-            command = launch_command(size, n, batch, path, args)
-            print("[bench] " + " ".join(command), file=sys.stderr, flush=True)
-            t0 = time.time()
-            done = subprocess.run(command)
-            print(
-                f"[bench] {size} N={n}: exit {done.returncode}, {time.time() - t0:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-        deadline = time.time() + 60 * args.search_minutes
-        results = []
-        for k, variant in enumerate(SEARCH_VARIANTS):
-            share = (deadline - time.time()) / (len(SEARCH_VARIANTS) - k)
-            results.append(largest(variant, args.search_budget_mib, time.time() + share))
+def search_variants(args: argparse.Namespace) -> list[str]:
+    """SEARCH_VARIANTS, or ``--search-variants``; DeepSpeed's left out where it is not installed."""
+    variants = list(args.search_variants or SEARCH_VARIANTS)
+    if importlib.util.find_spec("deepspeed") is None:
+        left_out = [v for v in variants if v.startswith("deepspeed")]
+        if left_out:
+            print(f"[search] deepspeed is not installed: {left_out} left out", file=sys.stderr)
+        variants = [v for v in variants if not v.startswith("deepspeed")]
+    return variants
+
+
+def run_search(args: argparse.Namespace, raw: Path) -> None:
+    """Both searches (``--search-checkpoint``: none, full or both), one JSON each."""
+    modes = ("none", "full") if args.search_checkpoint == "both" else (args.search_checkpoint,)
+    variants = search_variants(args)
+    deadline = time.time() + 60 * args.search_minutes
+    answers: dict[str, int] = {}
+    searches = [(mode, variant) for mode in modes for variant in variants]
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for k, (mode, variant) in enumerate(searches):
+        share = (deadline - time.time()) / (len(searches) - k)
+        found = largest(
+            variant, args.search_budget_mib, time.time() + share, mode, answers.get(variant, 0)
+        )
+        if mode == "none":
+            answers[variant] = found["layers"]
+        results[mode].append(found)
+    for mode in modes:
         search = {
             "world_size": SEARCH_N,
             "width": SEARCH_WIDTH,
             "heads": SEARCH_HEADS,
             "context": SEARCH_CONTEXT,
             "batch_per_rank": 1,
+            "checkpoint": mode,
             "budget_mib_per_rank": args.search_budget_mib,
             "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank, over "
             "the build and the 2 steps; " + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
-            "results": results,
+            "results": results[mode],
         }
-        (raw / "largest-n4.json").write_text(json.dumps(search, indent=1))
+        (raw / SEARCH_FILES[mode]).write_text(json.dumps(search, indent=1))
+
+
+def run_scaling(args: argparse.Namespace) -> None:
+    """tools/bench_scaling.py with its defaults, writing into ``--out``."""
+    command = [sys.executable, str(TOOL.parent / "bench_scaling.py"), "--out", str(args.out)]
+    print("[bench] " + " ".join(command), file=sys.stderr, flush=True)
+    done = subprocess.run(command)
+    print(f"[bench] scaling: exit {done.returncode}", file=sys.stderr, flush=True)
+
+
+def run_all(args: argparse.Namespace) -> None:
+    out: Path = args.out
+    raw = out / "peers-json"
+    raw.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    if args.scaling_only:
+        run_scaling(args)
+        return
+    if not args.report_only:
+        for size, n, batch in LAUNCHES if not args.search_only else ():
+            path = raw / f"peers-{size}-n{n}.json"
+            run_launch(launch_command(size, n, batch, path, args), f"{size} N={n}")
+        run_search(args, raw)
+        if not (args.skip_scaling or args.search_only):
+            run_scaling(args)
         if args.search_only and (raw / "run.json").exists():
             previous = json.loads((raw / "run.json").read_text())
             previous["search_command"] = " ".join(getattr(sys, "orig_argv", sys.argv))

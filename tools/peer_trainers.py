@@ -16,6 +16,23 @@ Variants (``VARIANTS``): ``ours-0`` .. ``ours-3`` (``zero_core.initialize``), ``
 communicators. Each runs on its own process group, split from the world, except DeepSpeed,
 which takes no group: it clones the world group itself.
 
+Activation checkpointing (``checkpoint="full"``, the same for every variant): each
+transformer block keeps only its input and runs its forward again in backward; the hooks
+the frameworks put on a block (stage 3's and FSDP2's gathers, DeepSpeed's fetches) stay
+outside the checkpoint, on the block's ``__call__``, as ``checkpoint_gpt_blocks`` arranges:
+
+    block.__call__ -> framework pre-hooks -> block.forward = checkpointed(original forward)
+
+Ours: ``zero_models.checkpoint_plan.checkpoint_gpt_blocks(model, "full", contiguous=False)``
+(``zero_core.ActivationCheckpointing``, the library's own, as ``zero-train --checkpoint full``
+uses it: an autograd Function that keeps the block's input itself and, in its backward,
+recomputes the block and runs backward through it). The peers (DDP, ZeroRedundancyOptimizer,
+FSDP2, DeepSpeed): ``torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)`` per
+block. DeepSpeed's own ``deepspeed.checkpointing.checkpoint`` is the reentrant kind and wants
+a global ``deepspeed.checkpointing.configure``; torch's non-reentrant one runs under its
+ZeRO 1-3 here unchanged (the smoke run's losses equal the other variants'). Both kinds keep
+one (B, T, C) tensor per block between forward and backward.
+
 Model states are counted from the tensors each framework holds, distinct storages once:
 parameters (this rank's local tensors: shards for FSDP2 and DeepSpeed stage 3), gradients,
 optimizer states (Adam's moments, plus fp32 master copies where the framework keeps them). For
@@ -137,13 +154,41 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+CHECKPOINT_MODES = ("none", "full")
+
+
+def checkpoint_blocks_with_torch(model: GPT) -> None:
+    """Every block of ``model`` recomputed in backward by torch's non-reentrant checkpoint
+    (the peers' side of ``checkpoint="full"``; module hooks stay outside, as in
+    ``zero_models.checkpoint_plan``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        run_block = block.forward
+        block.forward = lambda x, run_block=run_block: checkpoint(  # type: ignore[method-assign]
+            run_block, x, use_reentrant=False
+        )
+
+
 class Trainer:
-    """What bench_peers drives; subclasses fill in the framework."""
+    """What bench_peers drives; subclasses fill in the framework.
+
+    ``forward`` returns the loss tensor, ``backward`` runs backward and the gradient
+    reduction; ``forward_backward`` is both (the measured phases, zero_core.MemoryTracker's
+    "forward" and "backward", are these two calls; "step" is ``optimizer_step``)."""
 
     name = "?"
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.forward(inputs, targets)
+        self.backward(loss)
+        return float(loss.item())
 
     def optimizer_step(self) -> None:
         raise NotImplementedError
@@ -165,7 +210,7 @@ class Trainer:
 class Ours(Trainer):
     def __init__(
         self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, comm: zero_comm.Communicator,
-        offload: str = "none",
+        offload: str = "none", checkpoint: str = "none",
     ) -> None:  # fmt: skip
         self.name = f"ours-{stage}" + ("-det" if comm.deterministic else "")
         tiers: dict[str, Any] = {}
@@ -187,6 +232,12 @@ class Ours(Trainer):
             init_values = model.initial_values(seed)
         else:
             model = build_gpt(config, seed)
+        if checkpoint == "full":
+            from zero_models.checkpoint_plan import checkpoint_gpt_blocks
+
+            # contiguous=False: keep each block's input itself, as torch's checkpoint does
+            # for the peers (the arena, M_D, would add one pre-allocated copy per block)
+            checkpoint_gpt_blocks(model, "full", None, contiguous=False)
         self.engine = zero_core.initialize(
             model,
             lambda params: hyper.adamw(params),
@@ -194,17 +245,22 @@ class Ours(Trainer):
                 stage=stage,
                 # tools/bench_offload.py sets its own for both of its variants
                 bucket_numel=int(os.environ.get("ZERO_BENCH_BUCKET_NUMEL", BUCKET_NUMEL)),
-                prefetch_numel=int(os.environ.get("ZERO_BENCH_PREFETCH_NUMEL", 2**24)),
+                prefetch_numel=int(
+                    os.environ.get(
+                        "ZERO_BENCH_PREFETCH_NUMEL", zero_core.config.DEFAULT_PREFETCH_NUMEL
+                    )
+                ),
                 **tiers,
             ),
             comm,
             init_values=init_values,
         )
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = next_token_loss(self.engine(inputs), targets)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.engine(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
-        return float(loss.item())
 
     def optimizer_step(self) -> None:
         if not self.engine.step():
@@ -237,7 +293,10 @@ class Ours(Trainer):
 class TorchPeer(Trainer):
     """DDP, ZeroRedundancyOptimizer + DDP, or FSDP2 on a torch process group."""
 
-    def __init__(self, name: str, config: GPTConfig, seed: int, hyper: Hyper, group: Any) -> None:
+    def __init__(
+        self, name: str, config: GPTConfig, seed: int, hyper: Hyper, group: Any,
+        checkpoint: str = "none",
+    ) -> None:  # fmt: skip
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -245,12 +304,14 @@ class TorchPeer(Trainer):
         self.counter = peer_comm.CallCounter(group)
         model: nn.Module
         if name == "fsdp2":
-            model = fsdp2_gpt(config, seed, group)
+            model = fsdp2_gpt(config, seed, group, checkpoint)
             self.module = model
             self.optimizer: torch.optim.Optimizer = hyper.adamw(model.parameters())
             self.local_optimizer = self.optimizer
         else:
             self.module = build_gpt(config, seed)
+            if checkpoint == "full":
+                checkpoint_blocks_with_torch(self.module)
             ddp = DDP(self.module, process_group=group, gradient_as_bucket_view=True)
             # The same all-reduce as DDP's built-in one, through Python so peer_comm sees it.
             ddp.register_comm_hook(group, default_hooks.allreduce_hook)
@@ -273,11 +334,13 @@ class TorchPeer(Trainer):
                 self.local_optimizer = zro.optim
         self.model = model
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.counter:
-            loss = next_token_loss(self.model(inputs), targets)
+            return next_token_loss(self.model(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.counter:
             torch.autograd.backward(loss)
-        return float(loss.item())
 
     def optimizer_step(self) -> None:
         with self.counter:
@@ -300,7 +363,7 @@ class TorchPeer(Trainer):
         del self.optimizer, self.local_optimizer, self.model, self.module
 
 
-def fsdp2_gpt(config: GPTConfig, seed: int, group: Any) -> nn.Module:
+def fsdp2_gpt(config: GPTConfig, seed: int, group: Any, checkpoint: str = "none") -> nn.Module:
     """``fully_shard`` on each block and the root of a GPT built on the meta device, then each
     parameter's shard filled from ``GPT.initial_values`` (one full tensor at a time), so that,
     like our stage 3, no rank holds the whole model."""
@@ -312,6 +375,8 @@ def fsdp2_gpt(config: GPTConfig, seed: int, group: Any) -> nn.Module:
     with torch.device("meta"):
         model = GPT(config, seed=seed)
     values = model.initial_values(seed)
+    if checkpoint == "full":
+        checkpoint_blocks_with_torch(model)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -330,12 +395,14 @@ class DeepSpeedPeer(Trainer):
 
     def __init__(
         self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, batch: int,
-        offload: bool = False,
+        offload: bool = False, checkpoint: str = "none",
     ) -> None:  # fmt: skip
         deepspeed = importlib.import_module("deepspeed")
         self.name = f"deepspeed-{stage}" + ("-cpu" if offload else "")
         self.counter = peer_comm.CallCounter(peer_comm.ANY_GROUP)
         self.module = build_gpt(config, seed)
+        if checkpoint == "full":
+            checkpoint_blocks_with_torch(self.module)
         zero: dict[str, Any] = {
             "stage": stage,
             "reduce_bucket_size": BUCKET_NUMEL,
@@ -361,11 +428,13 @@ class DeepSpeedPeer(Trainer):
                 model=self.module, optimizer=hyper.adamw(self.module.parameters()), config=ds_config
             )
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.counter:
-            loss = next_token_loss(self.engine(inputs), targets)
+            return next_token_loss(self.engine(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.counter:
             self.engine.backward(loss)
-        return float(loss.item())
 
     def optimizer_step(self) -> None:
         with self.counter:
@@ -414,17 +483,23 @@ def make_trainer(
     hyper: Hyper,
     comm: zero_comm.Communicator,
     batch: int,
+    checkpoint: str = "none",
 ) -> Trainer:
     """``variant`` on ``comm`` (a communicator of its own, deterministic for ``-det``;
-    DeepSpeed ignores it)."""
+    DeepSpeed ignores it), its blocks checkpointed with ``checkpoint="full"``."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint {checkpoint!r}: choose from {', '.join(CHECKPOINT_MODES)}")
     if variant in OURS or variant in OURS_DET:
-        return Ours(int(variant.split("-")[1]), config, seed, hyper, comm)
+        return Ours(int(variant.split("-")[1]), config, seed, hyper, comm, checkpoint=checkpoint)
     if variant in OURS_OFFLOAD:
-        return Ours(3, config, seed, hyper, comm, offload=variant.split("-")[2])
+        return Ours(
+            3, config, seed, hyper, comm, offload=variant.split("-")[2], checkpoint=checkpoint
+        )
     if variant in TORCH_PEERS:
-        return TorchPeer(variant, config, seed, hyper, getattr(comm, "group", None))
+        group = getattr(comm, "group", None)
+        return TorchPeer(variant, config, seed, hyper, group, checkpoint)
     if variant in DEEPSPEED:
-        return DeepSpeedPeer(int(variant[-1]), config, seed, hyper, batch)
+        return DeepSpeedPeer(int(variant[-1]), config, seed, hyper, batch, checkpoint=checkpoint)
     if variant in DEEPSPEED_OFFLOAD:
-        return DeepSpeedPeer(3, config, seed, hyper, batch, offload=True)
+        return DeepSpeedPeer(3, config, seed, hyper, batch, offload=True, checkpoint=checkpoint)
     raise ValueError(f"variant {variant!r}: choose from {', '.join(VARIANTS)}")

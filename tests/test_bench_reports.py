@@ -1,0 +1,205 @@
+"""The benchmark reports of issue 17, rendered from small fabricated JSON (no launch):
+
+- peers.md (tools/bench_peers_report.py): both largest-model tables (without and with
+  activation checkpointing), the largest-model goal rows of each, met or missed by the
+  figures given, and the peak-per-phase table;
+- the search's step rule (bench_peers_search.search_layers) with the finer growth used
+  with checkpointing: it still brackets and finds the answer;
+- scaling.md (tools/bench_scaling.py): the (N, batch) launches of both series, and each
+  row's prediction 16Ψ/N + activations from zero_core's estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import bench_peers_report  # noqa: E402
+import bench_peers_search  # noqa: E402
+import bench_scaling  # noqa: E402
+
+from zero_core.activation_estimate import TransformerShape, activation_bytes  # noqa: E402
+
+MIB = 2**20
+MODEL = {"vocab_size": 256, "context": 32, "layers": 2, "heads": 2, "width": 32,
+         "tie_weights": True, "parameters": 33_000}  # fmt: skip
+
+
+def result_row(
+    variant: str, step_s: float, rss: float, phases: tuple[float, ...]
+) -> dict[str, Any]:
+    states = {"parameters": MIB, "gradients": MIB, "optimizer_states": 2 * MIB, "other": 0}
+    return {
+        "variant": variant,
+        "median_step_s": step_s,
+        "round_step_s": [step_s],
+        "ratio_to_ddp": step_s / 0.5,
+        "state_bytes": {**states, "model_states": 4 * MIB},
+        "rss_increase_mib": rss,
+        "rss_peak_mib": rss + 100,
+        "comm_bytes_per_step": MIB,
+        "comm_calls_per_step": {"all_reduce": 1},
+        "loss": 5.0,
+        "losses_rank0": [5.0],
+        "build_s": 0.1,
+        "phase_peaks": {
+            name: {"increase_mib": v, "start_increase_mib": 1.0}
+            for name, v in zip(("forward", "backward", "step"), phases, strict=True)
+        },
+    }
+
+
+def launch_report(
+    n: int = 4, batch: int = 1, rows: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {
+        "world_size": n, "size": "smoke", "model": MODEL, "batch_per_rank": batch,
+        "checkpoint": "none", "warmup": 1, "steps": 2, "rounds": 1, "threads": 1,
+        "bucket_numel": 2**22, "date": "2026-12-02T00:00:00+00:00", "command": "bench",
+        "machine": {"cpu": "cpu", "cpu_count": 2, "memory_gib": 8.0, "system": "Linux",
+                    "python": "3.11"},
+        "versions": {"torch": "2.13.0"}, "git_head": "abc1234", "uncommitted": [],
+        "sources": "0" * 12, "sources_changed_during_run": False, "deepspeed_error": None,
+        "results": rows if rows is not None else [
+            result_row("ours-3", 1.0, 300.0, (111.0, 222.0, 133.0)),
+            result_row("ddp", 0.5, 900.0, (444.0, 555.0, 466.0)),
+            result_row("fsdp2", 1.2, 320.0, (120.0, 240.0, 140.0)),
+        ],
+    }  # fmt: skip
+
+
+def found(variant: str, layers: int, params: int) -> dict[str, Any]:
+    probe = {"layers": layers, "ok": True, "how": "ran", "seconds": 10.0,
+             "ranks": [{"rss_increase_mib": 1000.0}]}  # fmt: skip
+    return {"variant": variant, "layers": layers, "parameters": params,
+            "first_failing_layers": layers + 1, "probes": [probe], "converged": True}  # fmt: skip
+
+
+def search(mode: str, params: dict[str, int]) -> dict[str, Any]:
+    return {
+        "world_size": 4, "width": 1024, "heads": 16, "context": 128, "batch_per_rank": 1,
+        "checkpoint": mode, "budget_mib_per_rank": 1536, "limit": "RLIMIT_AS",
+        "results": [found(v, 10, p * 10**6) for v, p in params.items()],
+    }  # fmt: skip
+
+
+def test_peers_report_has_both_largest_tables_goal_rows_and_phase_peaks(tmp_path: Path) -> None:
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    (raw / "peers-smoke-n4.json").write_text(json.dumps(launch_report()))
+    without = {"ddp": 100, "ours-1": 150, "ours-2": 150, "ours-3": 360, "fsdp2": 300,
+               "deepspeed-1": 150, "deepspeed-2": 160, "deepspeed-3": 300}  # fmt: skip
+    # ours-3 = 1.2x FSDP2 and 3.6x DDP, ours-1 = DeepSpeed-1, ours-2 < DeepSpeed-2
+    (raw / "largest-n4.json").write_text(json.dumps(search("none", without)))
+    with_ = {**without, "ours-3": 340, "fsdp2": 300}  # 1.13x FSDP2: missed; 3.4x DDP: missed
+    (raw / "largest-n4-checkpoint.json").write_text(json.dumps(search("full", with_)))
+    bench_peers_report.write_docs(tmp_path, raw)
+    text = (tmp_path / "peers.md").read_text()
+    assert "## Largest trainable GPT, N = 4, without activation checkpointing" in text
+    assert "## Largest trainable GPT, N = 4, with activation checkpointing" in text
+    rows = [line for line in text.splitlines() if line.startswith("| largest model")]
+    assert len(rows) == 2 * len(bench_peers_report.LARGEST_GOALS)
+    verdict = {(r.split("|")[1].strip(), "no checkpointing" in r): r.split("|")[-2].strip()
+               for r in rows}  # fmt: skip
+    assert verdict[("largest model, ours-3 >= 1.15x fsdp2", True)] == "yes"
+    assert verdict[("largest model, ours-3 >= 1.15x fsdp2", False)] == "NO"
+    assert verdict[("largest model, ours-1 >= 1x deepspeed-1", True)] == "yes"
+    assert verdict[("largest model, ours-2 >= 1x deepspeed-2", True)] == "NO"
+    assert verdict[("largest model, ours-3 >= 3.5x ddp", True)] == "yes"
+    assert verdict[("largest model, ours-3 >= 3.5x ddp", False)] == "NO"
+    assert "| 1.20x (360M vs 300M) | yes |" in text
+    assert "### Peak resident memory per phase of one step" in text
+    assert "| ours-3 | 111 / 222 / 133 |" in text
+    assert "| fsdp2 | 120 / 240 / 140 |" in text
+    charts = text.split("## Charts")[-1]
+    if "![" in charts:  # matplotlib is installed: the two charts, nothing else
+        assert charts.count("![") == 2 and (tmp_path / "peers-largest.png").exists()
+
+
+def test_a_search_without_a_peer_says_so_and_old_launches_render_without_phases(
+    tmp_path: Path,
+) -> None:
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    old = launch_report()
+    for row in old["results"]:
+        del row["phase_peaks"]  # a launch written before the per-phase tracker
+    (raw / "peers-smoke-n4.json").write_text(json.dumps(old))
+    (raw / "largest-n4.json").write_text(json.dumps(search("none", {"ours-3": 1, "ddp": 1})))
+    bench_peers_report.write_docs(tmp_path, raw)
+    text = (tmp_path / "peers.md").read_text()
+    assert "per phase" not in text
+    assert (
+        "| largest model, ours-3 >= 1.15x fsdp2 | N=4, no checkpointing | not searched | - |"
+        in text
+    )
+    assert "with activation checkpointing" not in text
+
+
+@pytest.mark.parametrize("answer", [3, 11, 14, 40])
+def test_search_with_the_finer_growth_brackets_and_finds_the_answer(answer: int) -> None:
+    def fake_probe(layers: int) -> dict[str, Any]:
+        return {"ok": layers <= answer, "how": "ran", "parameters": layers, "seconds": 0.0}
+
+    lo, hi, probes = bench_peers_search.search_layers(
+        fake_probe, 12, max_probes=12, deadline=time.time() + 60, label="test", growth=1.125
+    )
+    assert lo == answer or (hi - lo <= max(1, lo // 8) and lo <= answer < hi)
+    assert all(p["ok"] == (p["parameters"] <= answer) for p in probes)
+
+
+def scaling_args(**overrides: Any) -> argparse.Namespace:
+    args = bench_scaling.parser().parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_scaling_launches_each_pair_once_and_rejects_an_uneven_global_batch() -> None:
+    assert bench_scaling.launch_pairs([1, 2, 4], 4, 1) == [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)]
+    with pytest.raises(SystemExit, match="not a multiple"):
+        bench_scaling.launch_pairs([1, 2, 4], 6, 1)
+
+
+def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
+    args = scaling_args(rounds=2)
+    raw = tmp_path / "scaling-json"
+    raw.mkdir()
+    for r in range(2):
+        for n, batch in bench_scaling.launch_pairs(args.ns, args.global_batch, args.per_rank_batch):
+            rows = [
+                result_row("ours-3", 1.0 + r + batch / n, 100.0 / n + r, (1.0, 2.0, 3.0)),
+                result_row("fsdp2", 2.0 + r + batch / n, 120.0 / n, (1.0, 2.0, 3.0)),
+            ]
+            report = launch_report(n, batch, rows)
+            (raw / bench_scaling.json_name(r, n, batch)).write_text(json.dumps(report))
+    summary = bench_scaling.summarize(args, raw)
+    rows = summary["rows"]
+    assert len(rows) == 2 * 3 * 2  # series x N x variant
+    strong4 = next(r for r in rows if r["series"] == "strong" and r["world_size"] == 4
+                   and r["variant"] == "ours-3")  # fmt: skip
+    assert strong4["batch_per_rank"] == 1
+    assert strong4["step_s"] == {"median": 1.75, "min": 1.25, "max": 2.25}
+    assert strong4["rss_increase_mib"] == {"median": 25.5, "min": 25.0, "max": 26.0}
+    assert strong4["ours3_over_fsdp2"] == pytest.approx((1.25 / 2.25 + 2.25 / 3.25) / 2)
+    psi = MODEL["parameters"]
+    assert strong4["paper_model_states_mib"] == pytest.approx(16 * psi / 4 / MIB)
+    shape = TransformerShape(2, 32, 2, 256, 1 * 32)
+    assert strong4["activation_peak_mib"] == pytest.approx(activation_bytes(shape).peak / MIB)
+    weak1 = next(r for r in rows if r["series"] == "weak" and r["world_size"] == 1
+                 and r["variant"] == "fsdp2")  # fmt: skip
+    assert weak1["batch_per_rank"] == 1 and weak1["paper_model_states_mib"] == pytest.approx(
+        16 * psi / MIB
+    )
+    text = bench_scaling.markdown(summary, "bench_scaling.py", 60.0)
+    assert "## Strong scaling" in text and "## Weak scaling" in text
+    # strong N=4 ours-3: t(1) (batch 4: 5.0 / 6.0 -> 5.5) over t(4) 1.75
+    assert f"| {5.5 / 1.75:.2f} |" in text
