@@ -288,7 +288,7 @@ def bench(session: nox.Session) -> None:
 
     About 1.5 hours on a 2-core machine: the launches ~37 min, the two searches up to
     --search-minutes (45; a variant's search ends at its share of what is left), the
-    scaling ~10 min. Parts: --search-only, --scaling-only, --skip-scaling,
+    scaling ~10 min. Parts: --search-only, --scaling-only, --skip-scaling, --skip-search,
     --search-checkpoint none|full|both, --report-only (rebuild peers.md from the JSON).
 
     DeepSpeed and matplotlib are installed here only, never as dependencies of our packages,

@@ -590,6 +590,10 @@ def parser() -> argparse.ArgumentParser:
         "--skip-scaling", action="store_true", help="--all: leave out tools/bench_scaling.py"
     )
     p.add_argument("--scaling-only", action="store_true", help="--all: tools/bench_scaling.py only")
+    p.add_argument(
+        "--skip-search", action="store_true",
+        help="--all: leave out the largest-model search (the report keeps the last one's JSON)",
+    )  # fmt: skip
     return p
 
 

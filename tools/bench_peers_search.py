@@ -26,7 +26,8 @@ grows by x1.125: checkpointing at one sequence of 128 tokens frees ~8 MiB per bl
 the answer moves by ~10%, and a finer step finds it in fewer probes.
 
 After the search, tools/bench_scaling.py (N = 1, 2, 4; docs/benchmarks/scaling.md) unless
-``--skip-scaling``; ``--scaling-only`` runs that alone.
+``--skip-scaling``; ``--scaling-only`` runs that alone; ``--skip-search`` leaves the
+search out (the report keeps the search JSON already in peers-json/).
 """
 
 from __future__ import annotations
@@ -336,7 +337,8 @@ def run_all(args: argparse.Namespace) -> None:
         for size, n, batch in LAUNCHES if not args.search_only else ():
             path = raw / f"peers-{size}-n{n}.json"
             run_launch(launch_command(size, n, batch, path, args), f"{size} N={n}")
-        run_search(args, raw)
+        if not args.skip_search:
+            run_search(args, raw)
         if not (args.skip_scaling or args.search_only):
             run_scaling(args)
         if args.search_only and (raw / "run.json").exists():

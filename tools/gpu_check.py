@@ -52,6 +52,7 @@ from gpu_peers import (
     mfu_order,
     mfu_plan,
     mfu_table,
+    random_batch,
     run_fsdp2,
     timed_steps,
 )
@@ -89,11 +90,7 @@ def run_one(
         for block in model.blocks:  # the engine trains ``model`` in place
             block.forward = torch.compile(block.forward)
     batch = batch or PRESET_BATCH.get(preset, 4)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.context + 1), generator=generator)
-    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    inputs, targets = random_batch(config, batch, device)
 
     def step() -> float:
         logits = engine(inputs)

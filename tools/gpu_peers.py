@@ -154,6 +154,18 @@ def fsdp2_model(config: GPTConfig, group: Any, device: torch.device, seed: int) 
     return model
 
 
+def random_batch(
+    config: GPTConfig, batch: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` sequences of random tokens (seed 0) as (inputs, next-token targets), both
+    (batch, context) on ``device``; on CUDA the peak-memory counter starts from here."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.context + 1), generator=generator)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
 def run_fsdp2(preset: str, config: GPTConfig, batch: int, group: Any, device: torch.device,
               args: Any) -> dict[str, Any]:  # fmt: skip
     """FSDP2 on ``preset`` at ``batch``: the same loop, loss and optimizer as ours."""
@@ -162,11 +174,7 @@ def run_fsdp2(preset: str, config: GPTConfig, batch: int, group: Any, device: to
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.context + 1), generator=generator)
-    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    inputs, targets = random_batch(config, batch, device)
 
     def step() -> float:
         logits = model(inputs)

@@ -151,7 +151,7 @@ class Recorded(NamedTuple):
     states: Trace  # the full float32 state after each applied step
     params: Trace  # the compute parameters after each applied step (what forward sees)
     calls: int  # optimizer.step() calls
-    tiles: int  # master tiles (one per bucket slice)
+    tiles: int  # bucket slices of the masters (each one or more tiles)
     state_dict: dict[str, Any]  # the optimizer's, at the end
 
 
@@ -177,7 +177,7 @@ def train_recording(case: ParityCase, comm: Communicator, stage: int) -> Recorde
             if engine.step():
                 states.append(engine.full_state_dict())
                 params.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-    tiles = sum(len(tiles) for tiles in engine.masters.tiles)
+    tiles = sum(len(set(buckets)) for buckets in engine.masters.tile_buckets)
     recorded = Recorded(states, params, calls[0], tiles, engine.optimizer.state_dict())
     engine.close()
     return recorded

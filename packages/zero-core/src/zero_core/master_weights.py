@@ -13,13 +13,23 @@ bucket (stages 0-2) or of the compute shard (stage 3), so the optimizer's in-pla
 lands in the parameters and there is one copy of the weights, not two.
 
 A group of one bucket with a master tensor of its own is stepped as one tile; otherwise
-one tile per bucket slice, so the optimizer's temporaries are bounded by a bucket. Either
-way a tile is one bucket's slice, so the optimizer can be stepped bucket by bucket while
-the parameters gather the buckets already stepped (``step``, optimizer_parts).
+one tile per bucket slice, so the optimizer's temporaries are bounded by a bucket. On the
+CPU a bucket slice is cut further, into tiles of at most ``CPU_TILE_NUMEL`` elements:
+
+    bucket slice (float32)       | t0   | t1   | t2   | t3 |   each <= CPU_TILE_NUMEL
+
+torch's CPU optimizers make several passes over each tensor (AdamW's for-loop: about
+eight), and a tile that fits the cache makes every pass after the first a cache hit: one
+AdamW step over 19.1M float32 elements took 280 ms as one tensor, 221 ms as 5 and 111 ms
+as 60 (1 thread, AMD EPYC). The bits do not depend on the cut (the optimizers of
+optimizer_parts are elementwise per tensor, and every tensor's state is its own).
+Every tile lies within one bucket slice, so the optimizer can be stepped bucket by bucket
+while the parameters gather the buckets already stepped (``step``, optimizer_parts).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -35,6 +45,8 @@ from .param_table import ParamSlot
 from .sharded_state import ShardPiece
 
 Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in the master
+# On the CPU: the most elements of one tile (1 MiB of float32, a few L2 caches' worth).
+CPU_TILE_NUMEL = 2**18
 # Called with each tile's updated values: (group, start in the master, float32 values).
 TileVisitor = Callable[[int, int, torch.Tensor], None]
 
@@ -58,6 +70,9 @@ class MasterWeights:
         """``aliases``: per group and bucket, the float32 compute slice that is the master
         (aliased masters); None for separate float32 masters, allocated here (zeros)."""
         self.layouts = layouts
+        self.tile_numel = CPU_TILE_NUMEL if device.type == "cpu" else None
+        # Per group, the bucket of each tile (tiles are in bucket order).
+        self.tile_buckets: list[list[int]] = []
         self.rank = rank
         self.aliased = aliases is not None
         # Separate masters: one float32 tensor per group, and its bucket slices.
@@ -81,13 +96,26 @@ class MasterWeights:
 
     def _tiles(self, group: int) -> list[Tile]:
         layout = self.layouts[group]
-        if not self.aliased and len(layout.buckets) <= 1:
+        limit = self.tile_numel
+        if (
+            not self.aliased
+            and len(layout.buckets) <= 1
+            and (limit is None or layout.shard_numel <= limit)
+        ):
             shard = self.shards[group]
+            self.tile_buckets.append([0])
             return [(shard, slice(0, shard.numel()))]
-        return [
-            (nn.Parameter(values), slice(b.local_offset, b.local_offset + b.slice_numel))
-            for b, values in zip(layout.buckets, self.slices[group], strict=True)
-        ]
+        tiles: list[Tile] = []
+        buckets: list[int] = []
+        for k, (b, values) in enumerate(zip(layout.buckets, self.slices[group], strict=True)):
+            width = limit or max(b.slice_numel, 1)
+            for a in range(0, max(b.slice_numel, 1), width):  # an empty slice: one tile
+                stop = min(a + width, b.slice_numel)
+                where = slice(b.local_offset + a, b.local_offset + stop)
+                tiles.append((nn.Parameter(values[a:stop]), where))
+                buckets.append(k)
+        self.tile_buckets.append(buckets)
+        return tiles
 
     def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
         """This rank's pieces of ``value`` (the whole float32 value of ``slot``'s
@@ -142,20 +170,22 @@ class MasterWeights:
 
         With ``bucket_by_bucket`` (the parameters gather a bucket as soon as its values
         are handed over), a master sharded over more than one rank and an optimizer that
-        optimizer_parts allows: one ``optimizer.step()`` per tile, i.e. per bucket slice,
-        each tile handed over right after its step, aliased or not (an aliased tile's
+        optimizer_parts allows: one ``optimizer.step()`` per bucket slice (its tiles),
+        each tile handed over right after that step, aliased or not (an aliased tile's
         values already are the parameters'; the call says they are final). Otherwise one
         ``optimizer.step()`` over every tile, then every tile handed over (not for
         aliased masters: the parameters are those values). Both give the same bits."""
         parts = [
-            (group, tile, where, g[where])
+            ((group, bucket), tile, where, g[where])
             for group, (tiles, g) in enumerate(zip(self.tiles, gradients, strict=True))
-            for tile, where in tiles
+            for (tile, where), bucket in zip(tiles, self.tile_buckets[group], strict=True)
         ]
         if bucket_by_bucket and self.sharded and steps_in_parts(optimizer):
-            for group, tile, where, gradient in parts:
-                step_part(optimizer, [(tile, gradient)])
-                updated(group, where.start or 0, tile.detach().view(-1))
+            for _, in_bucket in itertools.groupby(parts, key=lambda part: part[0]):
+                members = list(in_bucket)
+                step_part(optimizer, [(tile, gradient) for _, tile, _, gradient in members])
+                for (group, _), tile, where, _ in members:
+                    updated(group, where.start or 0, tile.detach().view(-1))
             return
         step_part(optimizer, [(tile, gradient) for _, tile, _, gradient in parts])
         if not self.aliased:
