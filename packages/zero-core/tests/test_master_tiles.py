@@ -1,6 +1,10 @@
 """Master tiles cut below a bucket slice (master_weights.CPU_TILE_NUMEL, the CPU's cache
 -sized optimizer tensors) change no bit of any stage, and every tile stays within one
-bucket slice and within the limit."""
+bucket slice and within the limit.
+
+The limit is patched around ``run_simulated``, never inside a rank's body: the ranks are
+threads, and patches entered and left by several threads at once can restore each
+other's value and leave the module patched for every later test."""
 
 from __future__ import annotations
 
@@ -14,37 +18,37 @@ from parity import ParityCase, assert_same_states, build_engine, parity_cases, t
 from zero_comm import Communicator, run_simulated
 from zero_core import master_weights
 
+STAGES = (0, 1, 2, 3)
 
-@settings(max_examples=12, deadline=None)
+
+@settings(max_examples=10, deadline=None)
 @given(
     case=parity_cases(),
     world_size=st.sampled_from([1, 2, 3]),
-    tile_numel=st.sampled_from([1, 3, 7, 64]),
+    tile_numel=st.sampled_from([2, 7, 64]),
 )
 def test_cut_tiles_equal_whole_bucket_slices_at_every_stage(
     case: ParityCase, world_size: int, tile_numel: int
 ) -> None:
     """Stage 0 with a tile per bucket slice is the reference; stages 0-3 with tiles of at
     most ``tile_numel`` elements equal it after every step."""
-
-    def body(comm: Communicator) -> None:
-        with mock.patch.object(master_weights, "CPU_TILE_NUMEL", 2**40):
-            reference = train(case, comm, 0)
-        with mock.patch.object(master_weights, "CPU_TILE_NUMEL", tile_numel):
-            for stage in (0, 1, 2, 3):
-                assert_same_states(reference, train(case, comm, stage), f"stage {stage}")
-
-    run_simulated(world_size, body)
+    with mock.patch.object(master_weights, "CPU_TILE_NUMEL", 2**40):
+        reference = run_simulated(world_size, lambda comm: train(case, comm, 0))
+    with mock.patch.object(master_weights, "CPU_TILE_NUMEL", tile_numel):
+        cut = run_simulated(world_size, lambda comm: [train(case, comm, s) for s in STAGES])
+    for rank, (expected, per_stage) in enumerate(zip(reference, cut, strict=True)):
+        for stage, got in zip(STAGES, per_stage, strict=True):
+            assert_same_states(expected, got, f"rank {rank}, stage {stage}")
+    assert master_weights.CPU_TILE_NUMEL == 2**18  # the patches are gone
 
 
 @settings(max_examples=10, deadline=None)
-@given(case=parity_cases(), stage=st.sampled_from([0, 1, 2, 3]), tile_numel=st.integers(1, 50))
+@given(case=parity_cases(), stage=st.sampled_from(STAGES), tile_numel=st.integers(1, 50))
 def test_tiles_cover_each_bucket_slice_within_the_limit(
     case: ParityCase, stage: int, tile_numel: int
 ) -> None:
     def body(comm: Communicator) -> None:
-        with mock.patch.object(master_weights, "CPU_TILE_NUMEL", tile_numel):
-            engine = build_engine(case, comm, stage)
+        engine = build_engine(case, comm, stage)
         masters: Any = engine.masters
         for group, (tiles, buckets) in enumerate(
             zip(masters.tiles, masters.tile_buckets, strict=True)
@@ -61,4 +65,5 @@ def test_tiles_cover_each_bucket_slice_within_the_limit(
             assert covered == layout.shard_numel
         engine.close()
 
-    run_simulated(2, body)
+    with mock.patch.object(master_weights, "CPU_TILE_NUMEL", tile_numel):
+        run_simulated(2, body)
