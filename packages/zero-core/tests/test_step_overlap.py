@@ -56,7 +56,7 @@ EXTRA_OPTIONS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     name=st.sampled_from(sorted(OPTIMIZERS)),
     implementation=st.integers(0, 2),
@@ -215,7 +215,7 @@ def overlap_cases() -> Any:
     return cases()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(case=overlap_cases(), world_size=st.sampled_from([2, 3, 4]), deferred=st.booleans())
 def test_stages_1_and_2_stepped_bucket_by_bucket_equal_stage_0(
     case: ParityCase, world_size: int, deferred: bool
