@@ -56,9 +56,7 @@ class BufferPool:
                 # list.remove would compare tensors elementwise; pop by position instead.
                 chosen = free.pop(min(fitting, key=lambda i: free[i].numel()))
             else:
-                for outgrown in free:
-                    self.bytes_held -= outgrown.numel() * outgrown.element_size()
-                free.clear()
+                self._drop(free)  # all too small
                 chosen = torch.empty(size_class(numel), dtype=dtype, device=self.device)
                 self.bytes_held += chosen.numel() * chosen.element_size()
             self._in_flight[id(chosen)] = chosen
@@ -78,9 +76,13 @@ class BufferPool:
         in flight stay in the pool and come back to it as usual."""
         with self._lock:
             for free in self._free.values():
-                for buffer in free:
-                    self.bytes_held -= buffer.numel() * buffer.element_size()
-            self._free.clear()
+                self._drop(free)
+
+    def _drop(self, free: list[torch.Tensor]) -> None:
+        """Forget the free buffers of ``free`` (one dtype's list), held under the lock."""
+        for buffer in free:
+            self.bytes_held -= buffer.numel() * buffer.element_size()
+        free.clear()
 
     def clear(self) -> None:
         """Forget every buffer; those in flight stay valid but are not taken back."""
