@@ -83,7 +83,7 @@ def test_zero_paper_volumes() -> None:
 
 def test_unknown_collective_is_rejected() -> None:
     with pytest.raises(KeyError):
-        ring_volume("all_to_all", 8, 2)
+        ring_volume("scatter", 8, 2)
 
 
 # -------------------------------------------------------------------- CommStats
@@ -280,7 +280,8 @@ def test_a_collective_counts_exactly_its_formula(
 
 def test_counts_of_a_known_sequence() -> None:
     """3 ranks, float32 (4 bytes): all_reduce of 12 -> 2*2/3*12 = 16 elements, 64 bytes;
-    reduce_scatter of 12 -> 8, 32; all_gather of 12 -> 8, 32; broadcast of 5 -> 5, 20;
+    reduce_scatter of 12 -> 8, 32; all_gather of 12 -> 8, 32; all_to_all of 6 -> 4, 16;
+    broadcast of 5 -> 5, 20;
     two all_reduces of 12 -> 32, 128. async handles are counted when called."""
 
     def body(comm: Communicator) -> dict[str, Snapshot]:
@@ -290,6 +291,7 @@ def test_counts_of_a_known_sequence() -> None:
         handle.wait()
         comm.reduce_scatter(torch.empty(4), torch.ones(12))
         comm.all_gather(torch.empty(12), torch.ones(4))
+        comm.all_to_all(torch.empty(6), torch.ones(6))
         comm.broadcast(torch.ones(5), src=0)
         comm.barrier()
         return snapshot(comm)
@@ -299,6 +301,7 @@ def test_counts_of_a_known_sequence() -> None:
             "all_reduce": Snapshot(2, 24, Fraction(32), Fraction(128)),
             "reduce_scatter": Snapshot(1, 12, Fraction(8), Fraction(32)),
             "all_gather": Snapshot(1, 12, Fraction(8), Fraction(32)),
+            "all_to_all": Snapshot(1, 6, Fraction(4), Fraction(16)),
             "broadcast": Snapshot(1, 5, Fraction(5), Fraction(20)),
             "barrier": Snapshot(1, 0, Fraction(0), Fraction(0)),
         }
@@ -356,3 +359,8 @@ def test_reset_through_a_communicator() -> None:
         return before, comm.stats["all_reduce"].calls
 
     assert run_simulated(2, body) == [(1, 0), (1, 0)]
+
+
+def test_all_to_all_moves_every_chunk_but_its_own() -> None:
+    assert ring_volume("all_to_all", 12, 3) == 8
+    assert ring_volume("all_to_all", 12, 1) == 0

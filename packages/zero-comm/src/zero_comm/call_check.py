@@ -42,7 +42,7 @@ SUPPORTED_DTYPES = (
 DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
 COLLECTIVE_CODE = {
     "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 5,
-    "split": 6, "broadcast_object": 7, "all_gather_object": 8,
+    "split": 6, "broadcast_object": 7, "all_gather_object": 8, "all_to_all": 9,
 }  # fmt: skip
 INVALID_CALL = -1  # a rank whose own arguments were bad sends this as its collective code
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}

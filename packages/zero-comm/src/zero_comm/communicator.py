@@ -493,6 +493,49 @@ class Communicator(CallCheck):
         return self._complete(Handle(self, name, self._all_gather(out, inp)), async_op)
 
     @overload
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: Literal[False] = ...,
+        label: str = ...,
+    ) -> None: ...
+    @overload
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: Literal[True],
+        label: str = ...,
+    ) -> Handle: ...
+    @overload
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
+    ) -> Handle | None: ...
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
+    ) -> Handle | None:
+        """Chunk i of ``output`` = chunk r of rank i's ``input``, on rank r.
+
+        Both hold ``world_size`` equal chunks. Nothing is reduced, so the result is exact
+        on every backend."""
+        name = "all_to_all"
+
+        def describe() -> tuple[int, int, int, int]:
+            self._check_pair(name, output, input, self.world_size, self.world_size)
+            return DTYPE_CODE[input.dtype], input.numel(), -1, -1
+
+        self._enter(name, describe, label)
+        self.stats.record(name, input.numel(), input.element_size())
+        out, inp = output.view(-1), input.view(-1)
+        if self.world_size == 1 or inp.numel() == 0:
+            out.copy_(inp)
+            return self._complete(Handle(self, name, CompletedWork()), async_op)
+        return self._complete(Handle(self, name, self._all_to_all(out, inp)), async_op)
+
+    @overload
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: Literal[False] = ..., label: str = ...
     ) -> None: ...

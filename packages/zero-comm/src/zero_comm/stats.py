@@ -6,6 +6,7 @@ algorithm, for a buffer of B elements on N ranks:
     all_reduce       2 (N-1)/N * B     (reduce-scatter then all-gather)
     reduce_scatter     (N-1)/N * B     (B = the full input, N chunks)
     all_gather         (N-1)/N * B     (B = the full output, N chunks)
+    all_to_all         (N-1)/N * B     (B = the full input, N chunks; one stays)
     broadcast                    B
 
 This is the convention of the ZeRO paper, so an engine's traffic can be compared with its
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-RING_FACTOR_NUMERATOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+RING_FACTOR_NUMERATOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
 
 
 def ring_volume(collective: str, buffer_numel: int, world_size: int) -> Fraction:
@@ -44,7 +45,9 @@ class CollectiveCount:
 class CommStats:
     """Per-collective counters of one communicator; ``reset()`` starts them again."""
 
-    COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+    COLLECTIVES = (
+        "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "barrier",
+    )  # fmt: skip
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
