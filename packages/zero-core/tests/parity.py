@@ -106,7 +106,10 @@ def loss_of(case: ParityCase, output: torch.Tensor, target: torch.Tensor) -> tor
     return output.float().square().mean()
 
 
-def build_engine(case: ParityCase, comm: Communicator, stage: int) -> zero_core.ZeroEngine:
+def build_engine(
+    case: ParityCase, comm: Communicator, stage: int, settings: dict[str, Any] | None = None
+) -> zero_core.ZeroEngine:
+    """``settings``: more ZeroConfig fields (e.g. ``shard_group_size``)."""
     model = ParityModel(case)
     optimizer_class, options = OPTIMIZERS[case.optimizer]
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -129,6 +132,7 @@ def build_engine(case: ParityCase, comm: Communicator, stage: int) -> zero_core.
         persistence_threshold=case.persistence_threshold,
         prefetch_numel=case.prefetch_numel,
         **offload_settings(case, stage),
+        **(settings or {}),
     )
     return zero_core.initialize(model, optimizer_class(groups, **options), config, comm)
 
@@ -149,7 +153,12 @@ def offload_settings(case: ParityCase, stage: int) -> dict[str, Any]:
 
 
 def train(
-    case: ParityCase, comm: Communicator, stage: int, *, batches_per_rank: int = 1
+    case: ParityCase,
+    comm: Communicator,
+    stage: int,
+    *,
+    batches_per_rank: int = 1,
+    settings: dict[str, Any] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train ``case.steps`` updates; return the full fp32 state after each applied step.
 
@@ -158,7 +167,7 @@ def train(
     ``batches_per_rank`` > 1 one rank consumes several ranks' micro-batches in rank order.
     """
     case = normalised(case)
-    engine = build_engine(case, comm, stage)
+    engine = build_engine(case, comm, stage, settings)
     states = []
     for step in range(case.steps):
         for micro in range(case.accumulation):

@@ -69,7 +69,9 @@ def save(
         staging.mkdir(parents=True)
     comm.barrier()
     tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
-    writes_master = comm.rank == 0 or not state.replicated
+    # Replicas of a shard group (hybrid sharding) hold the same slices: the first writes.
+    first_replica = engine.shard_comm.rank == comm.rank
+    writes_master = comm.rank == 0 or (not state.replicated and first_replica)
     if writes_master:
         for g, group in enumerate(state.groups):
             tensors.append((f"master.{g}", group.master()))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zero_comm import Communicator
+from zero_comm.hierarchy import HybridGroups
 
 from .allreduced_gradients import AllReducedGradients
 from .config import ZeroConfig
@@ -57,9 +58,16 @@ def build_components(
     comm: Communicator,
     dtype: torch.dtype,
     init_values: InitValues | None,
+    hybrid: HybridGroups | None = None,
 ) -> Components:
     """Collective: lay the groups out, then build the components ``policy`` chooses,
-    filled with rank 0's initial values one parameter at a time."""
+    filled with rank 0's initial values one parameter at a time.
+
+    ``comm`` is the data-parallel world. With ``hybrid`` the states are laid out over its
+    shard group (``hybrid.shard``, whose ranks hold the slices) and gradients are reduced
+    by it across the replicas too; rank 0 of the world still gives the initial values."""
+    world = comm
+    comm = comm if hybrid is None else hybrid.shard
     plan = None
     if policy.parameters is ParameterPlacement.SHARDED:
         plan = plan_units(module, slots, config.persistence_threshold)
@@ -78,7 +86,7 @@ def build_components(
     slots.place(layouts, shard_rank)
     tiles = master_plan(layouts, config)
     check_space(config, tiles, layouts, dtype)
-    folder = swap_folder(config, comm.rank)
+    folder = swap_folder(config, world.rank)  # replicas share a shard rank, not a folder
     parameters: ReplicatedParameters | ShardedParameters
     if plan is not None:
         store = build_parameter_shards(layouts, slots, shard_rank, config, comm, dtype, folder)
@@ -98,7 +106,7 @@ def build_components(
         parameters.fill(slot, value)
         masters.fill(slot, value)
 
-    take_initial_state(module, slots, init_values, comm, dtype, keep)
+    take_initial_state(module, slots, init_values, world, dtype, keep)
     parameters.finish_build()
     masters.finish_fill()
     gradients: AllReducedGradients | ReduceScatteredGradients
@@ -113,6 +121,7 @@ def build_components(
             config,
             full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,
             reduce_order=parameters.reduce_order(),
+            reduction=hybrid,
         )
         gradients.gradient_listeners.append(parameters.gradient_arrived)
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)

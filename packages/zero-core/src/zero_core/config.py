@@ -120,6 +120,25 @@ class ZeroConfig:
     offload_io_threads: threads reading and writing swap files.
     offload_pin_memory: pin host buffers when the device is a GPU (falls back, with one
         warning, where pinning fails).
+    shard_group_size: stages 1-3: hybrid sharding (MiCS, FSDP's HSDP): model states are
+        partitioned over shard groups of this many consecutive ranks and replicated over
+        the N / size groups; gradients are reduced within the group, then across the
+        replicas (zero_comm.hierarchy; bit-identical to flat sharding under a
+        deterministic communicator). None (or DeepSpeed's -1): one group of every rank.
+        DeepSpeed's ``mics_shard_size``.
+    hierarchical_gather: stage 3 with a shard group spanning nodes: gather parameters
+        inside each node first, then across nodes (``mics_hierarchical_params_gather``).
+    hpz_partition_size: stage 3 (ZeRO++ hpZ): keep a secondary copy of the gathered
+        parameters partitioned over groups of this many consecutive ranks (one node), so
+        the backward all-gather stays inside the group. 1 turns it off.
+        DeepSpeed's ``zero_hpz_partition_size``.
+    quantize_weights: stage 3 (ZeRO++ qwZ): the forward parameter all-gather moves int8
+        blocks and their scales (lossy, deterministic). ``zero_quantized_weights``.
+    quantize_gradients: stages 2-3 (ZeRO++ qgZ): "int4" or "int8" gradients reduced by a
+        hierarchical all-to-all (lossy, deterministic); None (or False) turns it off and
+        True means "int4". ``zero_quantized_gradients``.
+    allow_quantize_fallback: where a quantized collective cannot run (see
+        zero_comm.quantized), warn once and use the exact one; False makes it an error.
     """
 
     stage: int = 2
@@ -148,6 +167,12 @@ class ZeroConfig:
     offload_buffer_count: int = 4
     offload_io_threads: int = 4
     offload_pin_memory: bool = True
+    shard_group_size: int | None = None
+    hierarchical_gather: bool = False
+    hpz_partition_size: int = 1
+    quantize_weights: bool = False
+    quantize_gradients: str | bool | None = None
+    allow_quantize_fallback: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
@@ -156,6 +181,7 @@ class ZeroConfig:
             0, 1, 2, 3,
         ):  # fmt: skip
             raise ValueError(f"stage={self.stage!r}: ZeRO stages are 0, 1, 2 and 3")
+        self._check_hierarchy()
         for name in ("bucket_numel", "gradient_accumulation_steps", "loss_scale_window",
                      "hysteresis", "max_buckets_in_flight"):  # fmt: skip
             value = getattr(self, name)
@@ -237,6 +263,43 @@ class ZeroConfig:
         """Whether any model state lives outside the device."""
         return self.offload_optimizer != "none" or self.offload_params != "none"
 
+    def _check_hierarchy(self) -> None:
+        """Issue 16's settings: sizes are checked against the world in the engine."""
+        if self.shard_group_size == -1:
+            object.__setattr__(self, "shard_group_size", None)
+        size = self.shard_group_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(
+                f"shard_group_size={size!r} must be a number of ranks >= 1 (None or -1: all)"
+            )
+        hpz = self.hpz_partition_size
+        if not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 1:
+            raise ValueError(f"hpz_partition_size={hpz!r} must be an integer >= 1 (1: off)")
+        grads = self.quantize_gradients
+        grads = "int4" if grads is True else None if grads is False else grads
+        if grads not in (None, "int4", "int8"):
+            raise ValueError(
+                f"quantize_gradients={self.quantize_gradients!r}: use 'int4', 'int8' or None"
+            )
+        object.__setattr__(self, "quantize_gradients", grads)
+        wanted = [
+            name
+            for name, on, least in (
+                ("shard_group_size", size is not None, 1),
+                ("hpz_partition_size", hpz > 1, 3),
+                ("hierarchical_gather", self.hierarchical_gather, 3),
+                ("quantize_weights", self.quantize_weights, 3),
+                ("quantize_gradients", grads is not None, 2),
+            )
+            if on and self.stage < least
+        ]
+        if wanted:
+            raise ValueError(
+                f"{', '.join(wanted)} at stage {self.stage}: hybrid sharding needs stage 1 or "
+                "more, qgZ stage 2 or more, hpZ, qwZ and hierarchical gathers stage 3; raise "
+                "the stage or turn them off"
+            )
+
     @classmethod
     def from_deepspeed(cls, config: Mapping[str, Any]) -> ZeroConfig:
         """The engine's settings from a DeepSpeed config dict; an unknown key is an error
@@ -261,6 +324,11 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
         "stage3_max_live_parameters": "max_live_numel",
         "stage3_param_persistence_threshold": "persistence_threshold",
         "sub_group_size": "offload_sub_group_numel",
+        "mics_shard_size": "shard_group_size",
+        "mics_hierarchical_params_gather": "hierarchical_gather",
+        "zero_hpz_partition_size": "hpz_partition_size",
+        "zero_quantized_weights": "quantize_weights",
+        "zero_quantized_gradients": "quantize_gradients",
     },
     "aio": {"thread_count": "offload_io_threads"},
     "bf16": {"enabled": None},

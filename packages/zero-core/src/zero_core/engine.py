@@ -60,6 +60,7 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
+from .hybrid_sharding import hybrid_groups
 from .init_values import InitValues
 from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
@@ -113,7 +114,13 @@ class Engine:
         split = model_parallel.sharded if model_parallel is not None else ()
         self.slots = ParamTable(module, groups.params, split)
         self._frozen = [not p.requires_grad for p in module.parameters()]
-        built = build_components(module, self.slots, policy, config, comm, self.dtype, init_values)
+        # Hybrid sharding: states over a shard group, replicated across groups (issue 16).
+        self.hybrid = hybrid_groups(comm, config)
+        # The ranks this engine's states are partitioned over: comm, or its shard group.
+        self.shard_comm = comm if self.hybrid is None else self.hybrid.shard
+        built = build_components(
+            module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid
+        )
         # Declared here, with their layouts; see each module's docstring.
         self.layouts = built.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
         self.parameters = built.parameters  # compute params: whole views, or shard + gatherer
@@ -385,7 +392,7 @@ class Engine:
         Trainable parameters come from the master weights; frozen parameters and floating
         buffers are converted to float32. With ``rank`` given, only that rank gets the dict
         (the others get an empty one)."""
-        masters = self.masters.full_values(self.comm, self.slots)
+        masters = self.masters.full_values(self.shard_comm, self.slots)
         if rank is not None and rank != self.comm.rank:
             return {}
         result: dict[str, torch.Tensor] = {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,6 +54,15 @@ class BucketSlot:
     persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
 
 
+class ScatterReduction(Protocol):
+    """What reduces a bucket: a Communicator, or zero_comm.hierarchy.HybridGroups (the
+    shard group's reduce-scatter, then across the replicas)."""
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str
+    ) -> Handle | None: ...
+
+
 class BucketReducer:
     """Collects gradients into buckets and reduce-scatters them in canonical order."""
 
@@ -68,14 +78,17 @@ class BucketReducer:
         *,
         overlap: bool = True,
         remedy: str = "use checkpoint(..., use_reentrant=False)",
+        reduction: ScatterReduction | None = None,
     ) -> None:
         """``launch_order``: slot indices in the order their reduce-scatters are issued
         (default: last slot first); ``labels``: each slot's label for the communicator's
         consistency check; ``chunk_numel``: the most elements one collective stages (buckets
         larger than this are reduced in pieces; None: never); ``overlap``: launch complete
         buckets during backward (False: all in ``finish``); ``remedy``: the advice of the
-        error a second gradient after its bucket's launch raises."""
+        error a second gradient after its bucket's launch raises; ``reduction``: what
+        reduces a bucket (default ``comm``, whose ranks hold the slices)."""
         self.comm = comm
+        self.reduction: ScatterReduction = comm if reduction is None else reduction
         self.chunk_numel = chunk_numel
         self.overlap = overlap
         self.order = LaunchOrder([slot.params for slot in slots], comm.rank, remedy, launch_order)
@@ -172,7 +185,7 @@ class BucketReducer:
         slot = self.slots[index]
         self._make_room()
         out = self.comm.buffers.take(slot.slice_numel, self.dtype)
-        handle = self.comm.reduce_scatter(
+        handle = self.reduction.reduce_scatter(
             out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
         )
         self._pieces_left[index] = 1
@@ -199,7 +212,7 @@ class BucketReducer:
                 _copy_bucket_range(row, source, offset, r * slot.slice_numel + piece.start)
             out = self.comm.buffers.take(piece.size, self.dtype)
             label = f"{self.labels[index]}{self._tag} [{piece.start}:{piece.stop}]"
-            handle = self.comm.reduce_scatter(out, send, async_op=True, label=label)
+            handle = self.reduction.reduce_scatter(out, send, async_op=True, label=label)
             self._track((index, handle, out, send, piece))
 
     def _make_room(self) -> None:

@@ -29,7 +29,7 @@ from .allreduced_gradients import restore_grad_view
 from .backward_overlap import register_gradient_hooks
 from .config import ZeroConfig
 from .grad_norm import row_sums_of_squares
-from .grad_reducer import BucketReducer, BucketSlot
+from .grad_reducer import BucketReducer, BucketSlot, ScatterReduction
 from .group_layout import GroupLayout
 from .param_table import ParamSlot, ParamTable
 
@@ -47,6 +47,7 @@ class ReduceScatteredGradients:
         *,
         full_buffers: bool,
         reduce_order: tuple[list[int], list[str]] | None = None,
+        reduction: ScatterReduction | None = None,
     ) -> None:
         self.slots = slots
         self.layouts = layouts
@@ -84,6 +85,7 @@ class ReduceScatteredGradients:
         self.reducer = BucketReducer(
             comm, buckets, dtype, config.max_buckets_in_flight, launch_order, labels,
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
+            reduction=reduction,
         )  # fmt: skip
         # Called with each slot whose gradient a hook handed over (stage 3 frees units).
         self.gradient_listeners: list[Callable[[ParamSlot], None]] = []

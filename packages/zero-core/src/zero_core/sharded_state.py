@@ -86,6 +86,7 @@ class Checkpointable(Protocol):
     """What zero_core.checkpoint uses of an engine."""
 
     comm: Communicator
+    shard_comm: Communicator  # the ranks the states are partitioned over (comm, or a group)
     config: ZeroConfig
     dtype: torch.dtype
     module: nn.Module
