@@ -33,6 +33,8 @@ piece's). With ``deterministic=False`` the native sum is used.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .communicator import Communicator, CompletedWork, Handle
@@ -85,19 +87,20 @@ class HybridGroups:
         input: torch.Tensor,
         op: ReduceOp = ReduceOp.SUM,
         *,
-        async_op: bool = True,
+        async_op: Literal[True] = True,
         label: str = "",
-    ) -> Handle | None:
+    ) -> Handle:
         """``output`` on shard rank s = the sum over all N world ranks of chunk s of
         ``input`` (S chunks), in world rank order when the world is deterministic.
 
-        The shard-group exchange is launched now; the replica hops run in ``wait()``."""
+        Always asynchronous: the shard-group exchange is launched now, the replica hops
+        run in the handle's ``wait()``."""
         if op is not ReduceOp.SUM:
             raise ValueError(f"hybrid reduce_scatter supports SUM only, got {op}")
         if self.replicas == 1:
-            return self.shard.reduce_scatter(output, input, async_op=async_op, label=label)
+            return self.shard.reduce_scatter(output, input, async_op=True, label=label)
         if not self.deterministic:
-            return self._native(output, input, async_op, label)
+            return self._native(output, input, label)
         rows = self.shard.buffers.take(input.numel(), input.dtype)
         exchange = self.shard.all_to_all(rows, input, async_op=True, label=label)
 
@@ -106,20 +109,16 @@ class HybridGroups:
             self._fold_along_replicas(output.view(-1), rows.view(self.shard_size, -1), label)
             self.shard.buffers.give_back(rows)
 
-        handle = Handle(self.shard, "reduce_scatter", CompletedWork(), chain)
-        return handle if async_op else handle.wait()
+        return Handle(self.shard, "reduce_scatter", CompletedWork(), chain)
 
-    def _native(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool, label: str
-    ) -> Handle | None:
+    def _native(self, output: torch.Tensor, input: torch.Tensor, label: str) -> Handle:
         inner = self.shard.reduce_scatter(output, input, async_op=True, label=label)
 
         def across() -> None:
             inner.wait()
             self.replica.all_reduce(output, label=label)
 
-        handle = Handle(self.shard, "reduce_scatter", CompletedWork(), across)
-        return handle if async_op else handle.wait()
+        return Handle(self.shard, "reduce_scatter", CompletedWork(), across)
 
     def _fold_along_replicas(self, out: torch.Tensor, rows: torch.Tensor, label: str) -> None:
         """Steps 2 and 3 of the module docstring, piece by piece."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -59,8 +59,8 @@ class ScatterReduction(Protocol):
     shard group's reduce-scatter, then across the replicas)."""
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str
-    ) -> Handle | None: ...
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], label: str
+    ) -> Handle: ...
 
 
 class BucketReducer:
