@@ -17,6 +17,8 @@ from parity import (
     ParityCase,
     assert_same_states,
     build_engine,
+    loss_of,
+    micro_batch,
     normalised,
     parity_cases,
     train,
@@ -138,3 +140,51 @@ def test_a_checkpoint_reshards_between_hybrid_and_flat(
     first, again = logical_state(tmp_path / "first"), logical_state(tmp_path / "again")
     assert first.keys() == again.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+@st.composite
+def hpz_shapes(draw: st.DrawFn) -> tuple[int, int | None, int]:
+    """(N, shard group or None, hpZ group): hpZ's group divides the shard group."""
+    n = draw(st.sampled_from([4, 6, 8]))
+    shard = draw(st.sampled_from([None, *[d for d in range(4, n) if n % d == 0]]))
+    base = shard or n
+    return n, shard, draw(st.sampled_from([d for d in range(2, base) if base % d == 0]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=parity_cases(), shape=hpz_shapes(), deferred=st.booleans())
+def test_hpz_equals_stage_0_bit_for_bit(
+    case: ParityCase, shape: tuple[int, int | None, int], deferred: bool
+) -> None:
+    n, shard, hpz = shape
+    extra = {"shard_group_size": shard, "hpz_partition_size": hpz}
+
+    def body(comm: Communicator) -> None:
+        assert_same_states(train(case, comm, 0), train(case, comm, 3, settings=extra), str(shape))
+
+    run_simulated(n, body, defer_outputs=deferred)
+
+
+def test_hpz_backward_gathers_stay_in_its_group() -> None:
+    """4 ranks, hpZ over 2: the world all-gathers forward only; backward gathers the same
+    elements inside the pairs. Without hpZ the world gathers both."""
+    case = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
+                      bucket_numel=20_000)  # fmt: skip
+
+    def gathered(comm: Communicator, hpz: int) -> tuple[int, int]:
+        engine = build_engine(case, comm, 3, {"hpz_partition_size": hpz})
+        x, t = micro_batch(case, comm.rank)
+        engine(x.to(torch.bfloat16))  # the first forward records the order
+        comm.stats.reset()
+        if engine.secondary is not None:
+            engine.secondary.stats.reset()
+        engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
+        pair = (
+            0 if engine.secondary is None else engine.secondary.stats["all_gather"].buffer_elements
+        )
+        return comm.stats["all_gather"].buffer_elements, pair
+
+    (world_hpz, pair), *_ = run_simulated(4, lambda comm: gathered(comm, 2))
+    (world_flat, none), *_ = run_simulated(4, lambda comm: gathered(comm, 1))
+    assert none == 0 and pair > 0
+    assert world_hpz == pair and world_flat == 2 * pair

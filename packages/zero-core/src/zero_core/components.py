@@ -59,13 +59,15 @@ def build_components(
     dtype: torch.dtype,
     init_values: InitValues | None,
     hybrid: HybridGroups | None = None,
+    secondary: Communicator | None = None,
 ) -> Components:
     """Collective: lay the groups out, then build the components ``policy`` chooses,
     filled with rank 0's initial values one parameter at a time.
 
     ``comm`` is the data-parallel world. With ``hybrid`` the states are laid out over its
     shard group (``hybrid.shard``, whose ranks hold the slices) and gradients are reduced
-    by it across the replicas too; rank 0 of the world still gives the initial values."""
+    by it across the replicas too; rank 0 of the world still gives the initial values.
+    ``secondary``: stage 3's hpZ group (hybrid_sharding.secondary_group), or None."""
     world = comm
     comm = comm if hybrid is None else hybrid.shard
     plan = None
@@ -90,7 +92,7 @@ def build_components(
     parameters: ReplicatedParameters | ShardedParameters
     if plan is not None:
         store = build_parameter_shards(layouts, slots, shard_rank, config, comm, dtype, folder)
-        parameters = ShardedParameters(slots, layouts, plan, dtype, comm, config, store)
+        parameters = ShardedParameters(slots, layouts, plan, dtype, comm, config, store, secondary)
     else:
         parameters = ReplicatedParameters(slots, layouts, dtype, comm, config)
     masters: MasterWeights | OffloadedMasters

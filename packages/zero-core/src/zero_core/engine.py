@@ -60,7 +60,7 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
-from .hybrid_sharding import hybrid_groups
+from .hybrid_sharding import hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
@@ -118,9 +118,12 @@ class Engine:
         self.hybrid = hybrid_groups(comm, config)
         # The ranks this engine's states are partitioned over: comm, or its shard group.
         self.shard_comm = comm if self.hybrid is None else self.hybrid.shard
+        # hpZ: stage 3's backward gathers stay inside this group (one node).
+        self.secondary = secondary_group(comm, config, self.hybrid)
         built = build_components(
-            module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid
-        )
+            module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid,
+            self.secondary,
+        )  # fmt: skip
         # Declared here, with their layouts; see each module's docstring.
         self.layouts = built.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
         self.parameters = built.parameters  # compute params: whole views, or shard + gatherer

@@ -44,7 +44,6 @@ def _refuse_unbuilt(config: ZeroConfig) -> None:
         name
         for name, on in (
             ("hierarchical_gather", config.hierarchical_gather),
-            ("hpz_partition_size", config.hpz_partition_size > 1),
             ("quantize_weights", config.quantize_weights),
             ("quantize_gradients", config.quantize_gradients is not None),
         )
@@ -55,3 +54,23 @@ def _refuse_unbuilt(config: ZeroConfig) -> None:
             f"{', '.join(unbuilt)}: not built in this version of zero_core yet; turn "
             f"{'it' if len(unbuilt) == 1 else 'them'} off"
         )
+
+
+def secondary_group(
+    comm: Communicator, config: ZeroConfig, hybrid: HybridGroups | None
+) -> Communicator | None:
+    """Collective: hpZ's group of ``config.hpz_partition_size`` consecutive ranks of the
+    shard group (the world without hybrid sharding), or None when hpZ is off."""
+    size = config.hpz_partition_size
+    if size == 1:
+        return None
+    base = comm if hybrid is None else hybrid.shard
+    if size >= base.world_size or base.world_size % size:
+        valid = [d for d in range(2, base.world_size) if base.world_size % d == 0]
+        raise ValueError(
+            f"hpz_partition_size={size}: hpZ keeps its secondary copy over a group smaller "
+            f"than the {base.world_size} ranks the parameters are sharded over, and "
+            f"dividing them; use one of {valid or 'none: there is no such size here'} "
+            "(usually the ranks per node), or 1 to turn it off"
+        )
+    return base.split(color=base.rank // size)

@@ -31,6 +31,18 @@ record replaces the old one. Every decision depends only on the sequence of dema
 ranks that run the same modules in the same order issue the same collectives; each
 all_gather is labelled with its unit, so ranks that do not get a CollectiveMismatchError
 naming the modules (with the communicator's consistency check on, its default).
+
+hpZ (ZeRO++'s secondary partition). With a ``secondary`` communicator (P consecutive
+ranks, one node), each forward gather of a unit also keeps this rank's 1/P of every
+full buffer; a gather during backward then all-gathers those parts inside the group
+instead of the shards over every rank:
+
+    forward   full = all_gather over N of the shards       keep full.view(P, -1)[rank % P]
+    backward  full = all_gather over P of the kept parts   (no byte leaves the group)
+
+The parts are the forward's gathered bits, so backward computes with exactly the
+weights forward used (lossless, and with quantized forward gathers too); they are
+dropped when the backward pass ends.
 """
 
 from __future__ import annotations
@@ -84,6 +96,8 @@ class GatherUnit:
     users: int = 0  # modules running now that need the unit
     grads_seen: int = 0  # gradients of its slots in this backward
     handles: list[Handle] = field(default_factory=list)  # while GATHERING
+    secondary_parts: list[torch.Tensor] = field(default_factory=list)  # hpZ, forward to backward
+    from_secondary: bool = False  # the gather in flight reads secondary_parts
     inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING
     views: list[torch.Tensor] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
@@ -125,8 +139,11 @@ class ParameterGatherer:
         *,
         prefetch_numel: int,
         max_live_numel: int,
+        secondary: Communicator | None = None,
     ) -> None:
+        """``secondary``: hpZ's group (see the module docstring), or None."""
         self.comm = comm
+        self.secondary = secondary
         self.units = units
         self.source = source
         self.prefetch_numel = prefetch_numel
@@ -171,6 +188,9 @@ class ParameterGatherer:
                 self._release(unit)
         if self.phase is not None:
             self.traces[self.phase] = self._recording
+        if self.phase is Pass.BACKWARD:
+            for unit in self.units:
+                unit.secondary_parts = []
         self.phase = None
         self._ahead.clear()
 
@@ -281,7 +301,16 @@ class ParameterGatherer:
         unit.state = UnitState.GATHERING
 
     def _launch(self, unit: GatherUnit) -> None:
-        """Take the unit's shards from their tier and launch its all-gathers."""
+        """Launch the unit's all-gathers: of the parts hpZ kept, in backward when it kept
+        them; else of the shards, taken from their tier."""
+        if self.secondary is not None and self.phase is Pass.BACKWARD and unit.secondary_parts:
+            unit.from_secondary = True
+            unit.handles = [
+                self.secondary.all_gather(full, part, async_op=True, label=unit.label)
+                for full, part in zip(unit.fulls, unit.secondary_parts, strict=True)
+            ]
+            return
+        unit.from_secondary = False
         unit.inputs = [self.source.take(g, k) for g, k in unit.shards]
         unit.handles = [
             self.comm.all_gather(full, shard, async_op=True, label=unit.label)
@@ -294,6 +323,10 @@ class ParameterGatherer:
         for shard in unit.inputs:
             self.source.give_back(shard)
         unit.handles, unit.inputs = [], []
+        keep = self.phase is Pass.FORWARD and not unit.from_secondary and not unit.persistent
+        if self.secondary is not None and keep:
+            size, rank = self.secondary.world_size, self.secondary.rank
+            unit.secondary_parts = [full.view(size, -1)[rank].clone() for full in unit.fulls]
 
     def _wait(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.GATHERING, doing="wait for")

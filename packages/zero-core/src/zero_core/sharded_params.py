@@ -42,7 +42,10 @@ class ShardedParameters:
         comm: Communicator,
         config: ZeroConfig,
         store: ParameterShards,
+        secondary: Communicator | None = None,
     ) -> None:
+        """``secondary``: hpZ's group for backward gathers (param_gatherer), or None."""
+        self.secondary = secondary
         self.slots = slots
         self.layouts = layouts
         self.plan = plan
@@ -86,6 +89,7 @@ class ShardedParameters:
             self.store,
             prefetch_numel=self.config.prefetch_numel,
             max_live_numel=self.config.max_live_numel,
+            secondary=self.secondary,
         )
         if self.plan.persistent is not None:
             unit = units[self.plan.persistent]
