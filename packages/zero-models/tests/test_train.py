@@ -31,6 +31,9 @@ def run(
         (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
         (["--nproc", "4", "--tp", "4", "--model", "test"], "heads=2 does not divide over"),
         (["--offload-checkpoints"], "--offload-checkpoints needs --checkpoint full or"),
+        (["--stage", "0", "--shard-group", "2"], "hybrid sharding needs stage 1 or more"),
+        (["--nproc", "4", "--shard-group", "3"], "--shard-group 3 does not divide the 4"),
+        (["--nproc", "4", "--stage", "3", "--hpz", "4"], "--hpz 4 must divide the 4 ranks"),
     ],
 )
 def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:

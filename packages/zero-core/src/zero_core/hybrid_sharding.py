@@ -68,9 +68,8 @@ def secondary_group(
     if size >= base.world_size or base.world_size % size:
         valid = [d for d in range(2, base.world_size) if base.world_size % d == 0]
         raise ValueError(
-            f"hpz_partition_size={size}: hpZ keeps its secondary copy over a group smaller "
-            f"than the {base.world_size} ranks the parameters are sharded over, and "
-            f"dividing them; use one of {valid or 'none: there is no such size here'} "
-            "(usually the ranks per node), or 1 to turn it off"
+            f"hpz_partition_size={size}: hpZ's group must divide the {base.world_size} ranks "
+            f"the parameters are sharded over and be smaller (usually the ranks per node): "
+            + (f"use one of {valid}, or 1 to turn it off" if valid else "use 1 (off) here")
         )
     return base.split(color=base.rank // size)

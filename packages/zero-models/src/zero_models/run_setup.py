@@ -35,7 +35,7 @@ from .out_of_memory import (
     stop_in_one_line,
 )
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
-from .train_options import DTYPES, model_config
+from .train_options import DTYPES, hierarchy_settings, model_config
 
 
 class Run(NamedTuple):
@@ -86,6 +86,7 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
             offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params,
             offload_dir=None if args.offload_dir is None else str(args.offload_dir),
+            **hierarchy_settings(args),
         )
     )
     footprint = run_footprint(args, config, world, mesh, zero_config)

@@ -17,6 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
@@ -101,6 +102,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload-dir", type=Path, metavar="DIR",
         help="folder of the swap files of the disk tiers (checked for space before training)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shard-group", type=int, metavar="S",
+        help="stages 1-3: hybrid sharding (MiCS/HSDP): partition model states over groups of "
+        "S consecutive data-parallel ranks (e.g. one node's) and replicate across groups",
+    )  # fmt: skip
+    p.add_argument(
+        "--hpz", type=int, default=1, metavar="P",
+        help="stage 3 (ZeRO++ hpZ): keep a secondary parameter copy over groups of P ranks "
+        "(one node) so backward gathers stay inside them; 1: off",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantize-weights", action="store_true",
+        help="stage 3 (ZeRO++ qwZ): int8 block-quantized forward parameter all-gathers",
+    )  # fmt: skip
+    p.add_argument(
+        "--quantize-gradients", choices=("int4", "int8"),
+        help="stages 2-3 (ZeRO++ qgZ): gradients reduced by a quantized hierarchical all-to-all",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
@@ -195,6 +214,16 @@ def offload_error(args: argparse.Namespace) -> str:
     return ""
 
 
+def hierarchy_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ZeroConfig fields of --shard-group, --hpz and --quantize-* (issue 16)."""
+    return {
+        "shard_group_size": args.shard_group,
+        "hpz_partition_size": args.hpz,
+        "quantize_weights": args.quantize_weights,
+        "quantize_gradients": args.quantize_gradients,
+    }
+
+
 def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options from --config, then flags; every check that can fail before launching."""
     p = parser()
@@ -210,6 +239,10 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     offload_problem = offload_error(args)
     if offload_problem:
         p.error(offload_problem)
+    try:
+        zero_core.ZeroConfig(stage=args.stage, **hierarchy_settings(args))
+    except ValueError as exc:
+        p.error(f"--shard-group/--hpz/--quantize-*: {exc}")
     if args.data is not None and not Path(args.data).exists():
         p.error(f"--data {args.data}: no such file or folder")
     if args.threads is not None and args.threads < 1:
@@ -257,6 +290,17 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"a multiple of {args.tp}"
             )
         data_parallel = world // args.tp
+        group = args.shard_group or data_parallel
+        if data_parallel % group:
+            raise ValueError(
+                f"--shard-group {group} does not divide the {data_parallel} data-parallel "
+                "ranks; use a divisor (usually the ranks per node)"
+            )
+        if args.hpz > 1 and (group % args.hpz or args.hpz >= group):
+            raise ValueError(
+                f"--hpz {args.hpz} must divide the {group} ranks the parameters are sharded "
+                "over and be fewer (usually the ranks per node); 1 turns it off"
+            )
         if args.batch_size % data_parallel:
             raise ValueError(
                 f"--batch-size {args.batch_size} does not split over {data_parallel} "
