@@ -6,6 +6,7 @@
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
+    nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~1.5 h)
 
@@ -217,6 +218,19 @@ def soak(session: nox.Session) -> None:
     the two runs bit-identical (tools/soak.py; arguments pass through)."""
     _install(session, "numpy", packages=PACKAGES)
     session.run("python", "tools/soak.py", *session.posargs)
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """The emulated two-node cluster (tools/emulated_cluster.py): two network namespaces as
+    hosts, joined by a veth pair rate-limited with tc, two ranks on each, launched by
+    torchrun --nnodes 2 (gloo) and by MPICH's mpiexec. Needs root (ip netns, tc); elsewhere
+    every cluster test skips, printing why. Extra arguments go to pytest."""
+    _install(session, *TEST_DEPS, *MPI_DEPS)
+    _pytest(session, f"{CROSS_PACKAGE_TESTS}/test_emulated_cluster.py")
+    # The cross-node benchmark (issue 16, item 8) runs here, after the tests: every variant
+    # on the same emulated cluster, e.g. python tools/emulated_cluster.py run --rate 1gbit
+    # -- tools/<benchmark>.py.
 
 
 @nox.session

@@ -162,18 +162,24 @@ def test_as_dict_is_a_json_friendly_copy() -> None:
         "buffer_elements": 10,
         "volume_elements": 15.0,
         "volume_bytes": 60.0,
+        "intra_node_bytes": 60.0,
+        "inter_node_bytes": 0.0,
     }
     assert snapshot["all_gather"] == {
         "calls": 1,
         "buffer_elements": 8,
         "volume_elements": 6.0,
         "volume_bytes": 12.0,
+        "intra_node_bytes": 12.0,
+        "inter_node_bytes": 0.0,
     }
     assert snapshot["broadcast"] == {
         "calls": 0,
         "buffer_elements": 0,
         "volume_elements": 0.0,
         "volume_bytes": 0.0,
+        "intra_node_bytes": 0.0,
+        "inter_node_bytes": 0.0,
     }
     assert json.loads(json.dumps(snapshot)) == snapshot
     for row in snapshot.values():
@@ -236,10 +242,16 @@ def call_collective(comm: Communicator, name: str, numel: int, dtype: torch.dtyp
     return numel
 
 
-def expected_counts(world_size: int, name: str, buffer: int, itemsize: int) -> dict[str, Snapshot]:
+def expected_counts(
+    world_size: int, name: str, buffer: int, itemsize: int, rank: int
+) -> dict[str, Snapshot]:
+    """``call_collective``'s broadcast comes from rank N-1, so rank N-2 (whose ring
+    successor is the root) forwards nothing."""
     zero = Snapshot(0, 0, Fraction(0), Fraction(0))
     out = {c: zero for c in CommStats.COLLECTIVES}
     volume = ring_volume(name, buffer, world_size)
+    if name == "broadcast" and world_size > 1 and rank == world_size - 2:
+        volume = Fraction(0)
     out[name] = Snapshot(1, buffer, volume, volume * itemsize)
     return out
 
@@ -263,7 +275,8 @@ def test_a_collective_counts_exactly_its_formula(
 ) -> None:
     """Only the collective that was called is counted, once, with the ring formula: not
     the consistency check's all_gather, nor the all_to_all and all_gather inside a
-    rank-ordered (deterministic) all_reduce. Every rank counts the same."""
+    rank-ordered (deterministic) all_reduce. Every rank counts the same, but for a
+    broadcast's last rank in the ring from the root."""
     torch_dtype = DTYPES[dtype]
 
     def body(comm: Communicator) -> tuple[int, dict[str, Snapshot]]:
@@ -274,14 +287,14 @@ def test_a_collective_counts_exactly_its_formula(
         world_size, body, deterministic=deterministic, check_consistency=check_consistency
     )
     itemsize = torch.empty(0, dtype=torch_dtype).element_size()
-    for buffer, counts in results:
-        assert counts == expected_counts(world_size, name, buffer, itemsize)
+    for rank, (buffer, counts) in enumerate(results):
+        assert counts == expected_counts(world_size, name, buffer, itemsize, rank)
 
 
 def test_counts_of_a_known_sequence() -> None:
     """3 ranks, float32 (4 bytes): all_reduce of 12 -> 2*2/3*12 = 16 elements, 64 bytes;
     reduce_scatter of 12 -> 8, 32; all_gather of 12 -> 8, 32; all_to_all of 6 -> 4, 16;
-    broadcast of 5 -> 5, 20;
+    broadcast of 5 from 0 -> 5, 20 (0 on rank 2, whose ring successor is the root);
     two all_reduces of 12 -> 32, 128. async handles are counted when called."""
 
     def body(comm: Communicator) -> dict[str, Snapshot]:
@@ -296,13 +309,14 @@ def test_counts_of_a_known_sequence() -> None:
         comm.barrier()
         return snapshot(comm)
 
-    for counts in run_simulated(3, body):
+    for rank, counts in enumerate(run_simulated(3, body)):
+        forwarded = Fraction(0) if rank == 2 else Fraction(5)
         assert counts == {
             "all_reduce": Snapshot(2, 24, Fraction(32), Fraction(128)),
             "reduce_scatter": Snapshot(1, 12, Fraction(8), Fraction(32)),
             "all_gather": Snapshot(1, 12, Fraction(8), Fraction(32)),
             "all_to_all": Snapshot(1, 6, Fraction(4), Fraction(16)),
-            "broadcast": Snapshot(1, 5, Fraction(5), Fraction(20)),
+            "broadcast": Snapshot(1, 5, forwarded, forwarded * 4),
             "barrier": Snapshot(1, 0, Fraction(0), Fraction(0)),
         }
 
@@ -364,3 +378,17 @@ def test_reset_through_a_communicator() -> None:
 def test_all_to_all_moves_every_chunk_but_its_own() -> None:
     assert ring_volume("all_to_all", 12, 3) == 8
     assert ring_volume("all_to_all", 12, 1) == 0
+
+
+@given(world_size=world_sizes, made=st.lists(calls, max_size=20))
+def test_on_one_node_every_byte_is_intra_node(world_size: int, made: list[Call]) -> None:
+    """The default topology (one node): the split adds up and nothing crosses nodes.
+    Other topologies: tests/test_topology.py."""
+    stats = CommStats(world_size, rank=world_size - 1)
+    for call in made:
+        stats.record(*call)
+    for name in CommStats.COLLECTIVES:
+        assert stats[name].inter_node_bytes == 0
+        assert stats[name].intra_node_bytes == stats[name].volume_bytes
+    assert stats.intra_node_bytes == stats.total_volume_bytes
+    assert stats.inter_node_bytes == 0

@@ -10,6 +10,7 @@ With ``deterministic=True`` every float reduction adds rank contributions in ran
 results are bit-identical on every backend and to the same sum done in one process.
 """
 
+from .block_quantize import BlockQuantizer, Quantized
 from .comm_options import CommOptions
 from .communicator import Communicator, Handle
 from .errors import (
@@ -20,16 +21,25 @@ from .errors import (
     LaunchEnvError,
     PeerFailureError,
 )
+from .hierarchy import HybridGroups
 from .launcher_env import LaunchEnv, detect_launch_env
+from .quantized import (
+    QuantizationFallbackWarning,
+    QuantizedGatherHandle,
+    quantized_all_gather,
+    quantized_reduce_scatter,
+)
 from .reduce_op import ReduceOp
 from .simulated import run_simulated
 from .stats import CommStats, ring_volume
-from .world import init
+from .topology import Topology
+from .world import detect_topology, init
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "BlockQuantizer",
     "CollectiveMismatchError",
     "CommError",
     "CommOptions",
@@ -37,13 +47,21 @@ __all__ = [
     "CommTimeoutError",
     "Communicator",
     "Handle",
+    "HybridGroups",
     "LaunchEnv",
     "LaunchEnvError",
     "PeerFailureError",
+    "QuantizationFallbackWarning",
+    "Quantized",
+    "QuantizedGatherHandle",
     "ReduceOp",
+    "Topology",
     "__version__",
     "detect_launch_env",
+    "detect_topology",
     "init",
+    "quantized_all_gather",
+    "quantized_reduce_scatter",
     "ring_volume",
     "run_simulated",
 ]

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import abc
 import pickle
+import weakref
 from collections import deque
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, Literal, Protocol, overload
 
 import torch
@@ -49,6 +51,7 @@ from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .reduce_op import ReduceOp
 from .stats import CommStats
+from .topology import Topology, divisors
 
 
 class Work(Protocol):
@@ -122,7 +125,13 @@ class Communicator(CallCheck):
             (call_schedule.py); a training loop's steps after the first cost nothing.
             False / "off": no check.
         timeout: seconds a collective may wait for its peers.
-        stats: calls and ring-convention volume per collective.
+        stats: calls and ring-convention volume per collective, split into intra-node and
+            inter-node bytes by ``topology``.
+        topology: which of its ranks share a node (zero_comm.topology); the world's is
+            detected at init, a split inherits its members' nodes, and
+            :meth:`set_topology` overrides it.
+        parent_ranks: for a communicator made by ``split``, the rank in the parent of each
+            of its ranks; None for a world communicator.
     """
 
     def __init__(
@@ -141,7 +150,13 @@ class Communicator(CallCheck):
         self.deterministic = options.deterministic
         self._init_call_check(options.check_consistency)
         self.timeout = options.timeout
-        self.stats = CommStats(world_size)
+        self._topology = Topology.single_node(world_size)
+        self.stats = CommStats(world_size, rank=rank, topology=self._topology)
+        self.parent_ranks: list[int] | None = None
+        # Sub-communicators made by intra_node, inter_node and shard_groups, by request.
+        self._groups: dict[tuple[str, int], tuple[Communicator, ...]] = {}
+        # Communicators split from this one (weakly: an engine's groups die with it).
+        self._children: list[weakref.ref[Communicator]] = []
         self.buffers = BufferPool(device)
         self._sequence = 0
         self.closed = False
@@ -156,6 +171,43 @@ class Communicator(CallCheck):
     def options(self) -> CommOptions:
         """This communicator's options now (what a subgroup split from it inherits)."""
         return CommOptions(self.deterministic, self.check_consistency, self.timeout)
+
+    @property
+    def topology(self) -> Topology:
+        """Which ranks of this communicator share a node (see :meth:`set_topology`)."""
+        return self._topology
+
+    def set_topology(self, topology: Topology | int) -> None:
+        """Override the topology, locally: every rank must pass the same value.
+
+        ``topology`` is a :class:`Topology` of ``world_size`` ranks, or a number of ranks
+        per node (``Topology.uniform``: rank r on node r // ranks_per_node). The stats split
+        what they record from now on by it; ``intra_node`` and ``inter_node`` made before
+        are forgotten (and made anew, collectively, at their next call).
+        """
+        if isinstance(topology, int) and not isinstance(topology, bool):
+            try:
+                topology = Topology.uniform(self.world_size, topology)
+            except ValueError as exc:
+                raise ValueError(self._err(f"set_topology: {exc}")) from None
+        if not isinstance(topology, Topology):
+            raise TypeError(
+                self._err(
+                    f"set_topology: expected a Topology or a number of ranks per node, got "
+                    f"{topology!r}"
+                )
+            )
+        if topology.world_size != self.world_size:
+            raise ValueError(
+                self._err(
+                    f"set_topology: the topology has {topology.world_size} ranks but this "
+                    f"communicator {self.world_size}"
+                )
+            )
+        self._topology = topology
+        self.stats.set_topology(topology, self.rank)
+        self._groups.pop(("intra_node", 0), None)
+        self._groups.pop(("inter_node", 0), None)
 
     def __repr__(self) -> str:
         return (
@@ -559,7 +611,7 @@ class Communicator(CallCheck):
             return DTYPE_CODE[tensor.dtype], tensor.numel(), -1, src
 
         self._enter(name, describe, label)
-        self.stats.record(name, tensor.numel(), tensor.element_size())
+        self.stats.record(name, tensor.numel(), tensor.element_size(), root=src)
         if self.world_size == 1 or tensor.numel() == 0:
             return self._complete(Handle(self, name, CompletedWork()), async_op)
         return self._complete(Handle(self, name, self._broadcast(tensor.view(-1), src)), async_op)
@@ -582,7 +634,8 @@ class Communicator(CallCheck):
 
         Ranks of the new group are ordered by ``key`` (default: the rank here), ties by
         rank. The new communicator inherits ``deterministic``, ``check_consistency`` and
-        ``timeout``. For a tensor-parallel x data-parallel mesh of ``tp`` columns:
+        ``timeout``, and its members' nodes (``topology``, in the world's node numbers).
+        For a tensor-parallel x data-parallel mesh of ``tp`` columns:
         ``tp_group = comm.split(color=rank // tp)``, ``dp_group = comm.split(color=rank % tp)``.
         """
 
@@ -594,7 +647,92 @@ class Communicator(CallCheck):
             return -1, 0, -1, -1
 
         self._enter("split", describe)
-        return self._split(color, self.rank if key is None else key)
+        child = self._split(color, self.rank if key is None else key)
+        if child.parent_ranks is None:  # a backend that does not know its members' ranks
+            child.parent_ranks = child.all_gather_object(self.rank)
+        child.set_topology(self.topology.restrict(child.parent_ranks))
+        self._children.append(weakref.ref(child))
+        return child
+
+    def family(self) -> list[Communicator]:
+        """This communicator and every live one split from it, recursively (this rank's
+        members of them): the groups an engine's traffic goes through."""
+        out: list[Communicator] = [self]
+        for ref in self._children:
+            child = ref()
+            if child is not None:
+                out += child.family()
+        return out
+
+    def family_link_bytes(self) -> tuple[Fraction, Fraction]:
+        """(intra-node, inter-node) bytes this rank sent, over :meth:`family`'s stats."""
+        family = self.family()
+        return (
+            sum((c.stats.intra_node_bytes for c in family), Fraction(0)),
+            sum((c.stats.inter_node_bytes for c in family), Fraction(0)),
+        )
+
+    # ------------------------------------------------------- topology subgroups
+    def intra_node(self) -> Communicator:
+        """Collective, the first time: the ranks of this rank's node, in rank order.
+
+        Made by ``split`` on the first call and kept (until ``set_topology``), so every rank
+        must call ``intra_node``, ``inter_node`` and ``shard_groups`` in the same order.
+        """
+        key = ("intra_node", 0)
+        if key not in self._groups:
+            self._groups[key] = (self.split(color=self.topology.node_of[self.rank]),)
+        return self._groups[key][0]
+
+    def inter_node(self) -> Communicator:
+        """Collective, the first time: the ranks with this rank's local index on every node
+        (its position among its node's ranks), in rank order. Needs the same number of
+        ranks on every node. Kept as :meth:`intra_node` is; the same calling rule."""
+        key = ("inter_node", 0)
+        if key not in self._groups:
+            topology = self.topology
+            if topology.ranks_per_node is None:
+                counts = {n: len(topology.local_ranks(n)) for n in topology.nodes}
+                raise ValueError(
+                    self._err(
+                        f"inter_node: the nodes hold unequal numbers of ranks ({counts}, node: "
+                        "ranks), so no group has one rank of each; use shard_groups(size) for "
+                        "groups by rank, or a topology with the same ranks on every node"
+                    )
+                )
+            self._groups[key] = (self.split(color=topology.local_index(self.rank)),)
+        return self._groups[key][0]
+
+    def shard_groups(self, shard_size: int) -> tuple[Communicator, Communicator]:
+        """Collective, the first time for each size: ``(shard, replica)`` communicators.
+
+        ``shard``: the ranks r with the same r // shard_size (contiguous blocks of
+        ``shard_size``); ``replica``: those with the same r % shard_size (one of each
+        block), both in rank order. For N = R x S ranks, S = shard_size:
+
+            N = 6, S = 3:  shard groups {0,1,2} {3,4,5}; replica groups {0,3} {1,4} {2,5}
+
+        Kept as :meth:`intra_node` is; the same calling rule.
+        """
+        if (
+            not isinstance(shard_size, int)
+            or isinstance(shard_size, bool)
+            or shard_size < 1
+            or self.world_size % shard_size
+        ):
+            raise ValueError(
+                self._err(
+                    f"shard_groups: shard_size={shard_size!r} does not divide the "
+                    f"{self.world_size} ranks; valid sizes: {divisors(self.world_size)}"
+                )
+            )
+        key = ("shard_groups", shard_size)
+        if key not in self._groups:
+            shard = self.split(color=self.rank // shard_size)
+            replica = self.split(color=self.rank % shard_size)
+            self._groups[key] = (shard, replica)
+        shard, replica = self._groups[key]
+        return shard, replica
 
     # ---------------------------------------------------------- rank-ordered sums
     def _ordered_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> Handle:

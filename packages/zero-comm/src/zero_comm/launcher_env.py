@@ -13,6 +13,19 @@ inside a SLURM allocation inherits the allocation's SLURM variables):
 
 A SLURM batch script itself (no ``srun``) has SLURM_PROCID but no SLURM_STEP_NUM_TASKS and
 is treated as a single process, not as rank 0 of a world that never comes.
+
+Which node a rank is on (:func:`node_key_from_env`, in the same order; a family is used only
+where all its variables are set):
+
+    torchrun        GROUP_RANK, with LOCAL_WORLD_SIZE ranks on it
+    (zero-launch)   RANK - LOCAL_RANK, the node's first rank, with LOCAL_WORLD_SIZE ranks
+    Open MPI        OMPI_COMM_WORLD_RANK - OMPI_COMM_WORLD_LOCAL_RANK, with ..._LOCAL_SIZE
+    MPICH, Intel    PMI_RANK - MPI_LOCALRANKID, with MPI_LOCALNRANKS
+    SLURM srun      SLURM_NODEID, with SLURM_STEP_TASKS_PER_NODE where it is one number
+
+MPI launchers name no node (Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank among every job's
+processes on the node, not a node), so their key assumes each node holds a contiguous block
+of ranks; zero_comm.topology checks that against every rank's answer before using it.
 """
 
 from __future__ import annotations
@@ -41,6 +54,56 @@ class LaunchEnv:
     @property
     def under_mpi_launcher(self) -> bool:
         return self.launcher in MPI_LAUNCHERS
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """Which node one rank is on, as its launcher's variables say.
+
+    Attributes:
+        source: "torchrun", "openmpi", "mpich" or "slurm".
+        node: equal on the ranks of one node and different across nodes: the launcher's node
+            index, or (``from_local_rank``) the world rank of the node's first rank.
+        local_rank: this rank's index among the ranks of its node, where the launcher says.
+        local_size: the number of ranks on its node, where the launcher says.
+        from_local_rank: ``node`` is ``rank - local_rank``, right only where every node holds
+            a contiguous block of ranks (zero_comm.topology checks that across ranks).
+    """
+
+    source: str
+    node: int
+    local_rank: int | None
+    local_size: int | None
+    from_local_rank: bool
+
+
+def node_key_from_env(environ: Mapping[str, str] | None = None) -> NodeKey | None:
+    """This rank's :class:`NodeKey` from the launcher's variables, or None where no launcher
+    said (or only part of what is needed). Raises LaunchEnvError on a non-integer value."""
+    env = os.environ if environ is None else environ
+
+    def has(*names: str) -> bool:
+        return all(env.get(name, "") != "" for name in names)
+
+    if has("RANK", "GROUP_RANK"):
+        size = _int_var(env, "LOCAL_WORLD_SIZE") if has("LOCAL_WORLD_SIZE") else None
+        local = _int_var(env, "LOCAL_RANK") if has("LOCAL_RANK") else None
+        return NodeKey("torchrun", _int_var(env, "GROUP_RANK"), local, size, False)
+    families = (
+        ("torchrun", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        ("openmpi", *(f"OMPI_COMM_WORLD_{n}" for n in ("RANK", "LOCAL_RANK", "LOCAL_SIZE"))),
+        ("mpich", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    )
+    for source, rank_var, local_var, size_var in families:
+        if has(rank_var, local_var, size_var):
+            rank, local = _int_var(env, rank_var), _int_var(env, local_var)
+            return NodeKey(source, rank - local, local, _int_var(env, size_var), True)
+    if has("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NODEID"):
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "")
+        local = _int_var(env, "SLURM_LOCALID") if has("SLURM_LOCALID") else None
+        size = int(per_node) if per_node.isdigit() else None  # "2(x3),1": nodes differ
+        return NodeKey("slurm", _int_var(env, "SLURM_NODEID"), local, size, False)
+    return None
 
 
 def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:

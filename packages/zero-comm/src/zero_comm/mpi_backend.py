@@ -230,8 +230,19 @@ class MPICommunicator(Communicator):
 
     def _split(self, color: int, key: int) -> Communicator:
         child = MPICommunicator(self.mpi_comm.Split(color, key), options=self.options)
-        child.peers = [Peer(*p) for p in child.mpi_comm.allgather(tuple(this_peer()))]
+        members = child.mpi_comm.allgather((tuple(this_peer()), self.rank))
+        child.peers = [Peer(*peer) for peer, _ in members]
+        child.parent_ranks = [parent for _, parent in members]
         return child
+
+    def shared_memory_node_key(self) -> int:
+        """Collective over this communicator: the lowest rank of it that shares memory with
+        this process (``MPI_Comm_split_type(COMM_TYPE_SHARED)``: the ranks of one node)."""
+        shared = self.mpi_comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return int(shared.allreduce(self.rank, op=self._MPI.MIN))
+        finally:
+            shared.Free()
 
     def close(self) -> None:
         if self.closed:

@@ -32,6 +32,7 @@ from .communicator import Communicator, CompletedWork, Work
 from .errors import CommError, CommTimeoutError
 from .ordered import chunk_numel
 from .reduce_op import ReduceOp
+from .topology import Topology
 
 T = TypeVar("T")
 
@@ -255,9 +256,11 @@ class SimulatedCommunicator(Communicator):
                 (self._splits, color), _SharedWorld(len(members), self._shared.timeout)
             )
         self._exchange(None)  # every child exists before anyone uses it
-        return SimulatedCommunicator(
+        sub = SimulatedCommunicator(
             child, new_rank, options=self.options, defer_outputs=self.defer_outputs
         )
+        sub.parent_ranks = [r for _, r in members]
+        return sub
 
 
 class _DeferredWork:
@@ -287,6 +290,7 @@ def run_simulated(
     check_consistency: bool | str = True,
     timeout: float = 60.0,
     defer_outputs: bool = False,
+    ranks_per_node: int | None = None,
 ) -> list[T]:
     """Run ``body(comm)`` on ``world_size`` simulated ranks; return each rank's result.
 
@@ -295,9 +299,16 @@ def run_simulated(
     traceback) is raised. The original exception of the first failing rank is its cause.
     With ``defer_outputs`` the results of asynchronous collectives land only when waited on,
     after a random pause, so a missing ``wait()`` shows up as wrong numbers.
+    ``ranks_per_node`` gives the world that topology (rank r on node r // ranks_per_node);
+    None: every rank on one node.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    topology = (
+        Topology.single_node(world_size)
+        if ranks_per_node is None
+        else Topology.uniform(world_size, ranks_per_node)
+    )
     options = CommOptions(deterministic, check_consistency, timeout)
     shared = _SharedWorld(world_size, timeout)
     intra_op_threads = torch.get_num_threads()
@@ -312,6 +323,7 @@ def run_simulated(
         # count, hence other bits, than the same matmuls later or in the caller.
         torch.set_num_threads(intra_op_threads)
         comm = SimulatedCommunicator(shared, rank, options=options, defer_outputs=defer_outputs)
+        comm.set_topology(topology)
         try:
             results[rank] = body(comm)
         except BaseException as exc:

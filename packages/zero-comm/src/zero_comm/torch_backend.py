@@ -248,6 +248,7 @@ class TorchCommunicator(Communicator):
         child = TorchCommunicator(
             group, backend=self.backend, device=self.device, options=self.options
         )
+        child.parent_ranks = [parent for _, parent, _, _ in chosen]
         if self.peers is not None:
             child.peers = [peer for _, _, _, peer in chosen]
         child._calls_store = self._calls_store

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
+from collections.abc import Mapping
 
 import torch
 
 from . import host_watch
 from .comm_options import DEFAULT_TIMEOUT_S, CommOptions
 from .communicator import Communicator
-from .errors import BackendUnavailableError
-from .launcher_env import LaunchEnv, detect_launch_env
+from .errors import BackendUnavailableError, LaunchEnvError
+from .launcher_env import LaunchEnv, detect_launch_env, node_key_from_env
+from .topology import NodeEvidence, Topology, topology_from_evidence
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ def init(
     deterministic: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
     check_consistency: bool | str = "digest",
+    ranks_per_node: int | None = None,
 ) -> Communicator:
     """The world communicator of this process, as its launcher set it up.
 
@@ -72,9 +76,17 @@ def init(
             hanging or giving a wrong answer. True / "every": one small all-gather per
             collective. "digest": only calls not agreed on before in the same place, out of
             band (after a training loop's first step, nearly free). False / "off".
+        ranks_per_node: the ranks on each node, node-major (rank r on node
+            r // ranks_per_node); None: detect them (:func:`detect_topology`). The result
+            is ``comm.topology``.
     """
     options = CommOptions(deterministic, check_consistency, timeout)  # checks them
     env = detect_launch_env()
+    if ranks_per_node is not None:
+        try:
+            Topology.uniform(env.world_size, ranks_per_node)  # checked before any rendezvous
+        except ValueError as exc:
+            raise ValueError(f"[rank {env.rank}] zero_comm.init: {exc}") from None
     chosen = resolve_backend(backend, env)
     log.debug("zero_comm.init: %s, backend %s (asked %s)", env, chosen, backend)
     # An MPI launcher kills the survivors of a dead rank before they can name it: a
@@ -94,7 +106,52 @@ def init(
     comm = _create(chosen, env, options)
     if watched:
         host_watch.connect(env.launcher, env.rank)
+    comm.set_topology(detect_topology(comm, ranks_per_node=ranks_per_node))
+    log.debug("zero_comm.init: %s", comm.topology)
     return comm
+
+
+def detect_topology(
+    comm: Communicator,
+    *,
+    ranks_per_node: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Topology:
+    """Collective unless ``ranks_per_node`` is given: which ranks of ``comm`` share a node.
+
+    In order, the first that applies: ``ranks_per_node``; ZERO_RANKS_PER_NODE; the
+    launcher's variables (torchrun, Open MPI, MPICH / Intel MPI, SLURM); under the mpi
+    backend, a shared-memory split; the host name. Every rank's answer is all-gathered
+    and the choice is made alike on every rank (zero_comm.topology). ``comm`` is a world
+    communicator: the launcher's variables describe the world's ranks (a subgroup inherits
+    its topology at ``split`` instead). ``environ`` stands for ``os.environ`` (tests).
+    """
+    if ranks_per_node is not None:
+        try:
+            return Topology.uniform(comm.world_size, ranks_per_node)
+        except ValueError as exc:
+            raise ValueError(f"[rank {comm.rank}] ranks_per_node: {exc}") from None
+    env = os.environ if environ is None else environ
+    shared_memory = None
+    if comm.backend == "mpi" and comm.world_size > 1:
+        from .mpi_backend import MPICommunicator
+
+        if isinstance(comm, MPICommunicator):
+            shared_memory = comm.shared_memory_node_key()
+    try:
+        launcher = node_key_from_env(env)
+    except LaunchEnvError as exc:
+        # Not raised here alone: the other ranks would wait in the gather below for ever.
+        log.warning("zero_comm: [rank %d] %s; finding the nodes another way", comm.rank, exc)
+        launcher = None
+    mine = NodeEvidence(
+        env.get("ZERO_RANKS_PER_NODE") or None, launcher, shared_memory, socket.gethostname()
+    )
+    everyone = [mine] if comm.world_size == 1 else comm.all_gather_object(mine)
+    try:
+        return topology_from_evidence(everyone)
+    except ValueError as exc:
+        raise ValueError(f"[rank {comm.rank}] {exc}") from None
 
 
 def _create(chosen: str, env: LaunchEnv, options: CommOptions) -> Communicator:

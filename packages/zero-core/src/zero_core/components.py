@@ -17,12 +17,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zero_comm import Communicator
+from zero_comm import BlockQuantizer, Communicator
 from zero_comm.hierarchy import HybridGroups
 
 from .allreduced_gradients import AllReducedGradients
 from .config import ZeroConfig
 from .fetch_units import plan_units
+from .grad_reducer import ScatterReduction
 from .group_layout import GroupLayout
 from .init_values import InitValues
 from .initial_state import take_initial_state
@@ -60,6 +61,8 @@ def build_components(
     init_values: InitValues | None,
     hybrid: HybridGroups | None = None,
     secondary: Communicator | None = None,
+    reduction: ScatterReduction | None = None,
+    weight_codec: BlockQuantizer | None = None,
 ) -> Components:
     """Collective: lay the groups out, then build the components ``policy`` chooses,
     filled with rank 0's initial values one parameter at a time.
@@ -67,7 +70,9 @@ def build_components(
     ``comm`` is the data-parallel world. With ``hybrid`` the states are laid out over its
     shard group (``hybrid.shard``, whose ranks hold the slices) and gradients are reduced
     by it across the replicas too; rank 0 of the world still gives the initial values.
-    ``secondary``: stage 3's hpZ group (hybrid_sharding.secondary_group), or None."""
+    ``secondary``: stage 3's hpZ group (hybrid_sharding.secondary_group), or None.
+    ``reduction``: what reduces gradient buckets when not ``comm`` itself (``hybrid``, or
+    qgZ's zeropp.QuantizedGradientReduction); ``weight_codec``: qwZ's, or None."""
     world = comm
     comm = comm if hybrid is None else hybrid.shard
     plan = None
@@ -92,7 +97,9 @@ def build_components(
     parameters: ReplicatedParameters | ShardedParameters
     if plan is not None:
         store = build_parameter_shards(layouts, slots, shard_rank, config, comm, dtype, folder)
-        parameters = ShardedParameters(slots, layouts, plan, dtype, comm, config, store, secondary)
+        parameters = ShardedParameters(
+            slots, layouts, plan, dtype, comm, config, store, secondary, weight_codec
+        )
     else:
         parameters = ReplicatedParameters(slots, layouts, dtype, comm, config)
     masters: MasterWeights | OffloadedMasters
@@ -123,7 +130,7 @@ def build_components(
             config,
             full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,
             reduce_order=parameters.reduce_order(),
-            reduction=hybrid,
+            reduction=reduction if reduction is not None else hybrid,
         )
         gradients.gradient_listeners.append(parameters.gradient_arrived)
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)

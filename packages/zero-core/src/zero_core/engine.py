@@ -70,6 +70,7 @@ from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
 from .sharded_state import ShardedGroupState, ShardedState
 from .stage_policy import ParameterPlacement, StagePolicy
+from .zeropp import gradient_quantization, weight_quantizer
 
 
 class Engine:
@@ -120,9 +121,11 @@ class Engine:
         self.shard_comm = comm if self.hybrid is None else self.hybrid.shard
         # hpZ: stage 3's backward gathers stay inside this group (one node).
         self.secondary = secondary_group(comm, config, self.hybrid)
+        # ZeRO++'s qgZ reduces the gradients, qwZ codes the parameter gathers.
+        quantized_gradients = gradient_quantization(comm, config, self.hybrid)
         built = build_components(
             module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid,
-            self.secondary,
+            self.secondary, quantized_gradients, weight_quantizer(config),
         )  # fmt: skip
         # Declared here, with their layouts; see each module's docstring.
         self.layouts = built.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks

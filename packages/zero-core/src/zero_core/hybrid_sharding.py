@@ -40,15 +40,7 @@ def hybrid_groups(comm: Communicator, config: ZeroConfig) -> HybridGroups | None
 def _refuse_unbuilt(config: ZeroConfig) -> None:
     """Settings accepted by the config whose components are not built yet fail here, by
     name, instead of training without them."""
-    unbuilt = [
-        name
-        for name, on in (
-            ("hierarchical_gather", config.hierarchical_gather),
-            ("quantize_weights", config.quantize_weights),
-            ("quantize_gradients", config.quantize_gradients is not None),
-        )
-        if on
-    ]
+    unbuilt = [name for name, on in (("hierarchical_gather", config.hierarchical_gather),) if on]
     if unbuilt:
         raise NotImplementedError(
             f"{', '.join(unbuilt)}: not built in this version of zero_core yet; turn "

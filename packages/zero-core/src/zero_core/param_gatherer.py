@@ -54,7 +54,13 @@ from typing import Protocol
 
 import torch
 
-from zero_comm import Communicator, Handle
+from zero_comm import (
+    BlockQuantizer,
+    Communicator,
+    Handle,
+    QuantizedGatherHandle,
+    quantized_all_gather,
+)
 
 from .param_table import ParamSlot
 
@@ -95,7 +101,7 @@ class GatherUnit:
     state: UnitState = UnitState.RELEASED
     users: int = 0  # modules running now that need the unit
     grads_seen: int = 0  # gradients of its slots in this backward
-    handles: list[Handle] = field(default_factory=list)  # while GATHERING
+    handles: list[Handle | QuantizedGatherHandle] = field(default_factory=list)  # GATHERING
     secondary_parts: list[torch.Tensor] = field(default_factory=list)  # hpZ, forward to backward
     from_secondary: bool = False  # the gather in flight reads secondary_parts
     inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING
@@ -140,10 +146,16 @@ class ParameterGatherer:
         prefetch_numel: int,
         max_live_numel: int,
         secondary: Communicator | None = None,
+        weight_codec: BlockQuantizer | None = None,
+        allow_fallback: bool = False,
     ) -> None:
-        """``secondary``: hpZ's group (see the module docstring), or None."""
+        """``secondary``: hpZ's group (see the module docstring), or None;
+        ``weight_codec``: qwZ, the gathers of non-persistent units move int8 blocks
+        (zero_comm.quantized_all_gather), or None."""
         self.comm = comm
         self.secondary = secondary
+        self.weight_codec = weight_codec
+        self.allow_fallback = allow_fallback
         self.units = units
         self.source = source
         self.prefetch_numel = prefetch_numel
@@ -312,8 +324,19 @@ class ParameterGatherer:
             return
         unit.from_secondary = False
         unit.inputs = [self.source.take(g, k) for g, k in unit.shards]
+        codec = None if unit.persistent else self.weight_codec
         unit.handles = [
             self.comm.all_gather(full, shard, async_op=True, label=unit.label)
+            if codec is None
+            else quantized_all_gather(
+                self.comm,
+                full,
+                shard,
+                codec,
+                async_op=True,
+                label=unit.label,
+                allow_fallback=self.allow_fallback,
+            )
             for full, shard in zip(unit.fulls, unit.inputs, strict=True)
         ]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero_comm import Communicator
+from zero_comm import BlockQuantizer, Communicator
 
 from .config import ZeroConfig
 from .fetch_units import UnitPlan
@@ -43,9 +43,12 @@ class ShardedParameters:
         config: ZeroConfig,
         store: ParameterShards,
         secondary: Communicator | None = None,
+        weight_codec: BlockQuantizer | None = None,
     ) -> None:
-        """``secondary``: hpZ's group for backward gathers (param_gatherer), or None."""
+        """``secondary``: hpZ's group for backward gathers (param_gatherer), or None;
+        ``weight_codec``: qwZ's quantizer for the gathers, or None (exact)."""
         self.secondary = secondary
+        self.weight_codec = weight_codec
         self.slots = slots
         self.layouts = layouts
         self.plan = plan
@@ -90,6 +93,8 @@ class ShardedParameters:
             prefetch_numel=self.config.prefetch_numel,
             max_live_numel=self.config.max_live_numel,
             secondary=self.secondary,
+            weight_codec=self.weight_codec,
+            allow_fallback=self.config.allow_quantize_fallback,
         )
         if self.plan.persistent is not None:
             unit = units[self.plan.persistent]

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from fractions import Fraction
 from pathlib import Path
 from types import FrameType
 from typing import NoReturn, TextIO
@@ -88,6 +89,9 @@ def clear_earlier_results(out: Path) -> None:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+RANK_STATS = 4  # resident MiB, step seconds, intra-node bytes, inter-node bytes
 
 
 class Trainer:
@@ -222,10 +226,13 @@ class Trainer:
             self.engine.comm.stats.reset()  # the last step's traffic is what gets reported
         own = own_schedule(self.args)
         step_lr = learning_rate(step, self.args) if own else current_lr(self.engine)
+        links_before = self.engine.comm.family_link_bytes()
         own_loss, grad_norm = self.optimizer_step(step)
+        links_after = self.engine.comm.family_link_bytes()
+        links = [b - a for a, b in zip(links_before, links_after, strict=True)]
         self.phase = f"the end of step {step + 1}"
         loss, stopping = self.agree(own_loss)
-        per_rank = self.gather_rank_stats(time.perf_counter() - step_start)
+        per_rank = self.gather_rank_stats(time.perf_counter() - step_start, links)
         if stopping or self.save_due(step):
             self.phase = f"the save after step {step + 1}"
             self.save(step)
@@ -274,12 +281,13 @@ class Trainer:
         self.run.metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
         return float(mean[0].item()), bool(mean[1] > 0)
 
-    def gather_rank_stats(self, step_s: float) -> torch.Tensor:
-        """Collective: every rank's (resident MiB, ``step_s``), rank by rank as one flat
-        float64 tensor, for the metrics (tools/soak.py reads them)."""
-        mine = torch.tensor([resident_mib(), step_s], dtype=torch.float64)
+    def gather_rank_stats(self, step_s: float, links: list[Fraction]) -> torch.Tensor:
+        """Collective: every rank's (resident MiB, ``step_s``, intra-node and inter-node
+        bytes its engine's communicators sent in the step), rank by rank as one flat
+        float64 tensor of RANK_STATS columns, for the metrics (tools/soak.py reads them)."""
+        mine = torch.tensor([resident_mib(), step_s, *map(float, links)], dtype=torch.float64)
         comm = self.run.metrics_comm
-        per_rank = torch.empty(2 * comm.world_size, dtype=torch.float64)
+        per_rank = torch.empty(RANK_STATS * comm.world_size, dtype=torch.float64)
         comm.all_gather(per_rank, mine)
         return per_rank
 
@@ -318,12 +326,15 @@ class Trainer:
         elapsed = time.perf_counter() - self.started
         rate = self.tokens_per_step * (step + 1 - self.first_step) / elapsed
         self.history.append((step, loss))
-        table = per_rank.view(-1, 2)
+        table = per_rank.view(-1, RANK_STATS)
         record = {"step": step, "loss": loss, "lr": lr,
                   "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                   "step_s": round(float(table[:, 1].max()), 5),
                   "rss_mib": [round(float(v), 2) for v in table[:, 0]],
-                  "grad_norm": grad_norm}  # fmt: skip
+                  "grad_norm": grad_norm,
+                  # every rank's sends, by link class (zero_comm.stats' ring convention)
+                  "intra_node_bytes": int(table[:, 2].sum()),
+                  "inter_node_bytes": int(table[:, 3].sum())}  # fmt: skip
         self.metrics.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.write(record)

@@ -1,0 +1,226 @@
+"""Symmetric block quantization to int8 or int4, and its wire format (ZeRO++'s codec).
+
+A flat tensor is cut into blocks of ``block_numel`` elements (the last one may be short).
+Each block gets one float32 scale, and each element an integer code:
+
+    scale = absmax(block) / qmax                qmax = 127 (int8), 7 (int4)
+    code  = clamp(round(x / scale), -qmax, qmax)     round half to even (torch.round)
+    x~    = code * scale                             (decoded; 0 where scale == 0)
+
+Scale and quotient are computed in float32 whatever the input's dtype (float32, bfloat16,
+float16), elementwise and with no reduction across blocks, so encoding is deterministic:
+the same input gives the same bytes on every run, device kind and backend.
+
+Error bound. ``|x - x~| <= scale / 2`` in exact arithmetic; computed in float32 it is
+
+    |x - x~| <= scale / 2 + (2 qmax + 1) * 2^-24 * scale      (float32 output)
+
+(the quotient is rounded once before ``round``, and ``code * scale`` once after), plus half
+an ulp of the output dtype where the decoded values are cast to bfloat16 or float16. The
+bound is relative to the block's scale only while it is a normal float32, that is for
+blocks with absmax above ``qmax * 2^-126`` (about 1.5e-36); below, the scale loses bits.
+A block holding a NaN or an infinity has a non-finite scale and decodes to non-finite
+values throughout, so an overflow is never hidden by the codec (a loss scaler still sees
+it). An all-zero block has scale 0 and decodes to zeros.
+
+Wire format. One encoded *part* of ``n`` elements is one contiguous uint8 buffer, the
+payload then the scales, so that a single collective moves both::
+
+    n = 10, block_numel = 4, int8:  3 blocks (4 + 4 + 2 elements), 10 + 3*4 = 22 bytes
+
+    byte 0         4         8   10                                   22
+         | c0..c3  | c4..c7  |c8 c9| scale 0  | scale 1  | scale 2  |
+         '------- payload: one int8 code per byte ------'-- 3 x float32 --'
+
+    int4: two codes per byte, element 2i in the low nibble and 2i+1 in the high one,
+          each stored as code + 8 (1..15); an odd n leaves one padding nibble (code 0, stored 8):
+
+         byte k = (code[2k+1] + 8) << 4 | (code[2k] + 8)       payload = ceil(n/2) bytes
+
+Scales are float32 in the machine's byte order (the ranks of one job share it). Several
+parts of equal ``n`` lie end to end, part i at byte ``i * encoded_numel(n)``: that is how
+the collectives of quantized.py send one part per destination rank in one buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QMAX = {8: 127, 4: 7}
+SCALE_BYTES = 4  # one float32 per block
+
+
+class Quantized(NamedTuple):
+    """The codes and scales of ``numel`` elements (one part, see the module docstring)."""
+
+    payload: torch.Tensor  # uint8, BlockQuantizer.payload_bytes(numel)
+    scales: torch.Tensor  # float32, BlockQuantizer.num_blocks(numel)
+    numel: int
+
+
+@dataclass(frozen=True)
+class BlockQuantizer:
+    """Symmetric per-block quantization to ``bits`` (8 or 4) bits; see the module docstring.
+
+    ``block_numel`` is the number of elements sharing one scale (ZeRO++ uses groups of a few
+    thousand); int4 needs it even, so that every block starts on a byte.
+    """
+
+    bits: int
+    block_numel: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in QMAX:
+            raise ValueError(f"BlockQuantizer: bits={self.bits!r}; use 8 (int8) or 4 (int4)")
+        if not isinstance(self.block_numel, int) or self.block_numel < 1:
+            raise ValueError(
+                f"BlockQuantizer: block_numel={self.block_numel!r}; use an int >= 1 "
+                "(a few thousand is usual: 4 bytes of scale per block)"
+            )
+        if self.bits == 4 and self.block_numel % 2:
+            raise ValueError(
+                f"BlockQuantizer: int4 packs two codes per byte, so block_numel must be even "
+                f"for every block to start on a byte; got {self.block_numel}, use "
+                f"{self.block_numel + 1}"
+            )
+
+    @property
+    def qmax(self) -> int:
+        """The largest code: 127 for int8, 7 for int4."""
+        return QMAX[self.bits]
+
+    # ------------------------------------------------------------------ sizes
+    def num_blocks(self, numel: int) -> int:
+        """Blocks (and so scales) of a part of ``numel`` elements; the last may be short."""
+        return -(-numel // self.block_numel)
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of codes for ``numel`` elements: ``numel`` (int8), ``ceil(numel/2)`` (int4)."""
+        return -(-numel * self.bits // 8)
+
+    def encoded_numel(self, numel: int) -> int:
+        """Bytes on the wire for a part of ``numel`` elements: payload plus scales."""
+        return self.payload_bytes(numel) + SCALE_BYTES * self.num_blocks(numel)
+
+    # ------------------------------------------------------- codes and scales
+    def quantize(self, x: torch.Tensor) -> Quantized:
+        """The codes and scales of ``x`` (any shape, flattened; float32, bfloat16, float16)."""
+        self._check_input("quantize", x)
+        payload, scales = self._quantize_rows(x.reshape(1, x.numel()))
+        return Quantized(payload.view(-1), scales.view(-1), x.numel())
+
+    def dequantize(self, q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``q.numel`` decoded values, flat, in ``dtype`` (computed in float32)."""
+        if q.payload.dtype != torch.uint8 or q.scales.dtype != torch.float32:
+            raise TypeError(
+                f"dequantize: payload must be uint8 and scales float32, got {q.payload.dtype} "
+                f"and {q.scales.dtype} (pass what quantize returned)"
+            )
+        self._check_sizes("dequantize", q.payload.numel(), self.payload_bytes(q.numel), "payload")
+        self._check_sizes("dequantize", q.scales.numel(), self.num_blocks(q.numel), "scales")
+        values = self._dequantize_rows(
+            q.payload.view(1, q.payload.numel()), q.scales.view(1, q.scales.numel()), q.numel
+        )
+        return values.to(dtype).reshape(-1)
+
+    # ------------------------------------------------------------- the wire
+    def encode(self, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """``x`` as ``parts`` wire parts, end to end: uint8, ``parts * encoded_numel(n)``
+        bytes, where ``x`` (flattened) is ``parts`` equal chunks of ``n`` elements and part
+        i encodes chunk i (its blocks start at the chunk's start)."""
+        self._check_input("encode", x)
+        if parts < 1 or x.numel() % parts:
+            raise ValueError(
+                f"encode: {x.numel()} elements do not split into parts={parts} equal chunks; "
+                "pad the input to a multiple of parts"
+            )
+        payload, scales = self._quantize_rows(x.reshape(parts, x.numel() // parts))
+        scale_bytes = scales.view(torch.uint8).view(parts, scales.shape[1] * SCALE_BYTES)
+        return torch.cat([payload, scale_bytes], dim=1).view(-1)
+
+    def decode(
+        self,
+        wire: torch.Tensor,
+        numel: int,
+        parts: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The inverse of :meth:`encode`: ``parts`` parts of ``numel`` elements each, as one
+        flat tensor of ``parts * numel`` values in ``dtype`` (computed in float32)."""
+        if wire.dtype != torch.uint8 or wire.dim() != 1:
+            raise TypeError(
+                f"decode: the wire must be a flat uint8 tensor, got {wire.dtype} of shape "
+                f"{tuple(wire.shape)}"
+            )
+        encoded = self.encoded_numel(numel)
+        self._check_sizes("decode", wire.numel(), parts * encoded, f"wire of {parts} parts")
+        if numel == 0:
+            return torch.empty(0, dtype=dtype, device=wire.device)
+        rows = wire.view(parts, encoded)
+        split = self.payload_bytes(numel)
+        # A copy: the scales of part i start at an arbitrary byte, too unaligned to view.
+        scale_bytes = torch.empty(parts, encoded - split, dtype=torch.uint8, device=wire.device)
+        scales = scale_bytes.copy_(rows[:, split:]).view(torch.float32)
+        return self._dequantize_rows(rows[:, :split], scales, numel).to(dtype).reshape(-1)
+
+    # ------------------------------------------------------------ internals
+    def _check_input(self, what: str, x: torch.Tensor) -> None:
+        if x.dtype not in QUANTIZABLE_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in QUANTIZABLE_DTYPES)
+            raise TypeError(f"{what}: cannot quantize {x.dtype}; supported: {names}")
+
+    @staticmethod
+    def _check_sizes(what: str, got: int, expected: int, name: str) -> None:
+        if got != expected:
+            raise ValueError(f"{what}: the {name} holds {got} bytes or values, expected {expected}")
+
+    def _quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (parts, payload_bytes(n)) uint8 and scales (parts, num_blocks(n)) float32
+        of ``rows`` (parts, n): each row is one part."""
+        parts, n = rows.shape
+        blocks_per_row = self.num_blocks(n)
+        padded = blocks_per_row * self.block_numel
+        if padded == n:
+            values = rows.to(torch.float32)  # no copy of a float32 input: it is only read
+        else:
+            values = torch.zeros(parts, padded, dtype=torch.float32, device=rows.device)
+            values[:, :n] = rows  # zeros pad the last block: they change no absmax
+        blocks = values.reshape(parts * blocks_per_row, self.block_numel)
+        scales = blocks.abs().amax(dim=1).div_(self.qmax)  # NaN and inf propagate
+        # An all-zero block: any divisor gives codes 0; 1 avoids 0/0.
+        divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
+        codes = torch.div(blocks, divisor[:, None]).round_().clamp_(-self.qmax, self.qmax)
+        # NaN would be undefined as an integer; its block decodes non-finite by its scale.
+        codes = codes.nan_to_num_(0.0).to(torch.int8).view(parts, padded)
+        if self.bits == 8:
+            payload = codes.view(torch.uint8)
+        else:
+            nibbles = (codes + 8).to(torch.uint8).view(parts, padded // 2, 2)
+            payload = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+        return payload[:, : self.payload_bytes(n)], scales.view(parts, blocks_per_row)
+
+    def _dequantize_rows(self, payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+        """Float32 values (parts, n) of codes ``payload`` (parts, payload_bytes(n)) and
+        ``scales`` (parts, num_blocks(n))."""
+        parts = payload.shape[0]
+        blocks_per_row = self.num_blocks(n)
+        padded = blocks_per_row * self.block_numel
+        if self.bits == 8:
+            stored = payload.view(torch.int8)  # (parts, n)
+        else:
+            low_high = torch.stack([payload & 15, payload >> 4], dim=2)  # (parts, bytes, 2)
+            stored = low_high.view(parts, 2 * payload.shape[1])[:, :n]  # code + 8
+        if padded == n:
+            codes = stored.to(torch.float32).contiguous()
+        else:  # the padding decodes to something, and is cut off below
+            codes = torch.zeros(parts, padded, dtype=torch.float32, device=payload.device)
+            codes[:, :n] = stored
+        if self.bits == 4:
+            codes.sub_(8)
+        blocks = codes.view(parts * blocks_per_row, self.block_numel)
+        blocks.mul_(scales.reshape(parts * blocks_per_row, 1))
+        return codes[:, :n]

@@ -1,0 +1,130 @@
+"""Bytes one training step sends over intra-node and inter-node links, from the formulas.
+
+Every collective an engine issues in one step (stages 1-3, one micro-step, no clipping,
+deterministic communicator), each counted by zero_comm's rule (zero_comm.stats: ring
+successor, all_to_all by destination, a broadcast's ring ending at its root), summed over
+all N ranks. With buckets of b elements (padded, w bytes each; none past bucket_numel, as
+an oversized one is reduced in pieces, each coded on its own), N = R x S ranks, nodes of
+``ranks_per_node`` consecutive ranks:
+
+    gradients   flat:    reduce_scatter(b) over the world
+                hybrid:  all_to_all(b) in each shard group; the fold's hops j -> j+1, a
+                         broadcast of b/S in each pair of replicas; the result, a broadcast
+                         of b/S from replica R-1 over each replica group
+                qgZ:     all_to_all of N coded chunks of b/N in each node, then of M coded
+                         node partials across nodes (zero_comm.quantized)
+                + one int32 all_reduce (the non-finite flag) in each shard group
+    parameters  stages 1-2: all_gather(b) in each shard group after the step
+                stage 3: forward all_gather(b) in each shard group (qwZ: S coded parts);
+                         backward the same, or with hpZ all_gather(b) in each hpZ group
+
+:func:`step_link_bytes` computes it; tests hold engines' measured stats to it exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from zero_comm import BlockQuantizer, CommStats, Topology
+
+from .zeropp import GRADIENT_BLOCK_NUMEL, WEIGHT_BLOCK_NUMEL
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes sent in one step, summed over every rank, by link class."""
+
+    intra_node: Fraction
+    inter_node: Fraction
+    world_size: int
+
+    def per_rank(self) -> tuple[float, float]:
+        """(intra, inter) bytes per rank on average."""
+        return float(self.intra_node / self.world_size), float(self.inter_node / self.world_size)
+
+
+class _Tally:
+    """Counts collectives on groups of world ranks with zero_comm's own stats rule."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.intra = Fraction(0)
+        self.inter = Fraction(0)
+
+    def add(
+        self,
+        groups: Sequence[Sequence[int]],
+        collective: str,
+        numel: int,
+        itemsize: int,
+        root: int | None = None,
+    ) -> None:
+        for members in groups:
+            if len(members) < 2:
+                continue
+            sub = self.topology.restrict(members)
+            for index in range(len(members)):
+                stats = CommStats(len(members), rank=index, topology=sub)
+                stats.record(collective, numel, itemsize, root)
+                self.intra += stats.intra_node_bytes
+                self.inter += stats.inter_node_bytes
+
+
+def step_link_bytes(
+    bucket_numels: Sequence[int],
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    stage: int,
+    dtype_bytes: int,
+    shard_group_size: int | None = None,
+    hpz_partition_size: int = 1,
+    quantize_weights: bool = False,
+    quantize_gradients: str | None = None,
+) -> LinkBytes:
+    """One step's bytes by link class (see the module docstring); ``bucket_numels``:
+    each bucket's padded elements (a multiple of the shard group's size)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage={stage}: link traffic is modelled for stages 1-3")
+    n, s = world_size, shard_group_size or world_size
+    r, p = n // s, hpz_partition_size
+    tally = _Tally(Topology.uniform(n, ranks_per_node))
+    shard = [list(range(g * s, (g + 1) * s)) for g in range(r)]
+    replica = [list(range(j, n, s)) for j in range(s)]
+    pairs = [[j + k * s, j + (k + 1) * s] for j in range(s) for k in range(r - 1)]
+    nodes = [
+        list(range(m * ranks_per_node, (m + 1) * ranks_per_node))
+        for m in range(n // ranks_per_node)
+    ]
+    across = [list(range(local, n, ranks_per_node)) for local in range(ranks_per_node)]
+    hpz = [list(range(a, a + p)) for a in range(0, n, p)]
+    for b in bucket_numels:
+        if quantize_gradients is not None:
+            codec = BlockQuantizer(4 if quantize_gradients == "int4" else 8, GRADIENT_BLOCK_NUMEL)
+            coded = codec.encoded_numel(b // n)
+            tally.add(nodes, "all_to_all", n * coded, 1)
+            tally.add(across, "all_to_all", (n // ranks_per_node) * coded, 1)
+        elif r > 1:
+            tally.add(shard, "all_to_all", b, dtype_bytes)
+            tally.add(pairs, "broadcast", b // s, dtype_bytes, root=0)
+            tally.add(replica, "broadcast", b // s, dtype_bytes, root=r - 1)
+        else:
+            tally.add(shard, "reduce_scatter", b, dtype_bytes)
+        if stage < 3:
+            tally.add(shard, "all_gather", b, dtype_bytes)
+            continue
+        if quantize_weights:
+            weights = BlockQuantizer(8, WEIGHT_BLOCK_NUMEL)
+            tally.add(shard, "all_gather", s * weights.encoded_numel(b // s), 1)
+        else:
+            tally.add(shard, "all_gather", b, dtype_bytes)
+        if p > 1:
+            tally.add(hpz, "all_gather", b, dtype_bytes)
+        elif quantize_weights:
+            tally.add(shard, "all_gather", s * weights.encoded_numel(b // s), 1)
+        else:
+            tally.add(shard, "all_gather", b, dtype_bytes)
+    tally.add(shard, "all_reduce", 1, 4)  # the non-finite flag
+    return LinkBytes(tally.intra, tally.inter, n)
