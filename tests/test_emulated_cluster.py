@@ -155,6 +155,7 @@ def test_torchrun_two_nodes_of_two_ranks(cluster: ec.EmulatedCluster) -> None:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # nox -s cluster runs it; the default run keeps the cluster small
 @pytest.mark.timeout(120)
 def test_mpiexec_two_nodes_of_two_ranks(cluster: ec.EmulatedCluster) -> None:
     try:
@@ -187,6 +188,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # nox -s cluster runs it
 @pytest.mark.timeout(60)
 def test_a_run_that_times_out_is_killed_and_torn_down(
     cluster: ec.EmulatedCluster, tmp_path: Path

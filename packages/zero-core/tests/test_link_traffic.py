@@ -15,7 +15,7 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
-from zero_core.link_traffic import step_link_bytes
+from zero_core.link_traffic import even_buckets, step_link_bytes
 
 CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
                   bucket_numel=60_000, persistence_threshold=0)  # fmt: skip
@@ -23,6 +23,7 @@ CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
 VARIANTS: list[tuple[int, int, int, dict[str, Any]]] = [
     # (ranks, ranks per node, stage, settings)
     (4, 2, 3, {}),
+    (4, 2, 0, {}),
     (4, 2, 1, {}),
     (4, 2, 2, {"shard_group_size": 2}),
     (4, 2, 3, {"shard_group_size": 2}),
@@ -46,6 +47,8 @@ def measured_step(comm: Communicator, stage: int, settings: dict[str, Any]) -> t
         engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
         engine.step()
     buckets = [bucket.layout.padded_numel for layout in engine.layouts for bucket in layout.buckets]
+    if stage == 0:  # all-reduced from whole flat buffers (volume is linear in the pieces)
+        buckets = [flat.numel() for flat in engine.gradients.tensors()]
     intra, inter = comm.family_link_bytes()
     engine.close()
     return intra, inter, buckets
@@ -77,3 +80,39 @@ def test_zeropp_together_moves_under_three_tenths_of_flat_stage_3_across_nodes()
     zeropp = {"hpz_partition_size": 2, "quantize_weights": True, "quantize_gradients": "int4"}
     ratio = inter(zeropp) / inter({})
     assert ratio <= Fraction(3, 10), float(ratio)
+
+
+def test_zero_estimate_reports_bytes_per_link_class(capsys: pytest.CaptureFixture[str]) -> None:
+    """Hybrid sharding's states are those of flat sharding over the group; the link bytes
+    are link_traffic's, per rank; hpZ adds its secondary copy (2 bytes x Psi / P)."""
+    import json
+
+    from zero_core.estimate_cli import main
+
+    def estimate(*extra: str) -> dict[str, Any]:
+        main(["--params", "1e8", "--json", *extra])
+        return json.loads(capsys.readouterr().out)
+
+    hybrid = estimate("--world-size", "16", "--ranks-per-node", "4", "--shard-group", "4")
+    flat_over_group = estimate("--world-size", "4")
+    for stage in "123":
+        assert hybrid[stage]["device"] == flat_over_group[stage]["device"]
+    expected = step_link_bytes(
+        even_buckets(1e8, 2**22, 4), world_size=16, ranks_per_node=4, stage=3, dtype_bytes=2,
+        shard_group_size=4,
+    )  # fmt: skip
+    assert (hybrid["3"]["intra_node_bytes"], hybrid["3"]["inter_node_bytes"]) == pytest.approx(
+        expected.per_rank()
+    )
+    hpz = estimate("--world-size", "16", "--ranks-per-node", "4", "--hpz", "4")
+    plain = estimate("--world-size", "16")
+    assert hpz["3"]["device"] - plain["3"]["device"] == pytest.approx(2 * 1e8 / 4)
+    assert hpz["3"]["inter_node_bytes"] < plain_link(16, 4)["inter_node_bytes"]
+
+
+def plain_link(n: int, per_node: int) -> dict[str, float]:
+    flat = step_link_bytes(
+        even_buckets(1e8, 2**22, n), world_size=n, ranks_per_node=per_node, stage=3, dtype_bytes=2
+    )
+    intra, inter = flat.per_rank()
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter}

@@ -6,6 +6,11 @@ zero-estimate --params 7.5e9 --world-size 64
 zero-estimate --params 7.5e9 --world-size 64 --offload-optimizer disk --offload-params cpu
 zero-estimate --params 124e6 --world-size 4 --dtype fp32 --layers 12 --width 768 --heads 12 \
     --vocab-size 50257 --tokens 1024 --checkpoint partitioned --tp 2
+zero-estimate --params 7.5e9 --world-size 64 --ranks-per-node 8 --hpz 8 --quantize-weights \
+    --quantize-gradients int4
+
+With --ranks-per-node, every stage's row also gives the bytes one step sends per rank over
+intra-node and inter-node links (zero_core.link_traffic; zero_comm's ring convention).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
 from .config import DEFAULT_PREFETCH_NUMEL
+from .link_traffic import even_buckets, step_link_bytes
 from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
@@ -90,10 +96,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="stage 3: elements gathered ahead; disk-tier parameters are read as many more "
         "ahead, into host buffers (default 2**22)",
     )  # fmt: skip
+    links = parser.add_argument_group("communication per link class (issue 16)")
+    links.add_argument(
+        "--ranks-per-node", type=int,
+        help="ranks per node (consecutive): report each step's intra-/inter-node bytes",
+    )  # fmt: skip
+    links.add_argument(
+        "--shard-group", type=int, help="stages 1-3: hybrid sharding over groups of this size"
+    )
+    links.add_argument("--hpz", type=int, default=1, help="stage 3: hpZ group size (1: off)")
+    links.add_argument(
+        "--quantize-weights", action="store_true", help="stage 3: qwZ int8 parameter gathers"
+    )
+    links.add_argument(
+        "--quantize-gradients", choices=("int4", "int8"), help="stages 2-3: qgZ gradients"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.params < 0 or args.world_size < 1:
         parser.error("--params must be >= 0 and --world-size >= 1")
+    if args.ranks_per_node is None and (
+        args.shard_group or args.hpz > 1 or args.quantize_weights or args.quantize_gradients
+    ):
+        args.ranks_per_node = args.world_size  # one node unless told
     if not 0 <= args.offload_fraction <= 1:
         parser.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
     if min(args.offload_sub_group_numel, args.offload_buffer_count, args.bucket_numel) < 1:
@@ -118,7 +143,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"-K {k:g} has no room for the 4-byte float32 master of {args.dtype}")
     # The largest parameter of a transformer is its (vocab-parallel) embedding.
     largest = args.vocab_size * args.width / args.tp if activations is not None else 0
+    if args.ranks_per_node is not None:
+        problem = _link_options_error(args)
+        if problem:
+            parser.error(problem)
     rows = {stage: _row(args, stage, k, width, largest) for stage in STAGES}
+    if args.ranks_per_node is not None:
+        for stage, row in rows.items():
+            row.update(_link_row(args, stage, width))
     if args.json:
         table = {str(s): row for s, row in rows.items()}
         if activations is not None:
@@ -139,15 +171,18 @@ def _row(
     disk are None (n/a)."""
     optimizer = args.offload_optimizer if stage >= 1 else "none"
     params = args.offload_params if stage == 3 else "none"
+    # Hybrid sharding partitions over the shard group; hpZ adds its secondary copy.
+    shards = args.shard_group if stage >= 1 and args.shard_group else args.world_size
+    secondary = width * args.params / args.hpz if stage == 3 and args.hpz > 1 else 0.0
     tiered = tiered_state_bytes(
-        args.params, args.world_size, stage, optimizer_state_bytes=k, param_bytes=width,
+        args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
         grad_bytes=width, offload_optimizer=optimizer, offload_params=params,
         offload_fraction=args.offload_fraction, sub_group_numel=args.offload_sub_group_numel,
         buffer_count=args.offload_buffer_count, bucket_numel=args.bucket_numel,
         largest_param_numel=largest, prefetch_numel=args.prefetch_numel,
     )  # fmt: skip
     plain = model_state_bytes(
-        args.params, args.world_size, stage, optimizer_state_bytes=k, param_bytes=width,
+        args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
         grad_bytes=width,
     )  # fmt: skip
     parameters = plain.parameters  # in whichever tier
@@ -159,8 +194,9 @@ def _row(
         "parameters": parameters,
         "gradients": plain.gradients,
         "optimizer_states": optimizer_states,
-        "total": tiered.model_states,
-        "device": tiered.device,
+        "total": tiered.model_states + secondary,
+        "device": tiered.device + secondary,
+        "hpz_secondary": secondary,
         "host": None if na else tiered.host_resident,
         "disk": None if na else tiered.disk,
         "staging": None if na else tiered.staging,
@@ -168,6 +204,35 @@ def _row(
         "offload_optimizer": optimizer,
         "offload_params": params,
     }
+
+
+def _link_options_error(args: argparse.Namespace) -> str:
+    """What is wrong with the link options ("" if nothing)."""
+    n, per_node = args.world_size, args.ranks_per_node
+    if per_node < 1 or n % per_node:
+        return f"--ranks-per-node {per_node} must divide --world-size {n}"
+    group = args.shard_group or n
+    if group < 1 or n % group:
+        return f"--shard-group {group} must divide --world-size {n}"
+    if args.hpz < 1 or group % args.hpz:
+        return f"--hpz {args.hpz} must divide the {group} ranks the parameters are sharded over"
+    return ""
+
+
+def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any]:
+    """Per rank and step, the bytes sent within and across nodes at ``stage``, with the
+    options that apply to it (hybrid sharding 1-3, qgZ 2-3, hpZ and qwZ 3)."""
+    group = args.shard_group if stage >= 1 else None
+    buckets = even_buckets(args.params, args.bucket_numel, group or args.world_size)
+    traffic = step_link_bytes(
+        buckets, world_size=args.world_size, ranks_per_node=args.ranks_per_node, stage=stage,
+        dtype_bytes=width, shard_group_size=group,
+        hpz_partition_size=args.hpz if stage == 3 else 1,
+        quantize_weights=args.quantize_weights and stage == 3,
+        quantize_gradients=args.quantize_gradients if stage >= 2 and not group else None,
+    )  # fmt: skip
+    intra, inter = traffic.per_rank()
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter}
 
 
 def _gb(value: float | None, digits: int) -> str:
@@ -202,6 +267,11 @@ def _print_table(
             line += (
                 f"  + activations {extra / 1e9:.3f} GB = {(row['device'] + extra) / 1e9:.3f} GB "
                 "on the device"
+            )
+        if "inter_node_bytes" in row:
+            line += (
+                f"  | per step: {row['intra_node_bytes'] / 1e9:.3f} GB intra-node, "
+                f"{row['inter_node_bytes'] / 1e9:.3f} GB inter-node"
             )
         print(line)
     if activations is not None:

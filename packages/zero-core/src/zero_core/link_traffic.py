@@ -1,12 +1,13 @@
 """Bytes one training step sends over intra-node and inter-node links, from the formulas.
 
-Every collective an engine issues in one step (stages 1-3, one micro-step, no clipping,
+Every collective an engine issues in one step (one micro-step, no clipping,
 deterministic communicator), each counted by zero_comm's rule (zero_comm.stats: ring
 successor, all_to_all by destination, a broadcast's ring ending at its root), summed over
 all N ranks. With buckets of b elements (padded, w bytes each; none past bucket_numel, as
 an oversized one is reduced in pieces, each coded on its own), N = R x S ranks, nodes of
 ``ranks_per_node`` consecutive ranks:
 
+    stage 0     all_reduce(b) over the world (b: the flat gradient, in any pieces)
     gradients   flat:    reduce_scatter(b) over the world
                 hybrid:  all_to_all(b) in each shard group; the fold's hops j -> j+1, a
                          broadcast of b/S in each pair of replicas; the result, a broadcast
@@ -23,6 +24,7 @@ an oversized one is reduced in pieces, each coded on its own), N = R x S ranks, 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -53,6 +55,8 @@ class _Tally:
         self.intra = Fraction(0)
         self.inter = Fraction(0)
 
+        self.times = 1  # how many equal buckets the next additions stand for
+
     def add(
         self,
         groups: Sequence[Sequence[int]],
@@ -68,8 +72,8 @@ class _Tally:
             for index in range(len(members)):
                 stats = CommStats(len(members), rank=index, topology=sub)
                 stats.record(collective, numel, itemsize, root)
-                self.intra += stats.intra_node_bytes
-                self.inter += stats.inter_node_bytes
+                self.intra += stats.intra_node_bytes * self.times
+                self.inter += stats.inter_node_bytes * self.times
 
 
 def step_link_bytes(
@@ -86,8 +90,8 @@ def step_link_bytes(
 ) -> LinkBytes:
     """One step's bytes by link class (see the module docstring); ``bucket_numels``:
     each bucket's padded elements (a multiple of the shard group's size)."""
-    if stage not in (1, 2, 3):
-        raise ValueError(f"stage={stage}: link traffic is modelled for stages 1-3")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}: ZeRO stages are 0-3")
     n, s = world_size, shard_group_size or world_size
     r, p = n // s, hpz_partition_size
     tally = _Tally(Topology.uniform(n, ranks_per_node))
@@ -100,7 +104,11 @@ def step_link_bytes(
     ]
     across = [list(range(local, n, ranks_per_node)) for local in range(ranks_per_node)]
     hpz = [list(range(a, a + p)) for a in range(0, n, p)]
-    for b in bucket_numels:
+    for b, times in sorted(Counter(bucket_numels).items()):  # equal buckets count alike
+        tally.times = times
+        if stage == 0:  # replicas reduce alike: no flag to agree on
+            tally.add(shard, "all_reduce", b, dtype_bytes)
+            continue
         if quantize_gradients is not None:
             codec = BlockQuantizer(4 if quantize_gradients == "int4" else 8, GRADIENT_BLOCK_NUMEL)
             coded = codec.encoded_numel(b // n)
@@ -126,5 +134,15 @@ def step_link_bytes(
             tally.add(shard, "all_gather", s * weights.encoded_numel(b // s), 1)
         else:
             tally.add(shard, "all_gather", b, dtype_bytes)
-    tally.add(shard, "all_reduce", 1, 4)  # the non-finite flag
+    tally.times = 1
+    if stage > 0:
+        tally.add(shard, "all_reduce", 1, 4)  # the non-finite flag
     return LinkBytes(tally.intra, tally.inter, n)
+
+
+def even_buckets(numel: int, bucket_numel: int, shard_size: int) -> list[int]:
+    """An estimate's buckets: ``numel`` elements in buckets of ``bucket_numel`` (the last
+    shorter), each padded to a multiple of ``shard_size``."""
+    full, rest = divmod(int(numel), bucket_numel)
+    sizes = [bucket_numel] * full + ([rest] if rest else [])
+    return [-(-b // shard_size) * shard_size for b in sizes]
