@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_comm import Communicator, run_simulated
-from zero_comm.hierarchy import HybridGroups
+from zero_comm.hierarchy import HybridGroups, hierarchical_all_gather
 
 
 def spread_values(rank: int, numel: int, seed: int) -> torch.Tensor:
@@ -69,3 +69,25 @@ def test_a_size_that_does_not_divide_is_named() -> None:
             HybridGroups(comm, 4)
 
     run_simulated(6, body)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.sampled_from([(2, 2), (2, 3), (3, 2), (4, 2), (2, 4), (1, 4), (4, 1)]),
+    part=st.integers(0, 9),
+)
+def test_the_hierarchical_gather_equals_the_flat_one(shape: tuple[int, int], part: int) -> None:
+    """k nodes x P ranks: across nodes, then inside, then reordered: the flat result."""
+    nodes, per_node = shape
+
+    def body(comm: Communicator) -> bool:
+        mine = spread_values(comm.rank, part, 3)
+        flat, hierarchical = (
+            torch.empty(part * comm.world_size),
+            torch.empty(part * comm.world_size),
+        )
+        comm.all_gather(flat, mine)
+        hierarchical_all_gather(comm, hierarchical, mine).wait()
+        return torch.equal(flat, hierarchical)
+
+    assert all(run_simulated(nodes * per_node, body, ranks_per_node=per_node))

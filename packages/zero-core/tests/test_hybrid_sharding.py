@@ -188,3 +188,18 @@ def test_hpz_backward_gathers_stay_in_its_group() -> None:
     (world_flat, none), *_ = run_simulated(4, lambda comm: gathered(comm, 1))
     assert none == 0 and pair > 0
     assert world_hpz == pair and world_flat == 2 * pair
+
+
+@settings(max_examples=6, deadline=None)
+@given(case=parity_cases(), shape=st.sampled_from([(4, 2, None), (8, 2, 4), (6, 3, None)]))
+def test_the_hierarchical_gather_equals_stage_0_bit_for_bit(
+    case: ParityCase, shape: tuple[int, int, int | None]
+) -> None:
+    """(ranks, ranks per node, shard group): stage 3's gathers across nodes, then inside."""
+    n, per_node, shard = shape
+    extra = {"shard_group_size": shard, "hierarchical_gather": True}
+
+    def body(comm: Communicator) -> None:
+        assert_same_states(train(case, comm, 0), train(case, comm, 3, settings=extra), str(shape))
+
+    run_simulated(n, body, ranks_per_node=per_node)

@@ -155,3 +155,46 @@ class HybridGroups:
         ]
         for handle in results:
             handle.wait()
+
+
+def hierarchical_all_gather(
+    group: Communicator, output: torch.Tensor, input: torch.Tensor, *, label: str = ""
+) -> Handle:
+    """``group.all_gather(output, input)`` in two hops (MiCS's hierarchical gather):
+    across nodes first, among the ranks with this local index, then inside each node.
+
+        group of k nodes x P ranks, part (m, l) = input of the rank l of node m
+        hop 1 (inter-node): rank (m, l) gets (0, l) (1, l) ... (k-1, l)
+        hop 2 (intra-node): rank gets those k parts of every l, ordered (l, m)
+        reorder to (m, l): output = the group's rank order, as one all_gather
+
+    Nothing is reduced, so the bits equal the flat all_gather's. Needs equal ranks per
+    node in ``group`` (nodes of consecutive ranks); falls back to the flat gather when
+    ``group`` is inside one node. Hop 1 is launched now, hop 2 runs in ``wait()``.
+    """
+    topology = group.topology
+    if topology.num_nodes == 1 or group.world_size == topology.num_nodes:
+        return group.all_gather(output, input, async_op=True, label=label)
+    per_node = topology.ranks_per_node
+    if per_node is None:
+        raise ValueError(
+            group._err(
+                f"hierarchical all_gather: the group's nodes hold unequal numbers of ranks "
+                f"({topology}); use the flat all_gather"
+            )
+        )
+    nodes, part = topology.num_nodes, input.numel()
+    inter, intra = group.inter_node(), group.intra_node()  # made on the first call
+    across = group.buffers.take(nodes * part, input.dtype)
+    first = inter.all_gather(across, input, async_op=True, label=f"{label} across")
+
+    def inside() -> None:
+        first.wait()
+        gathered = group.buffers.take(per_node * nodes * part, input.dtype)
+        intra.all_gather(gathered, across, label=f"{label} inside")
+        reordered = gathered.view(per_node, nodes, part).transpose(0, 1)
+        output.view(nodes, per_node, part).copy_(reordered)
+        group.buffers.give_back(gathered)
+        group.buffers.give_back(across)
+
+    return Handle(group, "all_gather", CompletedWork(), inside)

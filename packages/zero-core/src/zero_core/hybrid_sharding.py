@@ -24,7 +24,7 @@ from .config import ZeroConfig
 def hybrid_groups(comm: Communicator, config: ZeroConfig) -> HybridGroups | None:
     """Collective: the shard and replica groups ``config.shard_group_size`` asks for, or
     None when the states are sharded over every rank (no size, or the world's size)."""
-    _refuse_unbuilt(config)
+    _refuse_combinations(config)
     size = config.shard_group_size
     if size is None or size == comm.world_size:
         return None
@@ -37,14 +37,12 @@ def hybrid_groups(comm: Communicator, config: ZeroConfig) -> HybridGroups | None
     return HybridGroups(comm, size)
 
 
-def _refuse_unbuilt(config: ZeroConfig) -> None:
-    """Settings accepted by the config whose components are not built yet fail here, by
-    name, instead of training without them."""
-    unbuilt = [name for name, on in (("hierarchical_gather", config.hierarchical_gather),) if on]
-    if unbuilt:
-        raise NotImplementedError(
-            f"{', '.join(unbuilt)}: not built in this version of zero_core yet; turn "
-            f"{'it' if len(unbuilt) == 1 else 'them'} off"
+def _refuse_combinations(config: ZeroConfig) -> None:
+    """Combinations not built: they fail here, by name, instead of training without one."""
+    if config.hierarchical_gather and config.quantize_weights:
+        raise ValueError(
+            "hierarchical_gather with quantize_weights: qwZ's gathers are not hierarchical; "
+            "turn one of them off"
         )
 
 

@@ -61,6 +61,7 @@ from zero_comm import (
     QuantizedGatherHandle,
     quantized_all_gather,
 )
+from zero_comm.hierarchy import hierarchical_all_gather
 
 from .param_table import ParamSlot
 
@@ -148,10 +149,13 @@ class ParameterGatherer:
         secondary: Communicator | None = None,
         weight_codec: BlockQuantizer | None = None,
         allow_fallback: bool = False,
+        hierarchical: bool = False,
     ) -> None:
         """``secondary``: hpZ's group (see the module docstring), or None;
         ``weight_codec``: qwZ, the gathers of non-persistent units move int8 blocks
-        (zero_comm.quantized_all_gather), or None."""
+        (zero_comm.quantized_all_gather), or None; ``hierarchical``: gather across nodes
+        first, then inside them (zero_comm.hierarchy.hierarchical_all_gather)."""
+        self.hierarchical = hierarchical
         self.comm = comm
         self.secondary = secondary
         self.weight_codec = weight_codec
@@ -326,7 +330,9 @@ class ParameterGatherer:
         unit.inputs = [self.source.take(g, k) for g, k in unit.shards]
         codec = None if unit.persistent else self.weight_codec
         unit.handles = [
-            self.comm.all_gather(full, shard, async_op=True, label=unit.label)
+            hierarchical_all_gather(self.comm, full, shard, label=unit.label)
+            if codec is None and self.hierarchical
+            else self.comm.all_gather(full, shard, async_op=True, label=unit.label)
             if codec is None
             else quantized_all_gather(
                 self.comm,

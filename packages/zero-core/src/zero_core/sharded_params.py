@@ -95,6 +95,7 @@ class ShardedParameters:
             secondary=self.secondary,
             weight_codec=self.weight_codec,
             allow_fallback=self.config.allow_quantize_fallback,
+            hierarchical=self.config.hierarchical_gather,
         )
         if self.plan.persistent is not None:
             unit = units[self.plan.persistent]
