@@ -47,7 +47,7 @@ DEFAULT_PIECE_NUMEL = 1 << 20
 class HybridGroups:
     """The shard and replica groups of ``world`` for a shard group of ``shard_size`` ranks.
 
-    Collective to build (it splits ``world`` four times). Attributes: ``world``,
+    Collective to build (``world.shard_groups``, then the hop pairs). Attributes: ``world``,
     ``shard`` (this rank's shard group; its rank is the shard rank ``world.rank % S``),
     ``replica`` (the ranks with this shard rank; its rank is the replica index
     ``world.rank // S``), ``shard_size`` (S) and ``replicas`` (R).
@@ -66,8 +66,7 @@ class HybridGroups:
         self.shard_size = shard_size
         self.replicas = n // shard_size
         self.piece_numel = max(1, piece_numel)
-        self.shard = world.split(color=world.rank // shard_size)
-        self.replica = world.split(color=world.rank % shard_size)
+        self.shard, self.replica = world.shard_groups(shard_size)
         j = self.replica.rank
         # The hop j -> j+1 runs on a two-rank group of its own, so a rank's receive (from
         # j-1) and send (to j+1) are on different groups and may be in flight together,
