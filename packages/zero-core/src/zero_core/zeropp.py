@@ -32,7 +32,7 @@ from zero_comm.communicator import CompletedWork
 from .config import ZeroConfig
 
 WEIGHT_BLOCK_NUMEL = 2048
-GRADIENT_BLOCK_NUMEL = 512
+GRADIENT_BLOCK_NUMEL = 128  # 512 left the default GPT 1.7% above exact after 200 steps, 128 0.7%
 
 
 def weight_quantizer(config: ZeroConfig) -> BlockQuantizer | None:
