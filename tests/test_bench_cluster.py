@@ -1,0 +1,194 @@
+"""tools/bench_cluster.py's pure parts: the schedule, the records, the statistics, the goals
+and the report. No cluster is built here (the benchmark itself runs in `nox -s cluster`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import bench_cluster as bc  # noqa: E402
+
+RATE_BITS = 100e6
+
+
+def record(variant: str, round_index: int, step: int, step_s: float, **kw: float) -> bc.StepRecord:
+    values = {"loss": 5.0, "intra_node_bytes": 1000, "inter_node_bytes": 4000, **kw}
+    return bc.StepRecord("small", variant, round_index, step, step_s, **values)  # type: ignore[arg-type]
+
+
+def schedule(
+    variants: dict[str, list[float]], warmup_s: float = 99.0, **kw: float
+) -> list[bc.StepRecord]:
+    """Records of one model: 2 warm-up steps of each variant at ``warmup_s``, then one step
+    per round at the times given (round i: ``variants[v][i]``), in rotated order."""
+    names = list(variants)
+    out = [record(v, -1, s, warmup_s, **kw) for v in names for s in range(2)]
+    for r in range(len(next(iter(variants.values())))):
+        out += [record(v, r, 2 + r, variants[v][r], **kw) for v in bc.variant_order(names, r)]
+    return out
+
+
+# -- the schedule -------------------------------------------------------------------------------
+
+
+@given(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=8, unique=True),
+       st.integers(0, 50))  # fmt: skip
+def test_variant_order_rotates_by_the_round(names: list[str], round_index: int) -> None:
+    order = bc.variant_order(names, round_index)
+    assert sorted(order) == sorted(names)
+    shift = round_index % len(names)
+    assert order[0] == names[shift]
+    # over len(names) rounds every variant runs once in every position
+    positions = {n: {bc.variant_order(names, r).index(n) for r in range(len(names))} for n in names}
+    assert all(p == set(range(len(names))) for p in positions.values())
+
+
+def test_variant_order_needs_variants() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        bc.variant_order([], 0)
+
+
+# -- records ------------------------------------------------------------------------------------
+
+
+def test_parse_records_splits_steps_from_other_records() -> None:
+    step = {**record("flat", 0, 2, 1.5)._asdict(), "rank_step_s": [1.5, 1.4]}
+    lines = [json.dumps({"launch": {"world_size": 4}}), "", json.dumps(step), "  "]
+    others, steps = bc.parse_records(lines)
+    assert others == [{"launch": {"world_size": 4}}]
+    assert steps == [record("flat", 0, 2, 1.5)]
+    assert steps[0].timed and not record("flat", -1, 0, 1.0).timed
+
+
+@pytest.mark.parametrize("line", ["{not json", "[1, 2]"])
+def test_parse_records_names_a_bad_line(line: str) -> None:
+    with pytest.raises(ValueError, match="record line 2"):
+        bc.parse_records([json.dumps({"launch": {}}), line])
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+@given(st.lists(st.floats(0.001, 1e3), min_size=1, max_size=40))
+def test_spread_is_ordered(samples: list[float]) -> None:
+    s = bc.Spread.of(samples)
+    assert s.low == min(samples) and s.high == max(samples)
+    assert s.low <= s.q1 <= s.median <= s.q3 <= s.high
+
+
+def test_spread_needs_samples() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        bc.Spread.of([])
+
+
+@given(st.lists(st.floats(0.5, 20.0), min_size=1, max_size=6),
+       st.floats(1.0, 3.0))  # fmt: skip
+def test_speedup_is_taken_within_each_round(load: list[float], faster: float) -> None:
+    """The machine's load changes from round to round (``load``); ZeRO++ is ``faster`` than
+    flat in every round, so the same-round ratio is exact whatever the drift, while the
+    ratio of overall medians need not be."""
+    records = schedule({"flat": [x * faster for x in load], "zero++": load})
+    flat, zpp = bc.summarize(records, "100mbit", RATE_BITS)
+    assert flat.speedup is not None and zpp.speedup is not None
+    assert flat.speedup.median == pytest.approx(1.0)
+    assert zpp.speedup.median == pytest.approx(faster)
+    assert zpp.speedup.low == pytest.approx(faster) == pytest.approx(zpp.speedup.high)
+
+
+def test_summarize_leaves_out_the_warm_up_steps() -> None:
+    records = schedule({"flat": [1.0, 2.0, 3.0], "hpz": [1.0, 1.0, 1.0]}, warmup_s=50.0)
+    flat, hpz = bc.summarize(records, "100mbit", RATE_BITS)
+    assert (flat.step_s.median, flat.step_s.low, flat.step_s.high) == (2.0, 1.0, 3.0)
+    assert (flat.steps_timed, flat.steps_total) == (3, 5)
+    assert hpz.step_s.high == 1.0
+    assert flat.final_loss == 5.0
+
+
+def test_summarize_bytes_ratio_floor_and_final_loss() -> None:
+    records = schedule({"flat": [2.0]}, inter_node_bytes=10_000_000)
+    records += schedule({"zero++": [1.0]}, inter_node_bytes=1_000_000)
+    records.append(record("zero++", 0, 3, 1.0, inter_node_bytes=1_000_000, loss=4.25))
+    flat, zpp = bc.summarize(records, "100mbit", RATE_BITS)
+    assert zpp.inter_ratio == pytest.approx(0.1)
+    assert flat.inter_ratio == 1.0
+    # 10 MB over two directions of 100 Mbit/s: 5e6 * 8 / 1e8 = 0.4 s
+    assert flat.link_floor_s == pytest.approx(0.4)
+    assert zpp.final_loss == 4.25  # the loss of the last step, not of the last record read
+    assert zpp.bytes_constant and flat.bytes_constant
+    varying = [*schedule({"flat": [1.0, 1.0]}), record("flat", 1, 9, 1.0, inter_node_bytes=1)]
+    assert not bc.summarize(varying, "100mbit", RATE_BITS)[0].bytes_constant
+
+
+def test_summarize_without_a_baseline_has_no_ratios() -> None:
+    (hpz,) = bc.summarize(schedule({"hpz": [1.0]}), "100mbit", RATE_BITS)
+    assert hpz.speedup is None and hpz.inter_ratio is None
+
+
+def test_summarize_refuses_a_variant_with_only_warm_up() -> None:
+    with pytest.raises(ValueError, match="no timed steps"):
+        bc.summarize([record("flat", -1, 0, 1.0)], "100mbit", RATE_BITS)
+
+
+# -- goals and report ---------------------------------------------------------------------------
+
+
+@given(st.floats(0.01, 1.0), st.floats(0.5, 4.0))
+def test_goals_follow_the_thresholds(ratio: float, speedup: float) -> None:
+    records = schedule({"flat": [speedup]}, inter_node_bytes=1_000_000)
+    records += schedule({"zero++": [1.0]}, inter_node_bytes=round(ratio * 1_000_000))
+    summaries = bc.summarize(records, "100mbit", RATE_BITS)
+    bytes_goal, speed_goal = bc.check_goals(summaries, "100mbit")
+    measured_ratio = round(ratio * 1_000_000) / 1_000_000
+    assert bytes_goal.met == (measured_ratio <= bc.MAX_INTER_RATIO)
+    assert speed_goal.met == (speedup >= bc.MIN_SPEEDUP)
+    assert speed_goal.value == pytest.approx(speedup)
+    assert ("NOT MET" in speed_goal.line()) != speed_goal.met
+
+
+def test_goals_without_zeropp_are_not_met() -> None:
+    summaries = bc.summarize(schedule({"flat": [1.0]}), "100mbit", RATE_BITS)
+    verdicts = bc.check_goals(summaries, "100mbit")
+    assert [v.met for v in verdicts] == [False, False]
+    assert all(v.value is None and "not measured" in v.line() for v in verdicts)
+    assert bc.check_goals(summaries, "300mbit") == []  # no model measured at that rate
+
+
+def test_report_has_a_row_per_summary_and_every_verdict() -> None:
+    records = schedule({"flat": [2.0, 2.2, 2.1], "hybrid": [1.5, 1.6, 1.4], "zero++": [1, 1, 1]})
+    summaries = bc.summarize(records, "100mbit", RATE_BITS)
+    verdicts = bc.check_goals(summaries, "100mbit")
+    table = bc.markdown_table(summaries).splitlines()
+    columns = table[0].count("|")
+    assert len(table) == 2 + len(summaries)
+    assert all(line.count("|") == columns for line in table)
+    report = bc.render_report(summaries, verdicts, {"main_rate": "100mbit", "notes": ["n1"]})
+    assert all(v.line() in report for v in verdicts)
+    assert "- n1" in report and "| small | 100mbit | hybrid |" in report
+
+
+def test_exactness_notes_name_the_variants_on_flats_loss() -> None:
+    records = schedule({"flat": [1.0], "hpz": [1.0]}) + schedule({"qwz": [1.0]}, loss=5.5)
+    (note,) = bc.exactness_notes(bc.summarize(records, "100mbit", RATE_BITS))
+    assert "bit for bit: hpz; different: qwz" in note
+
+
+def test_command_line_wants_the_baseline_first() -> None:
+    with pytest.raises(SystemExit):
+        bc.main(["--variants", "hpz,flat", "--md", "/dev/null", "--json", "/dev/null"])
+    with pytest.raises(SystemExit):
+        bc.main(["--models", "huge"])
+
+
+def test_half_precision_note_doubles_the_ratio() -> None:
+    records = schedule({"flat": [1.0]}, inter_node_bytes=1_000_000)
+    records += schedule({"zero++": [1.0]}, inter_node_bytes=120_000)
+    (note,) = bc.half_precision_notes(bc.summarize(records, "100mbit", RATE_BITS), "100mbit")
+    assert "2 x 0.120 = 0.240 (still within the goal)" in note

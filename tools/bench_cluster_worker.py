@@ -1,0 +1,394 @@
+#!/usr/bin/env python
+"""One launch of tools/bench_cluster.py: every variant of every model, rounds interleaved.
+
+    torchrun --nnodes 2 --nproc-per-node 2 ... tools/bench_cluster_worker.py \\
+        --records out.jsonl --models small,large --variants flat,hybrid,... --rounds 3 \\
+        --steps 3 --warmup 2 --dtype fp32 --batch-size 16
+
+Every rank runs this (gloo, deterministic communicators, one torch thread); rank 0 writes
+the JSON lines of ``--records`` that bench_cluster.parse_records reads:
+
+    {"launch": {"world_size": 4, "topology": "...", "torch": "...", "params": {...}, ...}}
+    {"model": "small", "variant": "flat", "round": -1, "step": 0, "step_s": ...,
+     "loss": ..., "intra_node_bytes": ..., "inter_node_bytes": ..., "rank_step_s": [...]}
+
+Our variants are zero-train's: each one's options come from zero-train's own parser
+(``--stage 3``, the model's flags, bench_cluster.VARIANTS' flags), and its model, engine
+configuration, AdamW, learning-rate schedule and batches are what zero-train builds from
+them (zero_models.run_setup.build_run does the same). Each trains on a communicator of its
+own (``world.split``), built once per model and kept: its sub-communicators (node, shard and
+hpZ groups) are made once, and its traffic is that communicator family's
+``family_link_bytes``, as zero-train's metrics.jsonl counts it.
+
+``fsdp2-hsdp`` is PyTorch FSDP2 (tools/peer_trainers.py's way: ``fully_shard`` on every
+block, then the root, a GPT built on the meta device and filled from the same initial
+values) on a 2-D DeviceMesh (replicate = nodes, shard = ranks per node): HSDP. Its traffic
+is its torch.distributed calls (tools/peer_comm.py's hooks), each split into intra- and
+inter-node bytes by the rule of zero_comm.stats (a ring collective's volume goes to the
+rank's successor in its group: inter-node when that rank is on another node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import IO, Any
+
+import peer_comm
+import torch
+import torch.distributed as dist
+from bench_cluster import MODELS, VARIANTS, variant_order
+from peer_trainers import Hyper, Trainer, local, next_token_loss
+from torch import nn
+
+import zero_comm
+import zero_core
+from zero_comm.stats import ring_volume
+from zero_models.data import BatchSampler, load_tokens
+from zero_models.gpt import GPT, GPTConfig
+from zero_models.train_options import (
+    DTYPES,
+    hierarchy_settings,
+    learning_rate,
+    model_config,
+    parse_options,
+)
+
+RECORD_STATS = 4  # step_s, loss, intra-node bytes, inter-node bytes (per rank, gathered)
+
+
+def zero_train_options(model: str, flags: list[str], dtype: str, batch: int) -> argparse.Namespace:
+    """zero-train's options for one variant, through its own parser and checks."""
+    return parse_options(
+        ["--stage", "3", *MODELS[model], "--dtype", dtype, "--batch-size", str(batch), *flags]
+    )
+
+
+def gpt_config(args: argparse.Namespace, tokens: torch.Tensor) -> GPTConfig:
+    """The GPT zero-train trains for ``args`` on ``tokens`` (byte-level: vocabulary >= 256)."""
+    config = model_config(args)
+    if args.data is None or tokens.max() < 256:
+        config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
+    return config
+
+
+class BenchTrainer(Trainer):
+    """peer_trainers.Trainer, plus what this benchmark needs of every variant."""
+
+    def set_lr(self, lr: float) -> None:
+        raise NotImplementedError
+
+    def link_bytes(self) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes this rank has sent so far, ring convention."""
+        raise NotImplementedError
+
+
+class ZeroTrainVariant(BenchTrainer):
+    """Our stage 3 engine as zero-train builds it for ``args`` (its hierarchy flags too)."""
+
+    def __init__(
+        self, name: str, args: argparse.Namespace, config: GPTConfig, comm: zero_comm.Communicator
+    ) -> None:
+        self.name = name
+        self.comm = comm
+        with torch.device("meta"):
+            model = GPT(config, seed=args.seed)
+        zero_config = zero_core.ZeroConfig(
+            stage=3,
+            param_dtype=DTYPES[args.dtype],
+            gradient_accumulation_steps=args.grad_accum,
+            clip_grad_norm=args.clip or None,
+            **hierarchy_settings(args),
+        )
+        self.engine = zero_core.initialize(
+            model,
+            Hyper(lr=args.lr).adamw(model.parameters()),  # zero-train's AdamW options
+            zero_config,
+            comm,
+            init_values=model.initial_values(args.seed),
+        )
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.engine(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def optimizer_step(self) -> None:
+        if not self.engine.step():
+            raise RuntimeError(f"[rank {self.comm.rank}] {self.name}: step() was skipped")
+
+    def link_bytes(self) -> tuple[float, float]:
+        intra, inter = self.comm.family_link_bytes()
+        return float(intra), float(inter)
+
+    def close(self) -> None:
+        self.engine.close()
+        del self.engine
+
+
+class LinkCounter(peer_comm.CallCounter):
+    """peer_comm's counter of every group's calls, also split by link class as
+    zero_comm.stats splits a ring collective: the whole volume goes to this rank's successor
+    in the group, intra-node when that rank shares this rank's node."""
+
+    def __init__(self, node_of: tuple[int, ...]) -> None:
+        super().__init__(peer_comm.ANY_GROUP)
+        self.node_of = node_of
+        self.intra = 0.0
+        self.inter = 0.0
+
+    def record(self, collective: str, numel: int, itemsize: int, group: Any) -> None:
+        super().record(collective, numel, itemsize, group)
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+        me = ranks.index(dist.get_rank())
+        successor = ranks[(me + 1) % len(ranks)]
+        volume = float(ring_volume(collective, numel, len(ranks))) * itemsize
+        if self.node_of[successor] == self.node_of[ranks[me]]:
+            self.intra += volume
+        else:
+            self.inter += volume
+
+
+def hsdp_gpt(config: GPTConfig, seed: int, mesh: Any, dtype: torch.dtype) -> nn.Module:
+    """peer_trainers.fsdp2_gpt on a 2-D (replicate, shard) mesh: HSDP. With a 16-bit
+    ``dtype`` FSDP2 computes and communicates in it (MixedPrecisionPolicy), fp32 master."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    with torch.device("meta"):
+        model = GPT(config, seed=seed)
+    values = model.initial_values(seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device="cpu")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values:
+            param = params[name]
+            shard = distribute_tensor(value, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+            local(param).copy_(shard.to_local())
+    return model
+
+
+class FsdpHsdp(BenchTrainer):
+    """FSDP2's HSDP: shard over one node's ranks, replicate across nodes."""
+
+    name = "fsdp2-hsdp"
+
+    def __init__(
+        self, args: argparse.Namespace, config: GPTConfig, topology: zero_comm.Topology
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        per_node = topology.ranks_per_node
+        if per_node is None or topology.node_of != tuple(
+            r // per_node for r in range(topology.world_size)
+        ):
+            raise ValueError(
+                f"fsdp2-hsdp needs node-major ranks, the same number on every node; the "
+                f"topology here is {topology}"
+            )
+        mesh = init_device_mesh(
+            "cpu", (topology.num_nodes, per_node), mesh_dim_names=("replicate", "shard")
+        )
+        self.clip = args.clip
+        self.model = hsdp_gpt(config, args.seed, mesh, DTYPES[args.dtype])
+        self.optimizer = Hyper(lr=args.lr).adamw(self.model.parameters())
+        self.counter = LinkCounter(topology.node_of)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.counter:
+            return next_token_loss(self.model(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.counter:
+            torch.autograd.backward(loss)
+
+    def optimizer_step(self) -> None:
+        with self.counter:
+            if self.clip:  # as zero-train's engine clips (the global norm, before the step)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def link_bytes(self) -> tuple[float, float]:
+        return self.counter.intra, self.counter.inter
+
+    def close(self) -> None:
+        del self.optimizer, self.model
+
+
+def build(
+    name: str, args: argparse.Namespace, config: GPTConfig, world: zero_comm.Communicator
+) -> BenchTrainer:
+    if VARIANTS[name] is None:
+        return FsdpHsdp(args, config, world.topology)
+    return ZeroTrainVariant(name, args, config, world.split(color=0))
+
+
+class Launch:
+    """This rank's part of the launch: the world, a communicator for the benchmark's own
+    barriers and gathers (outside every variant's statistics), rank 0's records file."""
+
+    def __init__(self, records: IO[str] | None) -> None:
+        self.world = zero_comm.init("gloo", deterministic=True)
+        self.metrics = self.world.split(color=0)
+        self.records = records
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.records is not None:
+            self.records.write(json.dumps(record) + "\n")
+            self.records.flush()
+
+    def say(self, text: str) -> None:
+        if self.world.rank == 0:
+            print(f"[bench_cluster_worker] {text}", flush=True)
+
+    def step(
+        self, model: str, trainer: BenchTrainer, batch: tuple[torch.Tensor, torch.Tensor],
+        round_index: int, step: int,
+    ) -> float:  # fmt: skip
+        """One timed training step of ``trainer`` on every rank; rank 0 records it. Returns
+        the slowest rank's seconds."""
+        self.metrics.barrier()
+        intra0, inter0 = trainer.link_bytes()
+        start = time.perf_counter()
+        loss = trainer.forward(*batch)
+        trainer.backward(loss)
+        trainer.optimizer_step()
+        seconds = time.perf_counter() - start
+        intra1, inter1 = trainer.link_bytes()
+        mine = torch.tensor(
+            [seconds, float(loss.detach()), intra1 - intra0, inter1 - inter0], dtype=torch.float64
+        )
+        table = torch.empty(RECORD_STATS * self.world.world_size, dtype=torch.float64)
+        self.metrics.all_gather(table, mine)
+        rows = table.view(-1, RECORD_STATS)
+        self.write(
+            {
+                "model": model,
+                "variant": trainer.name,
+                "round": round_index,
+                "step": step,
+                "step_s": float(rows[:, 0].max()),
+                "loss": float(rows[:, 1].mean()),
+                "intra_node_bytes": round(float(rows[:, 2].sum())),
+                "inter_node_bytes": round(float(rows[:, 3].sum())),
+                "rank_step_s": [round(float(v), 5) for v in rows[:, 0]],
+            }
+        )
+        return float(rows[:, 0].max())
+
+
+def run_model(launch: Launch, model: str, cli: argparse.Namespace) -> dict[str, Any]:
+    """Build every variant of ``model``, warm each up, run the rounds, close them."""
+    options = {
+        name: zero_train_options(model, flags or [], cli.dtype, cli.batch_size)
+        for name, flags in ((v, VARIANTS[v]) for v in cli.variants)
+    }
+    reference = options[cli.variants[0]]
+    tokens = load_tokens(reference.data)
+    config = gpt_config(reference, tokens)
+    world = launch.world
+    sampler = BatchSampler(
+        tokens, context=config.context, global_batch=reference.batch_size,
+        dp_rank=world.rank, dp_size=world.world_size, seed=reference.seed,
+    )  # fmt: skip
+    trainers = {name: build(name, options[name], config, world) for name in cli.variants}
+    done = dict.fromkeys(cli.variants, 0)
+
+    def block(name: str, round_index: int, steps: int) -> None:
+        trainer, args = trainers[name], options[name]
+        times = []
+        for _ in range(steps):
+            step = done[name]
+            trainer.set_lr(learning_rate(step, args))
+            times.append(launch.step(model, trainer, sampler.batch(step), round_index, step))
+            done[name] += 1
+        if times:
+            launch.say(f"{model} {name} round {round_index}: median step "
+                       f"{statistics.median(times):.3f} s")  # fmt: skip
+
+    for name in variant_order(cli.variants, 0):
+        block(name, -1, cli.warmup)
+    for round_index in range(cli.rounds):
+        for name in variant_order(cli.variants, round_index):
+            block(name, round_index, cli.steps)
+    notes = []
+    fsdp = trainers.get("fsdp2-hsdp")
+    if isinstance(fsdp, FsdpHsdp):
+        calls = dict(fsdp.counter.calls)
+        if not calls:
+            notes.append(f"{model}: fsdp2-hsdp's collectives were not seen by the hooks: its "
+                         "bytes read 0")  # fmt: skip
+    for trainer in trainers.values():
+        trainer.close()
+    return {"params": config.num_params, "config": config.__dict__, "notes": notes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--records", required=True, help="JSON lines, written by rank 0")
+    parser.add_argument("--models", required=True, help="comma-separated, bench_cluster.MODELS")
+    parser.add_argument("--variants", required=True, help="comma-separated; the first is flat")
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--batch-size", type=int, default=16)
+    cli = parser.parse_args(argv)
+    cli.models = cli.models.split(",")
+    cli.variants = cli.variants.split(",")
+    torch.set_num_threads(1)
+    peer_comm.install()  # before FSDP2 runs: its collectives are counted through the hooks
+    records = None
+    launch = Launch(None)
+    if launch.world.rank == 0:
+        records = open(cli.records, "w")  # noqa: SIM115 (closed at the end of main)
+        launch.records = records
+    try:
+        described: dict[str, Any] = {
+            "world_size": launch.world.world_size,
+            "topology": str(launch.world.topology),
+            "topology_source": launch.world.topology.source,
+            "torch": torch.__version__,
+            "threads_per_rank": torch.get_num_threads(),
+            "params": {},
+            "notes": [],
+        }
+        launch.say(f"{launch.world.world_size} ranks, topology {launch.world.topology} "
+                   f"({launch.world.topology.source})")  # fmt: skip
+        if launch.world.topology.num_nodes < 2:
+            raise RuntimeError(
+                f"[rank {launch.world.rank}] one node only ({launch.world.topology}): run this "
+                "under tools/emulated_cluster.py (torchrun --nnodes 2), as bench_cluster does"
+            )
+        for model in cli.models:
+            result = run_model(launch, model, cli)
+            described["params"][model] = result["params"]
+            described["notes"] += result["notes"]
+        launch.write({"launch": described})
+    finally:
+        if records is not None:
+            records.close()
+    launch.metrics.close()
+    launch.world.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
