@@ -49,7 +49,7 @@ def train(out: Path, *extra: str) -> list[dict[str, Any]]:
 
 
 def final_loss(records: list[dict[str, Any]]) -> float:
-    return sum(r["loss"] for r in records[-FINAL_WINDOW:]) / FINAL_WINDOW
+    return float(sum(r["loss"] for r in records[-FINAL_WINDOW:])) / FINAL_WINDOW
 
 
 @pytest.fixture(scope="module")
