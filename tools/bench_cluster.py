@@ -5,6 +5,8 @@
                                                   # docs/benchmarks/cluster.md and .json
     python tools/bench_cluster.py --rates 100mbit --models small --rounds 2 --steps 2 \\
         --md /tmp/c.md --json /tmp/c.json        # a quick look
+    python tools/bench_cluster.py --rerender      # the report again from cluster.json's
+                                                  # raw records (no cluster, no root)
 
 Two hosts (tools/emulated_cluster.py: network namespaces, a veth pair rate-limited by tbf
 per direction), two ranks on each, launched by torchrun ``--nnodes 2`` on gloo. For each
@@ -195,6 +197,7 @@ class VariantSummary(NamedTuple):
     bytes_constant: bool  # every timed step sent the same bytes
     final_loss: float
     link_floor_s: float  # inter-node bytes / 2 directions / rate: the link's time alone
+    losses_as_flat: bool | None  # every step's loss is flat's at that step, bit for bit
 
 
 def summarize(records: Sequence[StepRecord], rate: str, rate_bits: float) -> list[VariantSummary]:
@@ -227,6 +230,8 @@ def summarize(records: Sequence[StepRecord], rate: str, rate_bits: float) -> lis
         base_timed = [r for r in by_key.get((model, BASELINE), []) if r.timed]
         base_inter = statistics.median(r.inter_node_bytes for r in base_timed) if base_timed else 0
         last = max(mine, key=lambda r: r.step)
+        base_losses = {r.step: r.loss for r in by_key.get((model, BASELINE), [])}
+        as_flat = all(base_losses.get(r.step) == r.loss for r in mine) if base_losses else None
         out.append(
             VariantSummary(
                 rate=rate,
@@ -242,6 +247,7 @@ def summarize(records: Sequence[StepRecord], rate: str, rate_bits: float) -> lis
                 bytes_constant=len({(r.intra_node_bytes, r.inter_node_bytes) for r in timed}) == 1,
                 final_loss=last.loss,
                 link_floor_s=inter / 2 * 8 / rate_bits,
+                losses_as_flat=as_flat,
             )
         )
     return out
@@ -287,22 +293,50 @@ def check_goals(summaries: Sequence[VariantSummary], rate: str) -> list[GoalVerd
 
 
 def exactness_notes(summaries: Sequence[VariantSummary]) -> list[str]:
-    """Per rate and model: which variants ended on flat stage 3's loss bit for bit (the
-    lossless ones should: hybrid sharding, hpZ) and which did not (the quantized ones)."""
+    """Per rate and model: which variants had flat stage 3's loss at every step, bit for bit
+    (the lossless ones should: hybrid sharding, hpZ) and which did not (the quantized ones)."""
     notes = []
     for rate, model in dict.fromkeys((s.rate, s.model) for s in summaries):
-        here = [s for s in summaries if (s.rate, s.model) == (rate, model)]
-        base = [s for s in here if s.variant == BASELINE]
-        if not base:
+        others = [
+            s
+            for s in summaries
+            if (s.rate, s.model) == (rate, model)
+            and s.variant != BASELINE
+            and s.losses_as_flat is not None
+        ]
+        if not others:
             continue
-        others = [s for s in here if s.variant != BASELINE]
-        same = [s.variant for s in others if s.final_loss == base[0].final_loss]
-        other = [s.variant for s in others if s.final_loss != base[0].final_loss]
+        same = [s.variant for s in others if s.losses_as_flat]
+        other = [s.variant for s in others if not s.losses_as_flat]
         notes.append(
-            f"{model} at {rate}: final loss equal to flat stage 3's bit for bit: "
-            f"{', '.join(same) or 'none'}; different: {', '.join(other) or 'none'}"
+            f"{model} at {rate}: every step's loss equal to flat stage 3's, bit for bit: "
+            f"{', '.join(same) or 'none'}; not: {', '.join(other) or 'none'}"
         )
     return notes
+
+
+def boundness_notes(summaries: Sequence[VariantSummary], rate: str) -> list[str]:
+    """Per model at ``rate``: how much of flat stage 3's and ZeRO++'s median steps the link
+    alone would take; the rest is computation and waiting for the shared CPU."""
+    notes = []
+    for model in dict.fromkeys(s.model for s in summaries if s.rate == rate):
+        pair = {s.variant: s for s in summaries if (s.rate, s.model) == (rate, model)}
+        if BASELINE not in pair or ZEROPP not in pair:
+            continue
+        flat, zpp = pair[BASELINE], pair[ZEROPP]
+        notes.append(
+            f"{model} at {rate}: the link alone would take {flat.link_floor_s:.2f} s of flat "
+            f"stage 3's {flat.step_s.median:.2f} s step and {zpp.link_floor_s:.2f} s of "
+            f"ZeRO++'s {zpp.step_s.median:.2f} s; the rest is computation (quantization "
+            "included) and waiting for the shared CPU, which ZeRO++ does not shrink"
+        )
+    return notes
+
+
+def derived_notes(summaries: Sequence[VariantSummary], main_rate: str, dtype: str) -> list[str]:
+    """The report's notes that follow from the numbers."""
+    notes = exactness_notes(summaries) + boundness_notes(summaries, main_rate)
+    return notes + (half_precision_notes(summaries, main_rate) if dtype == "fp32" else [])
 
 
 def half_precision_notes(summaries: Sequence[VariantSummary], rate: str) -> list[str]:
@@ -488,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks" / "cluster.md")
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "benchmarks" / "cluster.json")
+    parser.add_argument("--rerender", action="store_true",
+                        help="no run: write --md again from --json's raw records")  # fmt: skip
     args = parser.parse_args(argv)
     args.rates = args.rates.split(",")
     args.models = args.models.split(",")
@@ -502,6 +538,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.rounds, args.other_rounds, args.steps) < 1 or args.warmup < 0:
         parser.error("--rounds, --other-rounds and --steps must be at least 1, --warmup >= 0")
 
+    if args.rerender:
+        payload = json.loads(args.json.read_text())
+        write_outputs(args, payload["context"], payload["raw"])
+        return 0
     sys.path.insert(0, str(TOOLS))
     import emulated_cluster as ec
 
@@ -513,7 +553,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     started = time.perf_counter()
     made = provenance(args.dtype)
-    summaries: list[VariantSummary] = []
     raw: dict[str, Any] = {}
     links: dict[str, Any] = {}
     try:
@@ -522,32 +561,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                 steps, others, link = run_rate(args, rate, Path(folder))
                 links[rate] = link
                 raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
-                summaries += summarize(steps, rate, link["rate_bits"])
     except ec.ClusterUnavailable as exc:
         print(f"bench_cluster: skipped: emulated cluster unavailable: {exc}", flush=True)
         return 0
     wall_s = time.perf_counter() - started
-    verdicts = check_goals(summaries, args.rates[0])
     launches = (o["launch"] for r in raw.values() for o in r["other"] if "launch" in o)
     launch: dict[str, Any] = next(launches, {})
-    context = report_context(args, argv, links, launch, made, wall_s)
-    context["notes"] += exactness_notes(summaries)
-    if args.dtype == "fp32":
-        context["notes"] += half_precision_notes(summaries, args.rates[0])
+    write_outputs(args, report_context(args, argv, links, launch, made, wall_s), raw)
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Summarize ``raw`` (rate -> the launch's records), judge the goals at the main rate,
+    write --md and --json (the context and raw records as given) and print the table."""
+    summaries = [
+        summary
+        for rate, launch in raw.items()
+        for summary in summarize(
+            [StepRecord(**r) for r in launch["records"]], rate, context["links"][rate]["rate_bits"]
+        )
+    ]
+    verdicts = check_goals(summaries, context["main_rate"])
+    notes = derived_notes(summaries, context["main_rate"], context.get("dtype", "fp32"))
     args.md.parent.mkdir(parents=True, exist_ok=True)
-    args.md.write_text(render_report(summaries, verdicts, context))
+    args.md.write_text(
+        render_report(summaries, verdicts, {**context, "notes": [*context["notes"], *notes]})
+    )
     payload = {
         "context": context,
         "summaries": [summary_dict(s) for s in summaries],
         "goals": [v._asdict() for v in verdicts],
+        "notes": notes,
         "raw": raw,
     }
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
     print(markdown_table(summaries))
     for v in verdicts:
         print(v.line())
-    print(f"wrote {args.md} and {args.json} in {wall_s / 60:.1f} min", flush=True)
-    return 0
+    print(f"wrote {args.md} and {args.json}; the run took {context['wall_s'] / 60:.1f} min")
 
 
 def summary_dict(s: VariantSummary) -> dict[str, Any]:
@@ -631,6 +682,7 @@ def report_context(
         "python": platform.python_version(),
         "wall_s": wall_s,
         "main_rate": args.rates[0],
+        "dtype": args.dtype,
         "links": links,
         "launch": launch,
         "training": (
