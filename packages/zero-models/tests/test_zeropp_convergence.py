@@ -1,16 +1,21 @@
 """ZeRO++ converges like exact ZeRO-3 (issue 16, item 6): the default GPT, trained by
-zero-train for a few hundred steps on 4 ranks as 2 nodes x 2 (ZERO_RANKS_PER_NODE=2), ends
-with a loss within 1% of the unquantized stage-3 run's, with all of ZeRO++ on (hpZ over a
-node, qwZ's int8 weight gathers, qgZ's int4 or int8 gradient reduction across both nodes).
+zero-train for STEPS steps on 4 ranks as 2 nodes x 2 (ZERO_RANKS_PER_NODE=2), ends with a
+loss within 1% of the unquantized stage-3 run's, with all of ZeRO++ on (hpZ over a node,
+qwZ's int8 weight gathers, qgZ's int4 gradient reduction across both nodes).
 
 "Final loss" is the mean of the last FINAL_WINDOW steps' losses: one step's loss is one
-batch's, and batches differ in difficulty by more than the 1% asked for; both runs see the
-same batches, so the window compares like with like. Runs are deterministic (--threads 1:
-the same bits on any machine with this torch), so the test is a fixed number, not a
-flaky one; a loaded machine changes only its wall time.
+batch's, and batches differ by more than the 1% asked for; both runs see the same batches,
+so the window compares like with like. Runs are deterministic (--threads 1), so the result
+is a fixed number, not a flaky one; a loaded machine changes only the wall time.
 
-Slow (nox -s slow): each run is STEPS steps of the small preset, about 2.5 minutes of two
-cores; the unquantized run is made once for both parametrizations.
+Measured (200 steps; exact run 2.3222; relative to it): int4 +0.71% (gradient blocks of
+128; +1.70% with 512), int8 +0.91%. Exact runs with the learning rate moved by 1e-4
+relative end +0.45% and +0.87%: a single run pair resolves differences of about 1%, no
+finer, so the bound here is the issue's 1%, not tighter. int8 is left out: a third run
+would take the test past 10 minutes of 2 cores, and tells no more (it ends further from the
+exact run than int4, its error being under a tenth of int4's).
+
+Slow (nox -s slow): two runs of the small preset, about 12 CPU-minutes in all.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ FINAL_WINDOW = 20
 TOLERANCE = 0.01  # relative, on the final loss: the issue's bound (DeepSpeed tests 10%)
 RANKS, RANKS_PER_NODE = 4, 2
 RUN_TIMEOUT_S = 900  # one zero-train run, on a loaded 2-core machine
-ZEROPP = ("--hpz", str(RANKS_PER_NODE), "--quantize-weights", "--quantize-gradients")
+ZEROPP = ("--hpz", str(RANKS_PER_NODE), "--quantize-weights", "--quantize-gradients", "int4")
 
 
 def train(out: Path, *extra: str) -> list[dict[str, Any]]:
@@ -52,26 +57,19 @@ def final_loss(records: list[dict[str, Any]]) -> float:
     return float(sum(r["loss"] for r in records[-FINAL_WINDOW:])) / FINAL_WINDOW
 
 
-@pytest.fixture(scope="module")
-def unquantized(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return train(tmp_path_factory.mktemp("zeropp") / "stage3")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
-@pytest.mark.parametrize("gradient_bits", ["int4", "int8"])
-def test_zeropp_final_loss_within_one_percent_of_stage_3(
-    gradient_bits: str, unquantized: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    quantized = train(tmp_path / "zeropp", *ZEROPP, gradient_bits)
+def test_zeropp_final_loss_within_one_percent_of_stage_3(tmp_path: Path) -> None:
+    exact_run = train(tmp_path / "stage3")
+    zeropp_run = train(tmp_path / "zeropp", *ZEROPP)
+    exact, lossy = final_loss(exact_run), final_loss(zeropp_run)
     # The comparison means something only if training went somewhere: the small GPT starts
-    # near ln(vocab) and must have learnt well below it.
-    assert final_loss(unquantized) < 0.5 * unquantized[0]["loss"], final_loss(unquantized)
+    # near ln(256) = 5.5 and must have learnt well below it.
+    assert exact < 0.5 * exact_run[0]["loss"], (exact, exact_run[0]["loss"])
     # ZeRO++ ran: qgZ and qwZ cut the bytes between the nodes (issue 16's 0.3x goal).
-    exact_bytes, zeropp_bytes = (r[-1]["inter_node_bytes"] for r in (unquantized, quantized))
+    exact_bytes, zeropp_bytes = (r[-1]["inter_node_bytes"] for r in (exact_run, zeropp_run))
     assert 0 < zeropp_bytes < 0.3 * exact_bytes, (zeropp_bytes, exact_bytes)
-    exact, lossy = final_loss(unquantized), final_loss(quantized)
     assert abs(lossy - exact) <= TOLERANCE * exact, (
-        f"{gradient_bits}: final loss {lossy:.4f} vs {exact:.4f} unquantized, "
+        f"final loss {lossy:.4f} with ZeRO++ vs {exact:.4f} exact, "
         f"{(lossy - exact) / exact:+.2%} (bound {TOLERANCE:.0%})"
     )
