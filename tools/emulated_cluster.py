@@ -65,6 +65,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import NamedTuple
 
+from zero_comm.peers import is_running
+
 DEFAULT_RATE = "1gbit"
 DEFAULT_DELAY = "0.5ms"
 INTERFACE = "zlink"  # the link's name inside every host namespace
@@ -165,16 +167,6 @@ def parse_delay(text: str) -> float:
 
 def _tail(text: str, chars: int = TAIL_CHARS) -> str:
     return text if len(text) <= chars else "..." + text[-chars:]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class EmulatedCluster:
@@ -718,7 +710,7 @@ def remove_stale_namespaces() -> list[str]:
     """Delete the namespace names of clusters whose creating process is gone (a run killed
     with SIGKILL could not tear down). Processes still inside are left alone; the
     namespace itself ends with the last of them. Returns the names deleted."""
-    stale = [n for n in cluster_namespaces() if not _pid_alive(int(n.split("-")[1]))]
+    stale = [n for n in cluster_namespaces() if not is_running(int(n.split("-")[1]))]
     for name in stale:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True,
                        timeout=COMMAND_TIMEOUT_S, check=False)  # fmt: skip
