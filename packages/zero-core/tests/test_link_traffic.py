@@ -37,15 +37,18 @@ VARIANTS: list[tuple[int, int, int, dict[str, Any]]] = [
 ]
 
 
-def measured_step(comm: Communicator, stage: int, settings: dict[str, Any]) -> tuple[Any, ...]:
-    engine = build_engine(CASE, comm, stage, settings)
+def measured_step(
+    comm: Communicator, stage: int, settings: dict[str, Any], case: ParityCase = CASE
+) -> tuple[Any, ...]:
+    engine = build_engine(case, comm, stage, settings)
     for step in range(2):
         if step == 1:
             for member in comm.family():
                 member.stats.reset()
-        x, t = micro_batch(CASE, comm.rank)
-        engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
-        engine.step()
+        for _ in range(case.accumulation):
+            x, t = micro_batch(case, comm.rank)
+            engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
+            engine.step()
     buckets = [bucket.layout.padded_numel for layout in engine.layouts for bucket in layout.buckets]
     if stage == 0:  # all-reduced from whole flat buffers (volume is linear in the pieces)
         buckets = [flat.numel() for flat in engine.gradients.tensors()]
@@ -66,6 +69,33 @@ def test_one_step_sends_what_the_formulas_say(
     expected = step_link_bytes(
         results[0][2], world_size=n, ranks_per_node=per_node, stage=stage, dtype_bytes=2,
         **settings,
+    )  # fmt: skip
+    assert (intra, inter) == (expected.intra_node, expected.inter_node)
+
+
+@pytest.mark.parametrize(
+    ("stage", "accumulation", "deterministic"),
+    [(3, 3, False), (1, 2, False), (2, 1, False), (3, 2, True), (1, 3, True)],
+)
+def test_accumulation_and_native_sums_send_what_the_formulas_say(
+    stage: int, accumulation: int, deterministic: bool
+) -> None:
+    """Hybrid 2 x 2 over 2 nodes: micro-steps repeat the gradient and stage 3 gather
+    traffic; a native communicator sums the replicas once per step when accumulating."""
+    case = ParityCase(widths=CASE.widths, dtype="bfloat16", optimizer="adam",
+                      bucket_numel=CASE.bucket_numel, accumulation=accumulation)  # fmt: skip
+    settings = {"shard_group_size": 2}
+    results = run_simulated(
+        4,
+        lambda comm: measured_step(comm, stage, settings, case),
+        ranks_per_node=2,
+        deterministic=deterministic,
+    )
+    intra = sum((r[0] for r in results), Fraction(0))
+    inter = sum((r[1] for r in results), Fraction(0))
+    expected = step_link_bytes(
+        results[0][2], world_size=4, ranks_per_node=2, stage=stage, dtype_bytes=2,
+        accumulation_steps=accumulation, deterministic=deterministic, **settings,
     )  # fmt: skip
     assert (intra, inter) == (expected.intra_node, expected.inter_node)
 
@@ -116,3 +146,28 @@ def plain_link(n: int, per_node: int) -> dict[str, float]:
     )
     intra, inter = flat.per_rank()
     return {"intra_node_bytes": intra, "inter_node_bytes": inter}
+
+
+def test_zero_estimate_counts_micro_steps_and_native_sums(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With 4 micro-steps, MiCS's native once-per-step sum crosses the nodes less than the
+    deterministic per-micro-step chain, and both are link_traffic's figures."""
+    import json
+
+    from zero_core.estimate_cli import main
+
+    def inter(*extra: str) -> float:
+        main(["--params", "1e8", "--json", "--world-size", "16", "--ranks-per-node", "4",
+              "--shard-group", "4", "--accumulation", "4", *extra])  # fmt: skip
+        return float(json.loads(capsys.readouterr().out)["2"]["inter_node_bytes"])
+
+    native, exact = inter("--native-sums"), inter()
+    for value, deterministic in ((native, False), (exact, True)):
+        expected = step_link_bytes(
+            even_buckets(1e8, 2**22, 4), world_size=16, ranks_per_node=4, stage=2,
+            dtype_bytes=2, shard_group_size=4, accumulation_steps=4,
+            deterministic=deterministic,
+        )  # fmt: skip
+        assert value == pytest.approx(expected.per_rank()[1])
+    assert native < exact / 2

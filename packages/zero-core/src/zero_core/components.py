@@ -25,6 +25,7 @@ from .config import ZeroConfig
 from .fetch_units import plan_units
 from .grad_reducer import ScatterReduction
 from .group_layout import GroupLayout
+from .hybrid_sharding import gradient_reduction
 from .init_values import InitValues
 from .initial_state import take_initial_state
 from .master_weights import MasterWeights
@@ -69,7 +70,8 @@ def build_components(
 
     ``comm`` is the data-parallel world. With ``hybrid`` the states are laid out over its
     shard group (``hybrid.shard``, whose ranks hold the slices) and gradients are reduced
-    by it across the replicas too; rank 0 of the world still gives the initial values.
+    across the replicas too, every micro-step or once per accumulation boundary
+    (hybrid_sharding.gradient_reduction); rank 0 of the world still gives the initial values.
     ``secondary``: stage 3's hpZ group (hybrid_sharding.secondary_group), or None.
     ``reduction``: what reduces gradient buckets when not ``comm`` itself (``hybrid``, or
     qgZ's zeropp.QuantizedGradientReduction); ``weight_codec``: qwZ's, or None."""
@@ -119,6 +121,7 @@ def build_components(
     parameters.finish_build()
     masters.finish_fill()
     gradients: AllReducedGradients | ReduceScatteredGradients
+    per_micro_step, at_boundary = gradient_reduction(hybrid, config)
     if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
         gradients = AllReducedGradients(slots, layouts, dtype, comm, config)
     else:
@@ -130,7 +133,8 @@ def build_components(
             config,
             full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,
             reduce_order=parameters.reduce_order(),
-            reduction=reduction if reduction is not None else hybrid,
+            reduction=reduction if reduction is not None else per_micro_step,
+            across_replicas=None if reduction is not None else at_boundary,
         )
         gradients.gradient_listeners.append(parameters.gradient_arrived)
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)

@@ -111,6 +111,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     links.add_argument(
         "--quantize-gradients", choices=("int4", "int8"), help="stages 2-3: qgZ gradients"
     )
+    links.add_argument(
+        "--accumulation", type=int, default=1,
+        help="micro-steps per step: gradients (and stage 3's gathers) go once per micro-step",
+    )  # fmt: skip
+    links.add_argument(
+        "--native-sums", action="store_true",
+        help="a native (not deterministic) communicator: hybrid sharding sums the replicas "
+        "once per step when accumulating (MiCS), not per micro-step",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.params < 0 or args.world_size < 1:
@@ -211,6 +220,8 @@ def _link_options_error(args: argparse.Namespace) -> str:
     n, per_node = args.world_size, args.ranks_per_node
     if per_node < 1 or n % per_node:
         return f"--ranks-per-node {per_node} must divide --world-size {n}"
+    if args.accumulation < 1:
+        return f"--accumulation {args.accumulation} must be at least 1"
     group = args.shard_group or n
     if group < 1 or n % group:
         return f"--shard-group {group} must divide --world-size {n}"
@@ -230,6 +241,7 @@ def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any
         hpz_partition_size=args.hpz if stage == 3 else 1,
         quantize_weights=args.quantize_weights and stage == 3,
         quantize_gradients=args.quantize_gradients if stage >= 2 and not group else None,
+        accumulation_steps=args.accumulation, deterministic=not args.native_sums,
     )  # fmt: skip
     intra, inter = traffic.per_rank()
     return {"intra_node_bytes": intra, "inter_node_bytes": inter}

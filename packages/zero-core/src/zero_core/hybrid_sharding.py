@@ -10,7 +10,16 @@ precision Adam: K = 12), the model states are those of flat sharding over S rank
     stage 3: (4 + K) Psi / S
 
 and the gradient traffic is a reduce-scatter of the bucket inside the shard group plus,
-per rank, one chunk of Psi / S elements across the replicas (zero_comm.hierarchy).
+per rank, one chunk of Psi / S elements across the replicas.
+
+When the replicas are summed. With a deterministic communicator, at every micro-step
+(zero_comm.hierarchy's chain): the flat fold adds every rank's micro-step gradient before
+the micro-steps are accumulated, and summing each replica's accumulation first would
+change the order of the additions, so exactness costs one cross-replica reduction per
+micro-step. With a native communicator, as MiCS and HSDP do, once per accumulation
+boundary: micro-steps reduce-scatter inside the shard group only, into the accumulated
+shard, and ``step()`` all-reduces that shard across the replicas once
+(:func:`gradient_reduction`), so A micro-steps cross the nodes once instead of A times.
 """
 
 from __future__ import annotations
@@ -35,6 +44,20 @@ def hybrid_groups(comm: Communicator, config: ZeroConfig) -> HybridGroups | None
             f"ranks: use one of {valid}"
         )
     return HybridGroups(comm, size)
+
+
+def gradient_reduction(
+    hybrid: HybridGroups | None, config: ZeroConfig
+) -> tuple[HybridGroups | Communicator | None, Communicator | None]:
+    """(what reduces a micro-step's buckets, the group that sums the accumulated shards
+    at the boundary): ``(hybrid, None)`` when every micro-step reduces across the replicas
+    (deterministic, or no accumulation), ``(hybrid.shard, hybrid.replica)`` when the
+    replicas are summed once per boundary; ``(None, None)`` without hybrid sharding."""
+    if hybrid is None:
+        return None, None
+    if hybrid.deterministic or config.gradient_accumulation_steps == 1:
+        return hybrid, None
+    return hybrid.shard, hybrid.replica
 
 
 def _refuse_combinations(config: ZeroConfig) -> None:

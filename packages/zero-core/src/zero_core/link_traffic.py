@@ -1,23 +1,28 @@
 """Bytes one training step sends over intra-node and inter-node links, from the formulas.
 
-Every collective an engine issues in one step (one micro-step, no clipping,
-deterministic communicator), each counted by zero_comm's rule (zero_comm.stats: ring
-successor, all_to_all by destination, a broadcast's ring ending at its root), summed over
-all N ranks. With buckets of b elements (padded, w bytes each; none past bucket_numel, as
-an oversized one is reduced in pieces, each coded on its own), N = R x S ranks, nodes of
-``ranks_per_node`` consecutive ranks:
+Every collective an engine issues in one step of A micro-steps (no clipping), each
+counted by zero_comm's rule (zero_comm.stats: ring successor, all_to_all by destination,
+a broadcast's ring ending at its root), summed over all N ranks. With buckets of b
+elements (padded, w bytes each; none past bucket_numel, as an oversized one is reduced in
+pieces, each coded on its own), N = R x S ranks, nodes of ``ranks_per_node`` consecutive
+ranks:
 
     stage 0     all_reduce(b) over the world (b: the flat gradient, in any pieces)
     gradients   flat:    reduce_scatter(b) over the world
                 hybrid:  all_to_all(b) in each shard group; the fold's hops j -> j+1, a
                          broadcast of b/S in each pair of replicas; the result, a broadcast
                          of b/S from replica R-1 over each replica group
+                hybrid, native communicator: reduce_scatter(b) in each shard group, then
+                         all_reduce(b/S) over each replica group; with A > 1 that
+                         all_reduce runs once per step, not per micro-step
                 qgZ:     all_to_all of N coded chunks of b/N in each node, then of M coded
                          node partials across nodes (zero_comm.quantized)
                 + one int32 all_reduce (the non-finite flag) in each shard group
     parameters  stages 1-2: all_gather(b) in each shard group after the step
                 stage 3: forward all_gather(b) in each shard group (qwZ: S coded parts);
                          backward the same, or with hpZ all_gather(b) in each hpZ group
+
+Gradients and stage 3's gathers count A times (every micro-step), the rest once.
 
 :func:`step_link_bytes` computes it; tests hold engines' measured stats to it exactly.
 """
@@ -87,11 +92,15 @@ def step_link_bytes(
     hpz_partition_size: int = 1,
     quantize_weights: bool = False,
     quantize_gradients: str | None = None,
+    accumulation_steps: int = 1,
+    deterministic: bool = True,
 ) -> LinkBytes:
     """One step's bytes by link class (see the module docstring); ``bucket_numels``:
     each bucket's padded elements (a multiple of the shard group's size)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0-3")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps={accumulation_steps}: at least 1")
     n, s = world_size, shard_group_size or world_size
     r, p = n // s, hpz_partition_size
     tally = _Tally(Topology.uniform(n, ranks_per_node))
@@ -104,8 +113,9 @@ def step_link_bytes(
     ]
     across = [list(range(local, n, ranks_per_node)) for local in range(ranks_per_node)]
     hpz = [list(range(a, a + p)) for a in range(0, n, p)]
+    a = accumulation_steps
     for b, times in sorted(Counter(bucket_numels).items()):  # equal buckets count alike
-        tally.times = times
+        tally.times = times * a  # per micro-step
         if stage == 0:  # replicas reduce alike: no flag to agree on
             tally.add(shard, "all_reduce", b, dtype_bytes)
             continue
@@ -114,6 +124,11 @@ def step_link_bytes(
             coded = codec.encoded_numel(b // n)
             tally.add(nodes, "all_to_all", n * coded, 1)
             tally.add(across, "all_to_all", (n // ranks_per_node) * coded, 1)
+        elif r > 1 and not deterministic:
+            tally.add(shard, "reduce_scatter", b, dtype_bytes)
+            tally.times = times if a > 1 else times * a  # at the boundary when accumulating
+            tally.add(replica, "all_reduce", b // s, dtype_bytes)
+            tally.times = times * a
         elif r > 1:
             tally.add(shard, "all_to_all", b, dtype_bytes)
             tally.add(pairs, "broadcast", b // s, dtype_bytes, root=0)
@@ -121,6 +136,7 @@ def step_link_bytes(
         else:
             tally.add(shard, "reduce_scatter", b, dtype_bytes)
         if stage < 3:
+            tally.times = times  # after the step
             tally.add(shard, "all_gather", b, dtype_bytes)
             continue
         if quantize_weights:

@@ -14,6 +14,10 @@ Two placements of the gradient before it is reduced:
 
 The target is the gradient shard (sharded), this rank's own slice of the full buffer
 (full buffers, no accumulation), or a shard of its own (full buffers, accumulation).
+
+Hybrid sharding with a native communicator and accumulation: buckets are reduced inside
+the shard group only, and ``float32_gradients`` (the boundary) first all-reduces each
+accumulated shard across the replicas, in pieces of at most ``bucket_numel``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class ReduceScatteredGradients:
         full_buffers: bool,
         reduce_order: tuple[list[int], list[str]] | None = None,
         reduction: ScatterReduction | None = None,
+        across_replicas: Communicator | None = None,
     ) -> None:
         self.slots = slots
         self.layouts = layouts
@@ -56,6 +61,10 @@ class ReduceScatteredGradients:
         self.config = config
         self.grads_are_views = full_buffers
         self.accumulating = config.gradient_accumulation_steps > 1
+        # Hybrid, native, accumulating: the replicas are summed once, at the boundary.
+        self.across_replicas = across_replicas
+        if across_replicas is not None and not self.accumulating:
+            raise ValueError("across_replicas needs gradient accumulation (it sums shards)")
         # full buffers: per group and bucket, the full gradient (p.grad views).
         self.grad_buckets: list[list[torch.Tensor]] = []
         # sharded, or full buffers with accumulation: per group, this rank's shard.
@@ -166,6 +175,8 @@ class ReduceScatteredGradients:
     def float32_gradients(self) -> list[torch.Tensor]:
         """Per group, this rank's accumulated gradient slice in float32: the shard itself
         when it is float32 (step() scales it in place and clears it after), else a copy."""
+        if self.across_replicas is not None:
+            self._sum_across_replicas()
         if self.grad_shards and not self.grads_are_views:
             return [s if s.dtype == torch.float32 else s.float() for s in self.grad_shards]
         first = 0
@@ -178,6 +189,15 @@ class ReduceScatteredGradients:
                 torch.cat([t.to(torch.float32) for t in targets]) if targets else torch.zeros(0)
             )
         return gradients
+
+    def _sum_across_replicas(self) -> None:
+        assert self.across_replicas is not None
+        piece = self.config.bucket_numel
+        for shard in self.grad_shards:
+            for start in range(0, shard.numel(), piece):
+                self.across_replicas.all_reduce(
+                    shard[start : start + piece], label="gradients across replicas"
+                )
 
     def row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's BLOCK rows, gathered, then listed in parameter order (the order
