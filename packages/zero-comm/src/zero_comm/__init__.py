@@ -12,7 +12,7 @@ results are bit-identical on every backend and to the same sum done in one proce
 
 from .block_quantize import BlockQuantizer, Quantized
 from .comm_options import CommOptions
-from .communicator import Communicator, Handle
+from .communicator import Communicator
 from .errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -21,6 +21,7 @@ from .errors import (
     LaunchEnvError,
     PeerFailureError,
 )
+from .handle import Handle
 from .hierarchy import HybridGroups
 from .launcher_env import LaunchEnv, detect_launch_env
 from .quantized import (

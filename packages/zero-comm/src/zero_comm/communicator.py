@@ -31,8 +31,7 @@ import pickle
 import weakref
 from collections import deque
 from collections.abc import Callable
-from fractions import Fraction
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -47,69 +46,16 @@ from .call_check import (
 )
 from .comm_options import CommOptions
 from .errors import CommError
+from .handle import CompletedWork, Handle, Work
+from .node_groups import NodeGroups
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .reduce_op import ReduceOp
 from .stats import CommStats
-from .topology import Topology, divisors
+from .topology import Topology
 
 
-class Work(Protocol):
-    """An operation in flight; ``wait()`` blocks until it has completed."""
-
-    def wait(self) -> Any: ...
-
-
-class CompletedWork:
-    """A :class:`Work` that is already done (world size 1, empty tensors, simulations)."""
-
-    def wait(self) -> None:
-        return None
-
-
-class Handle:
-    """What an ``async_op=True`` collective returns; ``wait()`` completes it.
-
-    The result is in the output tensor only after ``wait()`` returns. For rank-ordered
-    reductions the local fold (and, for all_reduce, the all-gather that follows it) runs
-    inside ``wait()``. Waiting twice is harmless.
-
-    A handle whose completion issues another collective (the ordered all-reduce's gather
-    phase) is queued on the communicator, and queued phases run strictly in issue order: at
-    the ``wait()`` of that handle or of a later one, or at the next collective, whichever
-    comes first. So ranks may wait in any order, as with torch.distributed, and every rank
-    still issues the same sequence of collectives.
-    """
-
-    def __init__(
-        self, comm: Communicator, name: str, work: Work, finish: Callable[[], None] | None = None
-    ) -> None:
-        self._comm = comm
-        self._name = name
-        self._work = work
-        self._finish = finish
-        self._done = False
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        if self in self._comm._pending:
-            self._comm._run_pending(until=self)
-            return
-        self._complete_now()
-
-    def _complete_now(self) -> None:
-        if not isinstance(self._work, CompletedWork):
-            self._comm._wait(self._work, self._name)
-        self._done = True
-        if self._finish is not None:
-            self._finish()
-
-    def is_completed(self) -> bool:
-        return self._done
-
-
-class Communicator(CallCheck):
+class Communicator(CallCheck, NodeGroups):
     """A group of ``world_size`` ranks and the collectives among them.
 
     Attributes:
@@ -171,43 +117,6 @@ class Communicator(CallCheck):
     def options(self) -> CommOptions:
         """This communicator's options now (what a subgroup split from it inherits)."""
         return CommOptions(self.deterministic, self.check_consistency, self.timeout)
-
-    @property
-    def topology(self) -> Topology:
-        """Which ranks of this communicator share a node (see :meth:`set_topology`)."""
-        return self._topology
-
-    def set_topology(self, topology: Topology | int) -> None:
-        """Override the topology, locally: every rank must pass the same value.
-
-        ``topology`` is a :class:`Topology` of ``world_size`` ranks, or a number of ranks
-        per node (``Topology.uniform``: rank r on node r // ranks_per_node). The stats split
-        what they record from now on by it; ``intra_node`` and ``inter_node`` made before
-        are forgotten (and made anew, collectively, at their next call).
-        """
-        if isinstance(topology, int) and not isinstance(topology, bool):
-            try:
-                topology = Topology.uniform(self.world_size, topology)
-            except ValueError as exc:
-                raise ValueError(self._err(f"set_topology: {exc}")) from None
-        if not isinstance(topology, Topology):
-            raise TypeError(
-                self._err(
-                    f"set_topology: expected a Topology or a number of ranks per node, got "
-                    f"{topology!r}"
-                )
-            )
-        if topology.world_size != self.world_size:
-            raise ValueError(
-                self._err(
-                    f"set_topology: the topology has {topology.world_size} ranks but this "
-                    f"communicator {self.world_size}"
-                )
-            )
-        self._topology = topology
-        self.stats.set_topology(topology, self.rank)
-        self._groups.pop(("intra_node", 0), None)
-        self._groups.pop(("inter_node", 0), None)
 
     def __repr__(self) -> str:
         return (
@@ -653,86 +562,6 @@ class Communicator(CallCheck):
         child.set_topology(self.topology.restrict(child.parent_ranks))
         self._children.append(weakref.ref(child))
         return child
-
-    def family(self) -> list[Communicator]:
-        """This communicator and every live one split from it, recursively (this rank's
-        members of them): the groups an engine's traffic goes through."""
-        out: list[Communicator] = [self]
-        for ref in self._children:
-            child = ref()
-            if child is not None:
-                out += child.family()
-        return out
-
-    def family_link_bytes(self) -> tuple[Fraction, Fraction]:
-        """(intra-node, inter-node) bytes this rank sent, over :meth:`family`'s stats."""
-        family = self.family()
-        return (
-            sum((c.stats.intra_node_bytes for c in family), Fraction(0)),
-            sum((c.stats.inter_node_bytes for c in family), Fraction(0)),
-        )
-
-    # ------------------------------------------------------- topology subgroups
-    def intra_node(self) -> Communicator:
-        """Collective, the first time: the ranks of this rank's node, in rank order.
-
-        Made by ``split`` on the first call and kept (until ``set_topology``), so every rank
-        must call ``intra_node``, ``inter_node`` and ``shard_groups`` in the same order.
-        """
-        key = ("intra_node", 0)
-        if key not in self._groups:
-            self._groups[key] = (self.split(color=self.topology.node_of[self.rank]),)
-        return self._groups[key][0]
-
-    def inter_node(self) -> Communicator:
-        """Collective, the first time: the ranks with this rank's local index on every node
-        (its position among its node's ranks), in rank order. Needs the same number of
-        ranks on every node. Kept as :meth:`intra_node` is; the same calling rule."""
-        key = ("inter_node", 0)
-        if key not in self._groups:
-            topology = self.topology
-            if topology.ranks_per_node is None:
-                counts = {n: len(topology.local_ranks(n)) for n in topology.nodes}
-                raise ValueError(
-                    self._err(
-                        f"inter_node: the nodes hold unequal numbers of ranks ({counts}, node: "
-                        "ranks), so no group has one rank of each; use shard_groups(size) for "
-                        "groups by rank, or a topology with the same ranks on every node"
-                    )
-                )
-            self._groups[key] = (self.split(color=topology.local_index(self.rank)),)
-        return self._groups[key][0]
-
-    def shard_groups(self, shard_size: int) -> tuple[Communicator, Communicator]:
-        """Collective, the first time for each size: ``(shard, replica)`` communicators.
-
-        ``shard``: the ranks r with the same r // shard_size (contiguous blocks of
-        ``shard_size``); ``replica``: those with the same r % shard_size (one of each
-        block), both in rank order. For N = R x S ranks, S = shard_size:
-
-            N = 6, S = 3:  shard groups {0,1,2} {3,4,5}; replica groups {0,3} {1,4} {2,5}
-
-        Kept as :meth:`intra_node` is; the same calling rule.
-        """
-        if (
-            not isinstance(shard_size, int)
-            or isinstance(shard_size, bool)
-            or shard_size < 1
-            or self.world_size % shard_size
-        ):
-            raise ValueError(
-                self._err(
-                    f"shard_groups: shard_size={shard_size!r} does not divide the "
-                    f"{self.world_size} ranks; valid sizes: {divisors(self.world_size)}"
-                )
-            )
-        key = ("shard_groups", shard_size)
-        if key not in self._groups:
-            shard = self.split(color=self.rank // shard_size)
-            replica = self.split(color=self.rank % shard_size)
-            self._groups[key] = (shard, replica)
-        shard, replica = self._groups[key]
-        return shard, replica
 
     # ---------------------------------------------------------- rank-ordered sums
     def _ordered_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> Handle:

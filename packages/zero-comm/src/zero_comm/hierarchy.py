@@ -37,7 +37,8 @@ from typing import Literal
 
 import torch
 
-from .communicator import Communicator, CompletedWork, Handle
+from .communicator import Communicator
+from .handle import CompletedWork, Handle
 from .ordered import fold_rows
 from .reduce_op import ReduceOp
 

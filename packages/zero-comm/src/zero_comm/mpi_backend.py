@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from .comm_options import CommOptions
-from .communicator import Communicator, Work
+from .communicator import Communicator
 from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
+from .handle import Work
 from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
 

@@ -62,7 +62,8 @@ from typing import Literal, NoReturn, overload
 import torch
 
 from .block_quantize import QUANTIZABLE_DTYPES, BlockQuantizer
-from .communicator import Communicator, Handle
+from .communicator import Communicator
+from .handle import Handle
 
 
 class QuantizationFallbackWarning(UserWarning):

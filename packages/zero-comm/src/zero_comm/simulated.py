@@ -28,8 +28,9 @@ from typing import Any, TypeVar
 import torch
 
 from .comm_options import CommOptions
-from .communicator import Communicator, CompletedWork, Work
+from .communicator import Communicator
 from .errors import CommError, CommTimeoutError
+from .handle import CompletedWork, Work
 from .ordered import chunk_numel
 from .reduce_op import ReduceOp
 from .topology import Topology

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from .comm_options import CommOptions
-from .communicator import Communicator, Work
+from .communicator import Communicator
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
+from .handle import Work
 from .launcher_env import LaunchEnv
 from .peers import Peer, describe_dead
 from .reduce_op import ReduceOp

@@ -27,7 +27,7 @@ from zero_comm import (
     QuantizationFallbackWarning,
     quantized_reduce_scatter,
 )
-from zero_comm.communicator import CompletedWork
+from zero_comm.handle import CompletedWork
 
 from .config import ZeroConfig
 
