@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from typing import Any, Protocol
 
 
 class Work(Protocol):
     """An operation in flight; ``wait()`` blocks until it has completed."""
 
     def wait(self) -> Any: ...
+
+
+class HandleOwner(Protocol):
+    """What a handle needs of its communicator: the queue of handles whose completion
+    issues another collective, run in issue order, and the backend's wait."""
+
+    _pending: deque[Handle]
+
+    def _run_pending(self, until: Handle | None = None) -> None: ...
+
+    def _wait(self, work: Work, name: str) -> None: ...
 
 
 class CompletedWork:
@@ -37,7 +46,7 @@ class Handle:
     """
 
     def __init__(
-        self, comm: Communicator, name: str, work: Work, finish: Callable[[], None] | None = None
+        self, comm: HandleOwner, name: str, work: Work, finish: Callable[[], None] | None = None
     ) -> None:
         self._comm = comm
         self._name = name

@@ -15,13 +15,13 @@ from __future__ import annotations
 import abc
 import weakref
 from fractions import Fraction
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from .stats import CommStats
 from .topology import Topology, divisors
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 
 class NodeGroups(abc.ABC):
@@ -32,15 +32,15 @@ class NodeGroups(abc.ABC):
     stats: CommStats
     _topology: Topology
     # Sub-communicators made by intra_node, inter_node and shard_groups, by request.
-    _groups: dict[tuple[str, int], tuple[Communicator, ...]]
+    _groups: dict[tuple[str, int], tuple[Self, ...]]
     # Communicators split from this one (weakly: an engine's groups die with it).
-    _children: list[weakref.ref[Communicator]]
+    _children: list[weakref.ref[Self]]
 
     @abc.abstractmethod
     def _err(self, message: str) -> str: ...
 
     @abc.abstractmethod
-    def split(self, color: int, key: int | None = None) -> Communicator: ...
+    def split(self, color: int, key: int | None = None) -> Self: ...
 
     @property
     def topology(self) -> Topology:
@@ -79,10 +79,10 @@ class NodeGroups(abc.ABC):
         self._groups.pop(("intra_node", 0), None)
         self._groups.pop(("inter_node", 0), None)
 
-    def family(self) -> list[Communicator]:
+    def family(self) -> list[Self]:
         """This communicator and every live one split from it, recursively (this rank's
         members of them): the groups an engine's traffic goes through."""
-        out: list[Communicator] = [cast("Communicator", self)]
+        out: list[Self] = [self]
         for ref in self._children:
             child = ref()
             if child is not None:
@@ -98,7 +98,7 @@ class NodeGroups(abc.ABC):
         )
 
     # ------------------------------------------------------- topology subgroups
-    def intra_node(self) -> Communicator:
+    def intra_node(self) -> Self:
         """Collective, the first time: the ranks of this rank's node, in rank order.
 
         Made by ``split`` on the first call and kept (until ``set_topology``), so every rank
@@ -109,7 +109,7 @@ class NodeGroups(abc.ABC):
             self._groups[key] = (self.split(color=self.topology.node_of[self.rank]),)
         return self._groups[key][0]
 
-    def inter_node(self) -> Communicator:
+    def inter_node(self) -> Self:
         """Collective, the first time: the ranks with this rank's local index on every node
         (its position among its node's ranks), in rank order. Needs the same number of
         ranks on every node. Kept as :meth:`intra_node` is; the same calling rule."""
@@ -128,7 +128,7 @@ class NodeGroups(abc.ABC):
             self._groups[key] = (self.split(color=topology.local_index(self.rank)),)
         return self._groups[key][0]
 
-    def shard_groups(self, shard_size: int) -> tuple[Communicator, Communicator]:
+    def shard_groups(self, shard_size: int) -> tuple[Self, Self]:
         """Collective, the first time for each size: ``(shard, replica)`` communicators.
 
         ``shard``: the ranks r with the same r // shard_size (contiguous blocks of
