@@ -24,9 +24,12 @@ REAL_WORLDS = pytest.mark.parametrize(
 
 @REAL_WORLDS
 def test_stages_equal_stage_0_on_three_real_ranks(backend: str, launcher: str) -> None:
+    # gloo's 15 examples took 53 s of the default run (MPI's 25 s): 10 keep it near 35 s;
+    # the simulated parity suites cover the same property with many more examples.
+    examples = 10 if backend == "gloo" else 15
     reports = run_on_ranks(stage_bodies.parity_suite, 3, backend=backend, launcher=launcher,
-                           kwargs={"examples": 15}, timeout=300)  # fmt: skip
-    assert [r["value"] for r in reports] == [15, 15, 15]
+                           kwargs={"examples": examples}, timeout=300)  # fmt: skip
+    assert [r["value"] for r in reports] == [examples] * 3
 
 
 @pytest.mark.parametrize(
