@@ -222,3 +222,11 @@ def test_half_precision_note_doubles_the_ratio() -> None:
     records += schedule({"zero++": [1.0]}, inter_node_bytes=120_000)
     (note,) = bc.half_precision_notes(bc.summarize(records, "100mbit", RATE_BITS), "100mbit")
     assert "2 x 0.120 = 0.240 (still within the goal)" in note
+
+
+def test_the_speedup_bound_is_flat_step_over_the_step_with_only_the_link_time_cut() -> None:
+    """At 100 Mbit/s flat stage 3 spent 4.64 s of 6.79 on the link; ZeRO++ needs 0.54 s:
+    at most 6.79 / (6.79 - 4.64 + 0.54) = 2.52x. At a link 10x faster: far below 1.5x."""
+    assert bc.speedup_bound(6.79, 4.64, 0.54) == pytest.approx(6.79 / 2.69)
+    assert bc.speedup_bound(5.0, 0.46, 0.05) < bc.MIN_SPEEDUP
+    assert "below the 1.5x goal" in bc.speedup_bound_note(5.0, 0.46, 0.05)

@@ -22,6 +22,8 @@ default), from the same seed on the same batches:
     qgz         --quantize-gradients int4       (ZeRO++ qgZ: int4 hierarchical all-to-all)
     zero++      --hpz 2 --quantize-weights --quantize-gradients int4
     fsdp2-hsdp  PyTorch FSDP2, fully_shard on a 2-D DeviceMesh (replicate=2, shard=2)
+    deepspeed-hpz  DeepSpeed stage 3, zero_hpz_partition_size 2 (its ZeRO++ hpZ), fp32;
+                in the default --variants only where DeepSpeed is importable
 
 Why one launch per rate and not one zero-train run per variant and round: a launch (4 ranks
 and 2 launchers importing torch on this 2-core machine) costs tens of seconds, which would
@@ -48,9 +50,9 @@ interquartile range; the speed-up over flat stage 3 as the median over rounds of
 (flat's median step / this variant's median step, both in the same round); bytes per step;
 the loss after the last step; the *link floor*, inter-node bytes per step / 2 directions /
 the rate: the step time if the link alone limited it (a floor far below the step time
-means the step is bound by the CPU, not the link). Goals (:func:`check_goals`, at the main
+means the step is bound by the CPU, not the link). Goals (:func:`check_goals`, at every
 rate): ZeRO++ together sends at most 0.3x flat stage 3's inter-node bytes and steps at least
-1.5x faster.
+1.5x faster; beside them, the most any cut of link time could give (:func:`speedup_bound`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 WORKER = TOOLS / "bench_cluster_worker.py"
 
-# name -> zero-train flags (on top of --stage 3); None: not ours (FSDP2's HSDP).
+FSDP2_HSDP = "fsdp2-hsdp"
+DEEPSPEED_HPZ = "deepspeed-hpz"
+# name -> zero-train flags (on top of --stage 3); None: not ours (FSDP2's HSDP, DeepSpeed's
+# hpZ: the worker builds those itself, from the same zero-train options).
 VARIANTS: dict[str, list[str] | None] = {
     "flat": [],
     "hybrid": ["--shard-group", "2"],
@@ -83,7 +88,8 @@ VARIANTS: dict[str, list[str] | None] = {
     "qwz": ["--quantize-weights"],
     "qgz": ["--quantize-gradients", "int4"],
     "zero++": ["--hpz", "2", "--quantize-weights", "--quantize-gradients", "int4"],
-    "fsdp2-hsdp": None,
+    FSDP2_HSDP: None,
+    DEEPSPEED_HPZ: None,
 }
 BASELINE = "flat"
 ZEROPP = "zero++"
@@ -92,13 +98,25 @@ MODELS: dict[str, list[str]] = {
     "small": ["--model", "small"],
     "large": ["--model", "small", "--layers", "8", "--width", "256"],
 }
-DEFAULT_RATES = ("100mbit", "300mbit")
+DEFAULT_RATES = ("100mbit", "1gbit")
 MAX_INTER_RATIO = 0.3  # ZeRO++ inter-node bytes / flat stage 3's, at most
-MIN_SPEEDUP = 1.5  # flat stage 3's step time / ZeRO++'s, at least, at the main rate
+MIN_SPEEDUP = 1.5  # flat stage 3's step time / ZeRO++'s, at least, at each rate
 MB = 1e6
 
 
 # -- the schedule -------------------------------------------------------------------------------
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def default_variants(dtype: str = "fp32") -> list[str]:
+    """Every variant, less deepspeed-hpz where DeepSpeed is not installed or not fp32."""
+    runs_deepspeed = dtype == "fp32" and deepspeed_available()
+    return [v for v in VARIANTS if v != DEEPSPEED_HPZ or runs_deepspeed]
 
 
 def variant_order(variants: Sequence[str], round_index: int) -> list[str]:
@@ -328,14 +346,33 @@ def boundness_notes(summaries: Sequence[VariantSummary], rate: str) -> list[str]
             f"{model} at {rate}: the link alone would take {flat.link_floor_s:.2f} s of flat "
             f"stage 3's {flat.step_s.median:.2f} s step and {zpp.link_floor_s:.2f} s of "
             f"ZeRO++'s {zpp.step_s.median:.2f} s; the rest is computation (quantization "
-            "included) and waiting for the shared CPU, which ZeRO++ does not shrink"
+            "included) and waiting for the shared CPU, which ZeRO++ does not shrink. "
+            f"{speedup_bound_note(flat.step_s.median, flat.link_floor_s, zpp.link_floor_s)}"
         )
     return notes
 
 
+def speedup_bound(flat_step_s: float, flat_floor_s: float, zpp_floor_s: float) -> float:
+    """The most ZeRO++ could speed flat stage 3 up by cutting link time alone (Amdahl):
+    flat's step less its link floor, plus ZeRO++'s floor, with no cost added for the
+    quantization; the link time is taken as not overlapped, so this is an upper bound."""
+    return flat_step_s / max(flat_step_s - flat_floor_s + zpp_floor_s, 1e-12)
+
+
+def speedup_bound_note(flat_step_s: float, flat_floor_s: float, zpp_floor_s: float) -> str:
+    bound = speedup_bound(flat_step_s, flat_floor_s, zpp_floor_s)
+    verdict = "below" if bound < MIN_SPEEDUP else "at or above"
+    return (
+        f"Bound: were the link time all that changed, ZeRO++ could be at most {bound:.2f}x "
+        f"faster here ({verdict} the {MIN_SPEEDUP}x goal)"
+    )
+
+
 def derived_notes(summaries: Sequence[VariantSummary], main_rate: str, dtype: str) -> list[str]:
     """The report's notes that follow from the numbers."""
-    notes = exactness_notes(summaries) + boundness_notes(summaries, main_rate)
+    rates = list(dict.fromkeys(s.rate for s in summaries))
+    notes = exactness_notes(summaries)
+    notes += [n for rate in rates for n in boundness_notes(summaries, rate)]
     return notes + (half_precision_notes(summaries, main_rate) if dtype == "fp32" else [])
 
 
@@ -426,7 +463,7 @@ loss = mean over ranks after the variant's last step (N steps in all, the same b
 
 {markdown_table(summaries)}
 
-## Goals (issue 16, item 8), judged at the main rate {context.get("main_rate", "?")}
+## Goals (issue 16, item 8), judged at every rate
 
 {chr(10).join(f"- {v.line()}" for v in verdicts)}
 
@@ -453,18 +490,33 @@ def worker_argv(args: argparse.Namespace, records: Path, rounds: int) -> list[st
     ]  # fmt: skip
 
 
-def deepspeed_note() -> str:
-    """Whether DeepSpeed's zero_hpz_partition_size could run beside hpZ here, and why not."""
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
+def deepspeed_note(variants: Sequence[str] = ()) -> str:
+    """Whether DeepSpeed's zero_hpz_partition_size ran beside hpZ (``variants``), or why not."""
+    if not deepspeed_available():
         return (
             "DeepSpeed's `zero_hpz_partition_size` was not run beside hpZ: DeepSpeed is not "
             f"installed in this environment ({sys.executable})"
         )
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("deepspeed")
+    except PackageNotFoundError:
+        release = "?"
+    if DEEPSPEED_HPZ not in variants:
+        return (
+            f"DeepSpeed {release} is importable here, but {DEEPSPEED_HPZ} was left out of "
+            "--variants: `zero_hpz_partition_size` was not run"
+        )
     return (
-        "DeepSpeed is importable here, but this benchmark does not drive it yet: "
-        "`zero_hpz_partition_size` was not run"
+        f"{DEEPSPEED_HPZ}: DeepSpeed {release}'s ZeRO stage 3 with `zero_hpz_partition_size` "
+        "2 (hpZ groups: the two ranks of a node), fp32, gloo, its CPU accelerator; the same "
+        "GPT, initial values, batches, torch AdamW, schedule and clipping as fsdp2-hsdp; "
+        "`stage3_max_reuse_distance` and `stage3_prefetch_bucket_size` 0 (otherwise it keeps "
+        "forward's gathered parameters until backward on these models, and hpZ's backward "
+        "gathers do not happen), the other stage 3 sizes our engine's defaults. Its bytes "
+        "are its torch.distributed "
+        "calls, counted and split as fsdp2-hsdp's"
     )
 
 
@@ -512,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
                         help="tc rates, comma-separated; the first is the main rate")  # fmt: skip
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="the first is the baseline")
+    parser.add_argument("--variants", help="the first is the baseline; default: "
+                        f"{','.join(VARIANTS)} ({DEEPSPEED_HPZ} with DeepSpeed, fp32)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="at the main rate")
     parser.add_argument("--other-rounds", type=int, default=2, help="at the other rates")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
@@ -527,12 +580,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.rates = args.rates.split(",")
     args.models = args.models.split(",")
-    args.variants = args.variants.split(",")
+    args.variants = (args.variants or ",".join(default_variants(args.dtype))).split(",")
     unknown = [m for m in args.models if m not in MODELS] + [
         v for v in args.variants if v not in VARIANTS
     ]
     if unknown:
         parser.error(f"unknown {unknown}: models are {list(MODELS)}, variants {list(VARIANTS)}")
+    if DEEPSPEED_HPZ in args.variants and not args.rerender:
+        if not deepspeed_available():
+            parser.error(f"{DEEPSPEED_HPZ} needs DeepSpeed, not installed for {sys.executable}")
+        if args.dtype != "fp32":
+            parser.error(f"{DEEPSPEED_HPZ} runs fp32 only (was tried in fp32 alone)")
     if args.variants[0] != BASELINE:
         parser.error(f"--variants must start with the baseline {BASELINE!r}")
     if min(args.rounds, args.other_rounds, args.steps) < 1 or args.warmup < 0:
@@ -572,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[str, Any]) -> None:
-    """Summarize ``raw`` (rate -> the launch's records), judge the goals at the main rate,
+    """Summarize ``raw`` (rate -> the launch's records), judge the goals at every rate,
     write --md and --json (the context and raw records as given) and print the table."""
     summaries = [
         summary
@@ -581,7 +639,8 @@ def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[s
             [StepRecord(**r) for r in launch["records"]], rate, context["links"][rate]["rate_bits"]
         )
     ]
-    verdicts = check_goals(summaries, context["main_rate"])
+    rates = list(dict.fromkeys(s.rate for s in summaries))
+    verdicts = [v for rate in rates for v in check_goals(summaries, rate)]
     notes = derived_notes(summaries, context["main_rate"], context.get("dtype", "fp32"))
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(
@@ -689,7 +748,8 @@ def report_context(
             f"{models}; {made['precision']}; global batch {args.batch_size} "
             f"({args.batch_size // 4} sequences per rank), "
             "AdamW and learning-rate schedule, clipping and seed as zero-train's defaults; "
-            "every variant stage 3 with deterministic communicators. fsdp2-hsdp: the same "
+            "every variant stage 3, zero-train's with deterministic communicators. "
+            "fsdp2-hsdp: the same "
             "GPT, initial values, batches, AdamW, schedule and clipping, fully_shard per "
             "block and the root on init_device_mesh('cpu', (2, 2), ('replicate', 'shard'))"
         ),
@@ -698,7 +758,7 @@ def report_context(
             f"({args.other_rounds} at the other rates) of {args.steps} timed steps of every "
             "variant, the order rotated by one per round"
         ),
-        "notes": [deepspeed_note(), *launch.get("notes", [])],
+        "notes": [deepspeed_note(args.variants), *launch.get("notes", [])],
     }
 
 

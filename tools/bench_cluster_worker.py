@@ -26,12 +26,30 @@ values) on a 2-D DeviceMesh (replicate = nodes, shard = ranks per node): HSDP. I
 is its torch.distributed calls (tools/peer_comm.py's hooks), each split into intra- and
 inter-node bytes by the rule of zero_comm.stats (a ring collective's volume goes to the
 rank's successor in its group: inter-node when that rank is on another node).
+
+``deepspeed-hpz`` is DeepSpeed's ZeRO stage 3 with ZeRO++'s hpZ
+(``zero_hpz_partition_size`` = ranks per node: a secondary copy of the parameters sharded
+inside a node, which backward gathers from), fp32, on the world group DeepSpeed takes from
+torch.distributed (its hpZ groups are consecutive ranks: one node's with node-major ranks).
+The same GPT and initial values (``GPT(config, seed)`` on the CPU), batches, torch AdamW,
+schedule and clipping (DeepSpeed's ``gradient_clipping``) as the others; its reduce bucket,
+live parameters and persistence threshold are our engine's defaults, and two knobs are 0 so
+that backward gathers again, as hpZ needs: ``stage3_max_reuse_distance`` (its default, 1e9
+elements, keeps every parameter gathered in forward until backward on models this small)
+and ``stage3_prefetch_bucket_size`` (once its trace is recorded it prefetches, and a
+prefetched parameter is not released: with our 2**22 window, the whole model here, no
+backward gather happened from the second step on, every collective was the world's). Its
+traffic is counted as FSDP2's is: DeepSpeed calls the collectives of torch.distributed,
+which peer_comm hooks.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import logging
+import os
 import statistics
 import sys
 import time
@@ -40,7 +58,7 @@ from typing import IO, Any
 import peer_comm
 import torch
 import torch.distributed as dist
-from bench_cluster import MODELS, VARIANTS, variant_order
+from bench_cluster import DEEPSPEED_HPZ, FSDP2_HSDP, MODELS, VARIANTS, variant_order
 from peer_trainers import Hyper, Trainer, local, next_token_loss
 from torch import nn
 
@@ -232,11 +250,101 @@ class FsdpHsdp(BenchTrainer):
         del self.optimizer, self.model
 
 
+class DeepSpeedHpz(BenchTrainer):
+    """DeepSpeed's stage 3 with hpZ (zero_hpz_partition_size = ranks per node), fp32."""
+
+    name = DEEPSPEED_HPZ
+
+    def __init__(
+        self, args: argparse.Namespace, config: GPTConfig, topology: zero_comm.Topology,
+        world_size: int,
+    ) -> None:  # fmt: skip
+        per_node = topology.ranks_per_node
+        if (
+            per_node is None
+            or per_node < 2
+            or topology.node_of != tuple(r // per_node for r in range(topology.world_size))
+        ):
+            raise ValueError(
+                f"{self.name} needs node-major ranks, at least 2 on every node (DeepSpeed's "
+                f"hpZ groups are consecutive ranks); the topology here is {topology}"
+            )
+        if args.dtype != "fp32" or args.grad_accum != 1:
+            raise ValueError(
+                f"{self.name} runs fp32 with one micro-batch per step; got --dtype "
+                f"{args.dtype} --grad-accum {args.grad_accum}: leave it out of --variants"
+            )
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed = importlib.import_module("deepspeed")  # after peer_comm.install()
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo")  # takes torch's initialised world
+        ours = zero_core.ZeroConfig(stage=3)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": args.batch_size // world_size,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {
+                "stage": 3,
+                "zero_hpz_partition_size": per_node,
+                "reduce_bucket_size": ours.bucket_numel,
+                "stage3_max_live_parameters": ours.max_live_numel,
+                "stage3_param_persistence_threshold": ours.persistence_threshold,
+                # release after use, prefetch nothing: backward gathers (hpZ); see above
+                "stage3_max_reuse_distance": 0,
+                "stage3_prefetch_bucket_size": 0,
+            },
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # the same torch AdamW as the others
+            "gradient_clipping": args.clip,  # 0: off, as zero-train's --clip 0
+            "steps_per_print": 2**30,
+            "wall_clock_breakdown": False,
+        }
+        self.counter = LinkCounter(topology.node_of)
+        model = GPT(config, seed=args.seed)  # on the CPU: GPT's initial values for the seed
+        with self.counter:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=Hyper(lr=args.lr).adamw(model.parameters()),
+                config=ds_config,
+            )  # fmt: skip
+        self.counter.intra = self.counter.inter = 0.0
+        self.counter.reset()
+        self.version = str(deepspeed.__version__)
+        self.partition_size = self.engine.zero_hpz_partition_size()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.counter:
+            return next_token_loss(self.engine(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.counter:
+            self.engine.backward(loss)
+
+    def optimizer_step(self) -> None:
+        with self.counter:
+            self.engine.step()
+        if self.engine.skipped_steps:
+            raise RuntimeError(f"[rank {dist.get_rank()}] {self.name}: a step was skipped")
+
+    def link_bytes(self) -> tuple[float, float]:
+        return self.counter.intra, self.counter.inter
+
+    def close(self) -> None:
+        self.engine.destroy()
+        del self.engine, self.optimizer
+
+
 def build(
     name: str, args: argparse.Namespace, config: GPTConfig, world: zero_comm.Communicator
 ) -> BenchTrainer:
-    if VARIANTS[name] is None:
+    if name == FSDP2_HSDP:
         return FsdpHsdp(args, config, world.topology)
+    if name == DEEPSPEED_HPZ:
+        return DeepSpeedHpz(args, config, world.topology, world.world_size)
+    if VARIANTS[name] is None:
+        raise ValueError(f"{name}: a variant that is not zero-train's needs a trainer here")
     return ZeroTrainVariant(name, args, config, world.split(color=0))
 
 
@@ -329,12 +437,16 @@ def run_model(launch: Launch, model: str, cli: argparse.Namespace) -> dict[str, 
         for name in variant_order(cli.variants, round_index):
             block(name, round_index, cli.steps)
     notes = []
-    fsdp = trainers.get("fsdp2-hsdp")
-    if isinstance(fsdp, FsdpHsdp):
-        calls = dict(fsdp.counter.calls)
-        if not calls:
-            notes.append(f"{model}: fsdp2-hsdp's collectives were not seen by the hooks: its "
+    for peer in (trainers.get(FSDP2_HSDP), trainers.get(DEEPSPEED_HPZ)):
+        if isinstance(peer, FsdpHsdp | DeepSpeedHpz) and not peer.counter.calls:
+            notes.append(f"{model}: {peer.name}'s collectives were not seen by the hooks: its "
                          "bytes read 0")  # fmt: skip
+    deepspeed = trainers.get(DEEPSPEED_HPZ)
+    if isinstance(deepspeed, DeepSpeedHpz):
+        notes.append(
+            f"{model}: {DEEPSPEED_HPZ} ran DeepSpeed {deepspeed.version}'s stage 3 with "
+            f"zero_hpz_partition_size={deepspeed.partition_size}"
+        )
     for trainer in trainers.values():
         trainer.close()
     return {"params": config.num_params, "config": config.__dict__, "notes": notes}
