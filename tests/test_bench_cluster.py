@@ -1,5 +1,6 @@
-"""tools/bench_cluster.py's pure parts: the schedule, the records, the statistics, the goals
-and the report. No cluster is built here (the benchmark itself runs in `nox -s cluster`)."""
+"""tools/bench_cluster.py's pure parts (the schedule, the command line) and
+tools/bench_cluster_report.py's (the records, the statistics, the goals and the report).
+No cluster is built here (the benchmark itself runs in `nox -s cluster`)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 import bench_cluster as bc  # noqa: E402
+import bench_cluster_report as bcr  # noqa: E402
 
 RATE_BITS = 100e6
 
 
-def record(variant: str, round_index: int, step: int, step_s: float, **kw: float) -> bc.StepRecord:
+def record(variant: str, round_index: int, step: int, step_s: float, **kw: float) -> bcr.StepRecord:
     values = {"loss": 5.0, "intra_node_bytes": 1000, "inter_node_bytes": 4000, **kw}
-    return bc.StepRecord("small", variant, round_index, step, step_s, **values)  # type: ignore[arg-type]
+    return bcr.StepRecord("small", variant, round_index, step, step_s, **values)  # type: ignore[arg-type]
 
 
 def schedule(
     variants: dict[str, list[float]], warmup_s: float = 99.0, **kw: float
-) -> list[bc.StepRecord]:
+) -> list[bcr.StepRecord]:
     """Records of one model: 2 warm-up steps of each variant at ``warmup_s``, then one step
     per round at the times given (round i: ``variants[v][i]``), in rotated order."""
     names = list(variants)
@@ -62,7 +64,7 @@ def test_variant_order_needs_variants() -> None:
 def test_parse_records_splits_steps_from_other_records() -> None:
     step = {**record("flat", 0, 2, 1.5)._asdict(), "rank_step_s": [1.5, 1.4]}
     lines = [json.dumps({"launch": {"world_size": 4}}), "", json.dumps(step), "  "]
-    others, steps = bc.parse_records(lines)
+    others, steps = bcr.parse_records(lines)
     assert others == [{"launch": {"world_size": 4}}]
     assert steps == [record("flat", 0, 2, 1.5)]
     assert steps[0].timed and not record("flat", -1, 0, 1.0).timed
@@ -71,7 +73,7 @@ def test_parse_records_splits_steps_from_other_records() -> None:
 @pytest.mark.parametrize("line", ["{not json", "[1, 2]"])
 def test_parse_records_names_a_bad_line(line: str) -> None:
     with pytest.raises(ValueError, match="record line 2"):
-        bc.parse_records([json.dumps({"launch": {}}), line])
+        bcr.parse_records([json.dumps({"launch": {}}), line])
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -79,14 +81,14 @@ def test_parse_records_names_a_bad_line(line: str) -> None:
 
 @given(st.lists(st.floats(0.001, 1e3), min_size=1, max_size=40))
 def test_spread_is_ordered(samples: list[float]) -> None:
-    s = bc.Spread.of(samples)
+    s = bcr.Spread.of(samples)
     assert s.low == min(samples) and s.high == max(samples)
     assert s.low <= s.q1 <= s.median <= s.q3 <= s.high
 
 
 def test_spread_needs_samples() -> None:
     with pytest.raises(ValueError, match="no samples"):
-        bc.Spread.of([])
+        bcr.Spread.of([])
 
 
 @given(st.lists(st.floats(0.5, 20.0), min_size=1, max_size=6),
@@ -96,7 +98,7 @@ def test_speedup_is_taken_within_each_round(load: list[float], faster: float) ->
     flat in every round, so the same-round ratio is exact whatever the drift, while the
     ratio of overall medians need not be."""
     records = schedule({"flat": [x * faster for x in load], "zero++": load})
-    flat, zpp = bc.summarize(records, "100mbit", RATE_BITS)
+    flat, zpp = bcr.summarize(records, "100mbit", RATE_BITS)
     assert flat.speedup is not None and zpp.speedup is not None
     assert flat.speedup.median == pytest.approx(1.0)
     assert zpp.speedup.median == pytest.approx(faster)
@@ -105,7 +107,7 @@ def test_speedup_is_taken_within_each_round(load: list[float], faster: float) ->
 
 def test_summarize_leaves_out_the_warm_up_steps() -> None:
     records = schedule({"flat": [1.0, 2.0, 3.0], "hpz": [1.0, 1.0, 1.0]}, warmup_s=50.0)
-    flat, hpz = bc.summarize(records, "100mbit", RATE_BITS)
+    flat, hpz = bcr.summarize(records, "100mbit", RATE_BITS)
     assert (flat.step_s.median, flat.step_s.low, flat.step_s.high) == (2.0, 1.0, 3.0)
     assert (flat.steps_timed, flat.steps_total) == (3, 5)
     assert hpz.step_s.high == 1.0
@@ -116,7 +118,7 @@ def test_summarize_bytes_ratio_floor_and_final_loss() -> None:
     records = schedule({"flat": [2.0]}, inter_node_bytes=10_000_000)
     records += schedule({"zero++": [1.0]}, inter_node_bytes=1_000_000)
     records.append(record("zero++", 0, 3, 1.0, inter_node_bytes=1_000_000, loss=4.25))
-    flat, zpp = bc.summarize(records, "100mbit", RATE_BITS)
+    flat, zpp = bcr.summarize(records, "100mbit", RATE_BITS)
     assert zpp.inter_ratio == pytest.approx(0.1)
     assert flat.inter_ratio == 1.0
     # 10 MB over two directions of 100 Mbit/s: 5e6 * 8 / 1e8 = 0.4 s
@@ -124,17 +126,17 @@ def test_summarize_bytes_ratio_floor_and_final_loss() -> None:
     assert zpp.final_loss == 4.25  # the loss of the last step, not of the last record read
     assert zpp.bytes_constant and flat.bytes_constant
     varying = [*schedule({"flat": [1.0, 1.0]}), record("flat", 1, 9, 1.0, inter_node_bytes=1)]
-    assert not bc.summarize(varying, "100mbit", RATE_BITS)[0].bytes_constant
+    assert not bcr.summarize(varying, "100mbit", RATE_BITS)[0].bytes_constant
 
 
 def test_summarize_without_a_baseline_has_no_ratios() -> None:
-    (hpz,) = bc.summarize(schedule({"hpz": [1.0]}), "100mbit", RATE_BITS)
+    (hpz,) = bcr.summarize(schedule({"hpz": [1.0]}), "100mbit", RATE_BITS)
     assert hpz.speedup is None and hpz.inter_ratio is None
 
 
 def test_summarize_refuses_a_variant_with_only_warm_up() -> None:
     with pytest.raises(ValueError, match="no timed steps"):
-        bc.summarize([record("flat", -1, 0, 1.0)], "100mbit", RATE_BITS)
+        bcr.summarize([record("flat", -1, 0, 1.0)], "100mbit", RATE_BITS)
 
 
 # -- goals and report ---------------------------------------------------------------------------
@@ -144,32 +146,32 @@ def test_summarize_refuses_a_variant_with_only_warm_up() -> None:
 def test_goals_follow_the_thresholds(ratio: float, speedup: float) -> None:
     records = schedule({"flat": [speedup]}, inter_node_bytes=1_000_000)
     records += schedule({"zero++": [1.0]}, inter_node_bytes=round(ratio * 1_000_000))
-    summaries = bc.summarize(records, "100mbit", RATE_BITS)
-    bytes_goal, speed_goal = bc.check_goals(summaries, "100mbit")
+    summaries = bcr.summarize(records, "100mbit", RATE_BITS)
+    bytes_goal, speed_goal = bcr.check_goals(summaries, "100mbit")
     measured_ratio = round(ratio * 1_000_000) / 1_000_000
-    assert bytes_goal.met == (measured_ratio <= bc.MAX_INTER_RATIO)
-    assert speed_goal.met == (speedup >= bc.MIN_SPEEDUP)
+    assert bytes_goal.met == (measured_ratio <= bcr.MAX_INTER_RATIO)
+    assert speed_goal.met == (speedup >= bcr.MIN_SPEEDUP)
     assert speed_goal.value == pytest.approx(speedup)
     assert ("NOT MET" in speed_goal.line()) != speed_goal.met
 
 
 def test_goals_without_zeropp_are_not_met() -> None:
-    summaries = bc.summarize(schedule({"flat": [1.0]}), "100mbit", RATE_BITS)
-    verdicts = bc.check_goals(summaries, "100mbit")
+    summaries = bcr.summarize(schedule({"flat": [1.0]}), "100mbit", RATE_BITS)
+    verdicts = bcr.check_goals(summaries, "100mbit")
     assert [v.met for v in verdicts] == [False, False]
     assert all(v.value is None and "not measured" in v.line() for v in verdicts)
-    assert bc.check_goals(summaries, "300mbit") == []  # no model measured at that rate
+    assert bcr.check_goals(summaries, "300mbit") == []  # no model measured at that rate
 
 
 def test_report_has_a_row_per_summary_and_every_verdict() -> None:
     records = schedule({"flat": [2.0, 2.2, 2.1], "hybrid": [1.5, 1.6, 1.4], "zero++": [1, 1, 1]})
-    summaries = bc.summarize(records, "100mbit", RATE_BITS)
-    verdicts = bc.check_goals(summaries, "100mbit")
-    table = bc.markdown_table(summaries).splitlines()
+    summaries = bcr.summarize(records, "100mbit", RATE_BITS)
+    verdicts = bcr.check_goals(summaries, "100mbit")
+    table = bcr.markdown_table(summaries).splitlines()
     columns = table[0].count("|")
     assert len(table) == 2 + len(summaries)
     assert all(line.count("|") == columns for line in table)
-    report = bc.render_report(summaries, verdicts, {"main_rate": "100mbit", "notes": ["n1"]})
+    report = bcr.render_report(summaries, verdicts, {"main_rate": "100mbit", "notes": ["n1"]})
     assert all(v.line() in report for v in verdicts)
     assert "- n1" in report and "| small | 100mbit | hybrid |" in report
 
@@ -181,16 +183,16 @@ def test_exactness_notes_name_the_variants_on_flats_losses() -> None:
     records += schedule({"qwz": [1.0]}, loss=5.5)
     off = next(i for i, r in enumerate(records) if (r.variant, r.step) == ("fsdp2-hsdp", 1))
     records[off] = records[off]._replace(loss=5.0 + 2**-20)
-    summaries = bc.summarize(records, "100mbit", RATE_BITS)
+    summaries = bcr.summarize(records, "100mbit", RATE_BITS)
     assert [s.losses_as_flat for s in summaries] == [True, True, False, False]
-    (note,) = bc.exactness_notes(summaries)
+    (note,) = bcr.exactness_notes(summaries)
     assert "bit for bit: hpz; not: fsdp2-hsdp, qwz" in note
 
 
 def test_boundness_note_gives_both_floors() -> None:
     records = schedule({"flat": [2.0]}, inter_node_bytes=10_000_000)
     records += schedule({"zero++": [1.0]}, inter_node_bytes=1_000_000)
-    (note,) = bc.boundness_notes(bc.summarize(records, "100mbit", RATE_BITS), "100mbit")
+    (note,) = bcr.boundness_notes(bcr.summarize(records, "100mbit", RATE_BITS), "100mbit")
     assert "0.40 s of flat stage 3's 2.00 s step and 0.04 s of ZeRO++'s 1.00 s" in note
 
 
@@ -220,13 +222,13 @@ def test_command_line_wants_the_baseline_first() -> None:
 def test_half_precision_note_doubles_the_ratio() -> None:
     records = schedule({"flat": [1.0]}, inter_node_bytes=1_000_000)
     records += schedule({"zero++": [1.0]}, inter_node_bytes=120_000)
-    (note,) = bc.half_precision_notes(bc.summarize(records, "100mbit", RATE_BITS), "100mbit")
+    (note,) = bcr.half_precision_notes(bcr.summarize(records, "100mbit", RATE_BITS), "100mbit")
     assert "2 x 0.120 = 0.240 (still within the goal)" in note
 
 
 def test_the_speedup_bound_is_flat_step_over_the_step_with_only_the_link_time_cut() -> None:
     """At 100 Mbit/s flat stage 3 spent 4.64 s of 6.79 on the link; ZeRO++ needs 0.54 s:
     at most 6.79 / (6.79 - 4.64 + 0.54) = 2.52x. At a link 10x faster: far below 1.5x."""
-    assert bc.speedup_bound(6.79, 4.64, 0.54) == pytest.approx(6.79 / 2.69)
-    assert bc.speedup_bound(5.0, 0.46, 0.05) < bc.MIN_SPEEDUP
-    assert "below the 1.5x goal" in bc.speedup_bound_note(5.0, 0.46, 0.05)
+    assert bcr.speedup_bound(6.79, 4.64, 0.54) == pytest.approx(6.79 / 2.69)
+    assert bcr.speedup_bound(5.0, 0.46, 0.05) < bcr.MIN_SPEEDUP
+    assert "below the 1.5x goal" in bcr.speedup_bound_note(5.0, 0.46, 0.05)

@@ -6,10 +6,11 @@ the rate shows against the launch noise, short enough for the default run.
 
 Rate bounds, and why they hold: tbf lets through at most ``rate x t + burst`` bytes in t
 seconds, counting the whole packet, as the interface's byte counters do; the burst is 64 KiB
-(``EmulatedCluster._shape``). So bits counted / seconds may exceed the rate only by the
-burst and by counting a window a little wider than the timed call: 1.25 x leaves room for
-both. The lower bounds are loose (a quarter of the rate) because the machine is shared: they
-only say that the link carries traffic at roughly its rate, not at some crawl.
+(``ClusterNetwork._shape`` in tools/cluster_network.py). So bits counted / seconds may exceed
+the rate only by the burst and by counting a window a little wider than the timed call:
+1.25 x leaves room for both. The lower bounds are loose (a quarter of the rate) because the
+machine is shared: they only say that the link carries traffic at roughly its rate, not at
+some crawl.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 
+import cluster_network  # noqa: E402
 import emulated_cluster as ec  # noqa: E402
 
 PROBE = str(TOOLS / "cluster_probe.py")
@@ -60,9 +62,9 @@ def cluster() -> Iterator[ec.EmulatedCluster]:
 # -- pure parts ---------------------------------------------------------------------------------
 
 
-@given(st.integers(1, 10**6), st.sampled_from(sorted(ec._RATE_UNITS)))
+@given(st.integers(1, 10**6), st.sampled_from(sorted(cluster_network._RATE_UNITS)))
 def test_parse_rate_reads_tc_bit_rates(value: int, unit: str) -> None:
-    assert ec.parse_rate(f"{value}{unit}") == value * ec._RATE_UNITS[unit]
+    assert ec.parse_rate(f"{value}{unit}") == value * cluster_network._RATE_UNITS[unit]
 
 
 @pytest.mark.parametrize("text", ["1gbps", "100", "-1gbit", "0mbit", "fast", "1 gbit/s"])
@@ -80,7 +82,7 @@ def test_parse_delay() -> None:
 
 
 def test_not_root_is_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ec.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(cluster_network.os, "geteuid", lambda: 1000)
     with pytest.raises(ec.ClusterUnavailable, match="not root"), ec.EmulatedCluster():
         pass
 

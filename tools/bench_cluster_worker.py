@@ -6,7 +6,7 @@
         --steps 3 --warmup 2 --dtype fp32 --batch-size 16
 
 Every rank runs this (gloo, deterministic communicators, one torch thread); rank 0 writes
-the JSON lines of ``--records`` that bench_cluster.parse_records reads:
+the JSON lines of ``--records`` that bench_cluster_report.parse_records reads:
 
     {"launch": {"world_size": 4, "topology": "...", "torch": "...", "params": {...}, ...}}
     {"model": "small", "variant": "flat", "round": -1, "step": 0, "step_s": ...,
@@ -59,7 +59,7 @@ import peer_comm
 import torch
 import torch.distributed as dist
 from bench_cluster import DEEPSPEED_HPZ, FSDP2_HSDP, MODELS, VARIANTS, variant_order
-from peer_trainers import Hyper, Trainer, local, next_token_loss
+from peer_trainers import Hyper, Trainer, fsdp2_gpt_on_mesh, next_token_loss
 from torch import nn
 
 import zero_comm
@@ -176,26 +176,12 @@ class LinkCounter(peer_comm.CallCounter):
 
 
 def hsdp_gpt(config: GPTConfig, seed: int, mesh: Any, dtype: torch.dtype) -> nn.Module:
-    """peer_trainers.fsdp2_gpt on a 2-D (replicate, shard) mesh: HSDP. With a 16-bit
+    """peer_trainers.fsdp2_gpt_on_mesh on a 2-D (replicate, shard) mesh: HSDP. With a 16-bit
     ``dtype`` FSDP2 computes and communicates in it (MixedPrecisionPolicy), fp32 master."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-    with torch.device("meta"):
-        model = GPT(config, seed=seed)
-    values = model.initial_values(seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.to_empty(device="cpu")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in values:
-            param = params[name]
-            shard = distribute_tensor(value, param.device_mesh, param.placements)  # type: ignore[attr-defined]
-            local(param).copy_(shard.to_local())
-    return model
+    return fsdp2_gpt_on_mesh(config, seed, mesh, mp_policy=policy)
 
 
 class FsdpHsdp(BenchTrainer):

@@ -364,22 +364,33 @@ class TorchPeer(Trainer):
 
 
 def fsdp2_gpt(config: GPTConfig, seed: int, group: Any, checkpoint: str = "none") -> nn.Module:
+    """:func:`fsdp2_gpt_on_mesh` on a 1-D mesh of ``group``'s ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device_type="cpu")
+    return fsdp2_gpt_on_mesh(config, seed, mesh, checkpoint)
+
+
+def fsdp2_gpt_on_mesh(
+    config: GPTConfig, seed: int, mesh: Any, checkpoint: str = "none", mp_policy: Any = None
+) -> nn.Module:
     """``fully_shard`` on each block and the root of a GPT built on the meta device, then each
     parameter's shard filled from ``GPT.initial_values`` (one full tensor at a time), so that,
-    like our stage 3, no rank holds the whole model."""
-    from torch.distributed.device_mesh import DeviceMesh
+    like our stage 3, no rank holds the whole model. ``mesh``: 1-D (FSDP) or 2-D
+    (replicate, shard: HSDP); ``mp_policy``: a MixedPrecisionPolicy for ``fully_shard``, or
+    None to pass none (FSDP2's default)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = DeviceMesh.from_group(group, device_type="cpu")
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     with torch.device("meta"):
         model = GPT(config, seed=seed)
     values = model.initial_values(seed)
     if checkpoint == "full":
         checkpoint_blocks_with_torch(model)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     model.to_empty(device="cpu")
     params = dict(model.named_parameters())
     with torch.no_grad():
