@@ -100,3 +100,23 @@ def test_checkpointed_smoke_run_agrees_and_measures_every_phase(tmp_path: Path) 
         for phase, peak in peaks.items():
             assert peak["increase_mib"] >= peak["start_increase_mib"], (name, phase)
         assert row["rss_increase_mib"] >= max(p["increase_mib"] for p in peaks.values()), name
+
+
+def test_stale_and_failed_launches_are_marked_in_the_report() -> None:
+    """A launch that fails leaves its previous JSON behind: the report names the failure
+    and marks that column as another run's, instead of showing it as this run's."""
+    sys.path.insert(0, str(TOOL.parent))
+    from bench_peers_report import provenance_warnings
+
+    def launch(world: int, params: int, head: str, date: str) -> dict[str, object]:
+        return {"world_size": world, "model": {"parameters": params}, "git_head": head,
+                "date": date}  # fmt: skip
+
+    now = launch(2, 19_000_000, "abc", "2026-12-03T06:04:51")
+    stale = launch(4, 101_000_000, "old", "2026-11-30T13:50:44")
+    run = {"failed_launches": [{"label": "100m N=4", "exit": 137}]}
+    lines = provenance_warnings([now, launch(4, 19_000_000, "abc", "2026-12-03T07:00"), stale], run)
+    assert len(lines) == 2
+    assert "100m N=4: this run's launch failed" in lines[0] and "out-of-memory" in lines[0]
+    assert "101M N=4: figures from an earlier run" in lines[1] and "old" in lines[1]
+    assert provenance_warnings([now, launch(4, 19_000_000, "abc", "2026-12-03T07:00")], {}) == []

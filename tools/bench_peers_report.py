@@ -144,6 +144,26 @@ def _load(raw: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     return launches, searches, run
 
 
+def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> list[str]:
+    """A line for each launch of this run that failed (run.json's ``failed_launches``) and
+    for each column whose figures come from another run than the first column's (a failed
+    launch leaves its previous JSON in place): stale figures are never shown unmarked."""
+    lines = [
+        f"- **{f['label']}: this run's launch failed** (exit {f['exit']}"
+        + ("; 137 = SIGKILL, e.g. the kernel's out-of-memory killer" if f["exit"] == 137 else "")
+        + ")"
+        for f in run.get("failed_launches", [])
+    ]
+    first = launches[0]
+    for report in launches[1:]:
+        if (report["git_head"], report["date"][:10]) != (first["git_head"], first["date"][:10]):
+            lines.append(
+                f"- **{_label(report)}: figures from an earlier run** ({report['date']}, git "
+                f"commit {report['git_head']}), not this one: compare that column with care"
+            )
+    return lines
+
+
 def _label(report: dict[str, Any]) -> str:
     return f"{report['model']['parameters'] / 1e6:.0f}M N={report['world_size']}"
 
@@ -306,6 +326,7 @@ def write_docs(out: Path, raw: Path) -> None:
         f"- command: `{run.get('command', first['command'])}`"
         + (f" ({run['wall_s'] / 60:.0f} min)" if "wall_s" in run else ""),
         f"- one launch: `{first['command']}`",
+        *provenance_warnings(launches, run),
         f"- largest-model search, run again on its own: `{run['search_command']}`"
         if "search_command" in run
         else "- largest-model search: part of the command above",

@@ -333,10 +333,14 @@ def run_all(args: argparse.Namespace) -> None:
     if args.scaling_only:
         run_scaling(args)
         return
+    failed = []
     if not args.report_only:
         for size, n, batch in LAUNCHES if not args.search_only else ():
             path = raw / f"peers-{size}-n{n}.json"
-            run_launch(launch_command(size, n, batch, path, args), f"{size} N={n}")
+            label = f"{size} N={n}"
+            code = run_launch(launch_command(size, n, batch, path, args), label)
+            if code:
+                failed.append({"label": label, "exit": code})
         if not args.skip_search:
             run_search(args, raw)
         if not (args.skip_scaling or args.search_only):
@@ -351,6 +355,7 @@ def run_all(args: argparse.Namespace) -> None:
                     {
                         "command": " ".join(getattr(sys, "orig_argv", sys.argv)),
                         "wall_s": time.time() - started,
+                        "failed_launches": failed,
                     }
                 )
             )
