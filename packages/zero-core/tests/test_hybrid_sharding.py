@@ -171,7 +171,7 @@ def test_hpz_backward_gathers_stay_in_its_group() -> None:
     case = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
                       bucket_numel=20_000)  # fmt: skip
 
-    def gathered(comm: Communicator, hpz: int) -> tuple[int, int]:
+    def gathered(comm: Communicator, hpz: int) -> tuple[int, int, object, object]:
         engine = build_engine(case, comm, 3, {"hpz_partition_size": hpz})
         x, t = micro_batch(case, comm.rank)
         engine(x.to(torch.bfloat16))  # the first forward records the order
@@ -179,15 +179,21 @@ def test_hpz_backward_gathers_stay_in_its_group() -> None:
         if engine.secondary is not None:
             engine.secondary.stats.reset()
         engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
-        pair = (
-            0 if engine.secondary is None else engine.secondary.stats["all_gather"].buffer_elements
-        )
-        return comm.stats["all_gather"].buffer_elements, pair
+        secondary = engine.secondary
+        pair = 0 if secondary is None else secondary.stats["all_gather"].buffer_elements
+        link = (None, None) if secondary is None else (
+            secondary.stats.intra_node_bytes, secondary.stats.inter_node_bytes
+        )  # fmt: skip
+        return comm.stats["all_gather"].buffer_elements, pair, *link
 
-    (world_hpz, pair), *_ = run_simulated(4, lambda comm: gathered(comm, 2))
-    (world_flat, none), *_ = run_simulated(4, lambda comm: gathered(comm, 1))
+    # 2 nodes of 2 ranks: the hpZ pairs are the nodes.
+    hpz_ranks = run_simulated(4, lambda comm: gathered(comm, 2), ranks_per_node=2)
+    (world_flat, none, *_), *_ = run_simulated(4, lambda comm: gathered(comm, 1))
+    world_hpz, pair, _, _ = hpz_ranks[0]
     assert none == 0 and pair > 0
     assert world_hpz == pair and world_flat == 2 * pair
+    # The stats show it: the backward gathers send intra-node bytes only, none across.
+    assert all(intra > 0 and inter == 0 for _, _, intra, inter in hpz_ranks)
 
 
 @settings(max_examples=6, deadline=None)
