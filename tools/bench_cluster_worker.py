@@ -174,6 +174,10 @@ class LinkCounter(peer_comm.CallCounter):
         else:
             self.inter += volume
 
+    def reset(self) -> None:
+        super().reset()
+        self.intra = self.inter = 0.0
+
 
 def hsdp_gpt(config: GPTConfig, seed: int, mesh: Any, dtype: torch.dtype) -> nn.Module:
     """peer_trainers.fsdp2_gpt_on_mesh on a 2-D (replicate, shard) mesh: HSDP. With a 16-bit
@@ -291,8 +295,7 @@ class DeepSpeedHpz(BenchTrainer):
                 model=model, optimizer=Hyper(lr=args.lr).adamw(model.parameters()),
                 config=ds_config,
             )  # fmt: skip
-        self.counter.intra = self.counter.inter = 0.0
-        self.counter.reset()
+        self.counter.reset()  # the steps' calls only, not initialize's
         self.version = str(deepspeed.__version__)
         self.partition_size = self.engine.zero_hpz_partition_size()
 

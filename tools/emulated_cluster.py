@@ -68,15 +68,8 @@ from cluster_throughput import Throughput as Throughput
 
 class EmulatedCluster(ClusterNetwork):
     """``nodes`` hosts as network namespaces joined by a shaped link, with launchers and a
-    link measurement; a context manager (:class:`ClusterNetwork` builds and removes it).
-
-    Args:
-        nodes: number of hosts (2: a veth pair; more: veths to a bridge namespace).
-        rate: the link's rate per direction, tc syntax in bits ("1gbit", "200mbit").
-        delay: one-way delay added per shaped egress ("0.5ms"; "0" for none).
-        require_delay: raise :class:`ClusterUnavailable` where the kernel cannot add the
-            delay (no sch_netem) instead of warning and running rate-limited only.
-    """
+    link measurement; a context manager (:class:`ClusterNetwork` builds and removes it,
+    and its docstring lists the arguments)."""
 
     def launch_env(self, host: Host, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """A launcher's environment on ``host`` (:func:`cluster_launch.launch_env`)."""

@@ -126,7 +126,7 @@ def step_link_bytes(
             tally.add(across, "all_to_all", (n // ranks_per_node) * coded, 1)
         elif r > 1 and not deterministic:
             tally.add(shard, "reduce_scatter", b, dtype_bytes)
-            tally.times = times if a > 1 else times * a  # at the boundary when accumulating
+            tally.times = times  # once per step: at the accumulation boundary
             tally.add(replica, "all_reduce", b // s, dtype_bytes)
             tally.times = times * a
         elif r > 1:

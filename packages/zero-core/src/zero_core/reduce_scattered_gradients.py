@@ -174,7 +174,10 @@ class ReduceScatteredGradients:
 
     def float32_gradients(self) -> list[torch.Tensor]:
         """Per group, this rank's accumulated gradient slice in float32: the shard itself
-        when it is float32 (step() scales it in place and clears it after), else a copy."""
+        when it is float32 (step() scales it in place and clears it after), else a copy.
+
+        Collective with ``across_replicas``: it first sums the accumulated shards over the
+        replicas, so it is called once per accumulation boundary (by ``step()``)."""
         if self.across_replicas is not None:
             self._sum_across_replicas()
         if self.grad_shards and not self.grads_are_views:
