@@ -29,7 +29,9 @@ from .backward_overlap import LaunchOrder, register_gradient_hooks
 from .config import ZeroConfig
 from .grad_norm import param_row_sums
 from .group_layout import MIN_PIECE_NUMEL, GroupLayout
+from .memory import tensor_bytes
 from .param_table import ParamSlot, ParamTable
+from .shard_gradient import GroupGradient
 
 
 class AllReducedGradients:
@@ -147,13 +149,13 @@ class AllReducedGradients:
     def _reduced(self) -> list[torch.Tensor]:
         return self._accumulated if self._accumulated is not None else self.flats
 
-    def float32_gradients(self) -> list[torch.Tensor]:
+    def float32_gradients(self) -> list[GroupGradient]:
         """Per group, the reduced gradient in float32: the buffer itself when it is
         float32 (step() scales it in place and clears it after; between backward and
         step ``p.grad`` still reads the reduced sum), else a float32 copy."""
         return [g if g.dtype == torch.float32 else g.float() for g in self._reduced()]
 
-    def row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+    def row_sums(self, gradients: list[GroupGradient]) -> torch.Tensor:
         """The grad_norm row sums of every parameter, in parameter order."""
         rows = [
             param_row_sums(gradients[slot.group][slot.flat.start : slot.flat.stop])
@@ -171,6 +173,10 @@ class AllReducedGradients:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.flats, *(self._accumulated or [])]
+
+    def step_bytes(self) -> int:
+        """Bytes the gradients take (held all the time: p.grad views into them)."""
+        return tensor_bytes(self.tensors())
 
 
 def restore_grad_view(slot: ParamSlot) -> None:

@@ -68,6 +68,7 @@ from .memory import MemoryReport, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
+from .shard_gradient import pieces_of
 from .sharded_state import ShardedGroupState, ShardedState
 from .stage_policy import ParameterPlacement, StagePolicy
 from .zeropp import gradient_quantization, weight_quantizer
@@ -224,7 +225,9 @@ class Engine:
         gradients = self.gradients.float32_gradients()
         for g in gradients:
             g.div_(denominator)
-        finite = all(all_finite(g, self.config.bucket_numel) for g in gradients)
+        finite = all(
+            all_finite(piece, self.config.bucket_numel) for g in gradients for piece in pieces_of(g)
+        )
         overflow = self.gradients.any_rank(not finite)
         if self.model_parallel is not None:
             overflow = any_model_parallel_rank(self.model_parallel, overflow)
@@ -417,13 +420,15 @@ class Engine:
         float32 parameters the master weights are the parameters (stage 0), this rank's
         slice of them (stages 1 and 2) or the compute shard (stage 3), and count once,
         under ``parameters``; at stage 3 ``parameters`` counts the compute shards, the
-        persistent unit, the units gathered now and the frozen parameters."""
+        persistent unit, the units gathered now and the frozen parameters. ``gradients``
+        counts what the step holds: at stages 2 and 3 (and 1 with accumulation) the
+        gradient shard has storage only from backward to the step (shard_gradient.py)."""
         device_states, host, disk = self.masters.tier_bytes(self.optimizer)
         host += self.parameters.host_bytes
         disk += self.parameters.disk_bytes
         return MemoryReport(
             parameters=tensor_bytes(self.parameters.report_tensors(self.module)),
-            gradients=tensor_bytes(self.gradients.tensors()),
+            gradients=self.gradients.step_bytes(),
             master_weights=self.masters.bytes,
             optimizer_states=device_states,
             buffers=tensor_bytes(self.module.buffers()),

@@ -38,6 +38,7 @@ from .backward_overlap import LaunchOrder
 from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
+from .shard_gradient import materialize
 
 Finish = tuple[int, Handle, torch.Tensor, torch.Tensor | None, Range]
 
@@ -50,7 +51,9 @@ class BucketSlot:
     numel: int  # padded bucket elements
     slice_numel: int
     params: list[ParamSlot]
-    target: torch.Tensor  # slice_numel elements: this rank's accumulated gradient slice
+    # slice_numel elements: this rank's accumulated gradient slice (storage may come only
+    # with the first reduced slice of a step: shard_gradient.materialize)
+    target: torch.Tensor
     persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
 
 
@@ -228,6 +231,8 @@ class BucketReducer:
         index, handle, out, send, piece = self._in_flight.popleft()
         handle.wait()
         slot = self.slots[index]
+        if self._first:
+            materialize(slot.target)  # a ShardGradient piece has storage from its first slice
         target = slot.target[piece.start : piece.stop]
         if self._first:
             target.copy_(out)

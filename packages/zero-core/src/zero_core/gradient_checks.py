@@ -15,8 +15,9 @@ from zero_comm import Communicator, ReduceOp
 
 from .model_parallel import ModelParallel
 from .param_table import ParamTable
+from .shard_gradient import GroupGradient
 
-RowSums = Callable[[list[torch.Tensor]], torch.Tensor]
+RowSums = Callable[[list[GroupGradient]], torch.Tensor]
 
 
 def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
@@ -29,7 +30,7 @@ def all_finite(tensor: torch.Tensor, chunk_numel: int) -> bool:
 
 
 def first_nonfinite_message(
-    module: nn.Module, slots: ParamTable, gradients: list[torch.Tensor], comm: Communicator,
+    module: nn.Module, slots: ParamTable, gradients: list[GroupGradient], comm: Communicator,
     global_steps: int,
 ) -> str:  # fmt: skip
     """Collective: the message naming the first parameter, in model order, whose reduced
@@ -54,7 +55,7 @@ def first_nonfinite_message(
 
 
 def model_parallel_rows(
-    slots: ParamTable, gradients: list[torch.Tensor], mp: ModelParallel, row_sums: RowSums
+    slots: ParamTable, gradients: list[GroupGradient], mp: ModelParallel, row_sums: RowSums
 ) -> torch.Tensor:
     """Collective over the model-parallel group: the row sums of the whole model's
     gradient, every model-parallel rank's in rank order, each counting the parameters

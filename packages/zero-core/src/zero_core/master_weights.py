@@ -42,6 +42,7 @@ from .group_layout import GroupLayout
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optimizer_parts import step_part, steps_in_parts
 from .param_table import ParamSlot
+from .shard_gradient import GroupGradient
 from .sharded_state import ShardPiece
 
 Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in the master
@@ -159,7 +160,7 @@ class MasterWeights:
     def step(
         self,
         optimizer: torch.optim.Optimizer,
-        gradients: list[torch.Tensor],
+        gradients: list[GroupGradient],
         updated: TileVisitor,
         *,
         bucket_by_bucket: bool = False,

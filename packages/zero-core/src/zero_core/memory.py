@@ -9,8 +9,10 @@ import torch
 
 
 class MemoryReport(NamedTuple):
-    """Bytes one rank holds. ``comm_buffers`` are the communicator's pooled staging
-    buffers, bounded by ``bucket_numel`` and ``max_buckets_in_flight``."""
+    """Bytes one rank holds. ``gradients`` are what the gradients take from backward to
+    the step (sharded gradients are freed between steps); ``comm_buffers`` are the
+    communicator's pooled staging buffers, bounded by ``bucket_numel`` and
+    ``max_buckets_in_flight``."""
 
     parameters: int
     gradients: int

@@ -38,6 +38,7 @@ from .memory import tensor_bytes
 from .offload_tiers import Tier, TileSpec, host_device, host_empty
 from .param_table import ParamSlot
 from .partial_blocks import PartialBlocks
+from .shard_gradient import GroupGradient
 from .sharded_state import ShardPiece
 from .swapped_tiles import MASTER, ResidentTile, SwappedTiles
 
@@ -141,7 +142,7 @@ class OffloadedMasters:
     def step(
         self,
         optimizer: torch.optim.Optimizer,
-        gradients: list[torch.Tensor],
+        gradients: list[GroupGradient],
         updated: TileVisitor,
         *,
         bucket_by_bucket: bool = False,

@@ -13,7 +13,10 @@ Two placements of the gradient before it is reduced:
     target (rank r)          | slice of bucket 0 | slice of bucket 1 | ...   compute dtype
 
 The target is the gradient shard (sharded), this rank's own slice of the full buffer
-(full buffers, no accumulation), or a shard of its own (full buffers, accumulation).
+(full buffers, no accumulation), or a shard of its own (full buffers, accumulation). A
+shard is a ShardGradient: one tensor per bucket slice, given storage when its bucket's
+first reduced slice lands and freed after the step (shard_gradient.py), so no gradient
+shard is held between steps.
 
 Hybrid sharding with a native communicator and accumulation: buckets are reduced inside
 the shard group only, and ``float32_gradients`` (the boundary) first all-reduces each
@@ -35,7 +38,9 @@ from .config import ZeroConfig
 from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot, ScatterReduction
 from .group_layout import GroupLayout
+from .memory import tensor_bytes
 from .param_table import ParamSlot, ParamTable
+from .shard_gradient import GroupGradient, ShardGradient, pieces_of
 
 
 class ReduceScatteredGradients:
@@ -68,7 +73,7 @@ class ReduceScatteredGradients:
         # full buffers: per group and bucket, the full gradient (p.grad views).
         self.grad_buckets: list[list[torch.Tensor]] = []
         # sharded, or full buffers with accumulation: per group, this rank's shard.
-        self.grad_shards: list[torch.Tensor] = []
+        self.grad_shards: list[ShardGradient] = []
         targets = self._full_buffer_targets() if full_buffers else self._shard_targets()
         launch_order, labels = reduce_order or (None, None)
         buckets = []
@@ -128,12 +133,14 @@ class ReduceScatteredGradients:
 
     def _shard_targets(self) -> list[list[torch.Tensor]]:
         self.grad_shards = [
-            torch.zeros(layout.shard_numel, dtype=self.dtype) for layout in self.layouts
+            ShardGradient.unallocated(
+                [b.slice_numel for b in layout.buckets],
+                [b.local_offset for b in layout.buckets],
+                self.dtype,
+            )
+            for layout in self.layouts
         ]
-        return [
-            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
-            for shard, layout in zip(self.grad_shards, self.layouts, strict=True)
-        ]
+        return [shard.pieces for shard in self.grad_shards]
 
     def _on_gradient(self, slot: ParamSlot) -> None:
         """Hook: hand ``slot``'s gradient over (full buffers: it is in its view already,
@@ -172,18 +179,20 @@ class ReduceScatteredGradients:
             for grads in buckets:
                 grads.zero_()
 
-    def float32_gradients(self) -> list[torch.Tensor]:
+    def float32_gradients(self) -> list[GroupGradient]:
         """Per group, this rank's accumulated gradient slice in float32: the shard itself
         when it is float32 (step() scales it in place and clears it after), else a copy.
 
         Collective with ``across_replicas``: it first sums the accumulated shards over the
         replicas, so it is called once per accumulation boundary (by ``step()``)."""
+        for shard in self.grad_shards:
+            shard.materialize_zeros()
         if self.across_replicas is not None:
             self._sum_across_replicas()
         if self.grad_shards and not self.grads_are_views:
-            return [s if s.dtype == torch.float32 else s.float() for s in self.grad_shards]
+            return [shard.float() for shard in self.grad_shards]
         first = 0
-        gradients = []
+        gradients: list[GroupGradient] = []
         for layout in self.layouts:
             count = len(layout.buckets)
             targets = [b.target for b in self.reducer.slots[first : first + count]]
@@ -197,15 +206,16 @@ class ReduceScatteredGradients:
         assert self.across_replicas is not None
         piece = self.config.bucket_numel
         for shard in self.grad_shards:
-            for start in range(0, shard.numel(), piece):
-                self.across_replicas.all_reduce(
-                    shard[start : start + piece], label="gradients across replicas"
-                )
+            for bucket_slice in shard.pieces:
+                for start in range(0, bucket_slice.numel(), piece):
+                    self.across_replicas.all_reduce(
+                        bucket_slice[start : start + piece], label="gradients across replicas"
+                    )
 
-    def row_sums(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+    def row_sums(self, gradients: list[GroupGradient]) -> torch.Tensor:
         """Every rank's BLOCK rows, gathered, then listed in parameter order (the order
-        stage 0 uses) whatever the bucketing."""
-        local = [row_sums_of_squares(g) for g in gradients if g.numel()]
+        stage 0 uses) whatever the bucketing (a bucket slice is whole BLOCK rows)."""
+        local = [row_sums_of_squares(p) for g in gradients for p in pieces_of(g) if p.numel()]
         if not local:
             return torch.zeros(0)
         local_rows = torch.cat(local)
@@ -234,12 +244,18 @@ class ReduceScatteredGradients:
     def clear(self) -> None:
         if self.grads_are_views:
             self._zero_full_buffers()
-        else:
-            for shard in self.grad_shards:
-                shard.zero_()
+        for shard in self.grad_shards:
+            shard.release()
 
     def tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors (a shard's pieces have storage only from backward to step)."""
         held = [g for buckets in self.grad_buckets for g in buckets]
-        if not self.grads_are_views or self.accumulating:
-            held += list(self.grad_shards)
+        for shard in self.grad_shards:
+            held += shard.pieces
         return held
+
+    def step_bytes(self) -> int:
+        """Bytes the gradients take from backward to the step (the paper's gradient term:
+        the shards count whole, held or not now)."""
+        full = tensor_bytes(g for buckets in self.grad_buckets for g in buckets)
+        return full + sum(shard.nbytes() for shard in self.grad_shards)

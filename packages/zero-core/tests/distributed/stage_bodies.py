@@ -72,6 +72,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
     ready = _rss_kib("VmRSS") * 1024
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
     engine.backward(engine(x).square().mean())
+    held = engine.memory_report()  # gradient shards are held from backward to step only
     engine.step()
     peak = _rss_kib("VmHWM") * 1024
     report = engine.memory_report()
@@ -89,7 +90,7 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         "bucket_numel": engine.config.bucket_numel,
         # (2 + 2 + K)Ψ/N: shards only, whatever happens to be gathered right now
         "model_states": sum(shard.numel() * 4 for shard in engine.parameters.store.shards)  # type: ignore[union-attr]
-        + report.gradients
+        + held.gradients
         + report.master_weights
         + report.optimizer_states,
         "optimizer_states": report.optimizer_states,
