@@ -96,6 +96,10 @@ def fragmentation_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| preset | arena (M_D) | reserved MiB | reserved - allocated MiB | "
              "largest free block MiB |", "|---|---|---:|---:|---:|"]  # fmt: skip
     for r in rows:
+        if "error" in r:
+            arena = "yes" if r["contiguous"] else "no"
+            lines.append(f"| {r['preset']} | {arena} | not run: {r['error']} | | |")
+            continue
         lines.append(
             f"| {r['preset']} | {'yes' if r['contiguous'] else 'no'} | {r['reserved_mib']:.1f} | "
             f"{r['free_in_reserved_mib']:.1f} | {r['largest_free_mib']:.1f} |"

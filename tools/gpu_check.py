@@ -312,12 +312,18 @@ def main() -> int:
         if time.perf_counter() - started > args.budget_s:
             break
         batch = PRESET_BATCH.get(args.fragmentation_preset, 4)
-        fragmentation.append(run_fragmentation(comm, args.fragmentation_preset, batch,
-                                               args.fragmentation_steps, contiguous))  # fmt: skip
+        head = {"preset": args.fragmentation_preset, "contiguous": contiguous}
+        run = partial(run_fragmentation, comm, args.fragmentation_preset, batch,
+                      args.fragmentation_steps, contiguous)  # fmt: skip
+        fragmentation.append(guarded(head, run))
         save()
     offload: list[dict[str, Any]] = report["offload"]
     if time.perf_counter() - started <= args.budget_s:
-        run_offload(comm, args, offload, save)
+        try:
+            run_offload(comm, args, offload, save)
+        except Exception as exc:  # the tables above are still worth printing
+            offload.append({"variant": "ours, stage 3 offload", "error": f"{type(exc).__name__}: "
+                            f"{str(exc)[:300]}"})  # fmt: skip
     save()
     lines = [*mfu_table(mfu, args.peak_tflops), "", report["mfu_goal"], ""]
     lines += ["| preset | stage | params | tok/s | MFU | peak GiB | model states est. GiB "
@@ -349,7 +355,8 @@ def main() -> int:
             lines.append(f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | | |")
     print("\n".join(lines))
     comm.close()
-    failed = [r for r in (*mfu, *results) if "error" in r]
+    ours_offload = [r for r in offload if r.get("variant") != "deepspeed-3-cpu-offload"]
+    failed = [r for r in (*mfu, *results, *fragmentation, *ours_offload) if "error" in r]
     if failed:  # a run that broke is a failed check, not a skipped one
         print(f"gpu_check: FAILED: {len(failed)} run(s) stopped with an error (see above)",
               file=sys.stderr)  # fmt: skip

@@ -109,8 +109,9 @@ def loss_of(case: ParityCase, output: torch.Tensor, target: torch.Tensor) -> tor
 def build_engine(
     case: ParityCase, comm: Communicator, stage: int, settings: dict[str, Any] | None = None
 ) -> zero_core.ZeroEngine:
-    """``settings``: more ZeroConfig fields (e.g. ``shard_group_size``)."""
-    model = ParityModel(case)
+    """``settings``: more ZeroConfig fields (e.g. ``shard_group_size``). The model is made
+    on the CPU, then moved to the communicator's device."""
+    model = ParityModel(case).to(comm.device)
     optimizer_class, options = OPTIMIZERS[case.optimizer]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if case.two_groups and len(trainable) > 1:

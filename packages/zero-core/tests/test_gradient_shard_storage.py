@@ -69,7 +69,7 @@ def test_gradient_shards_hold_storage_only_from_backward_to_step(
 
 
 def test_a_range_across_two_bucket_slices_is_refused() -> None:
-    shard = ShardGradient.unallocated([4, 6], [0, 4], torch.float32)
+    shard = ShardGradient.unallocated([4, 6], [0, 4], torch.float32, "cpu")
     shard.materialize_zeros()
     assert shard[4:10].numel() == 6
     with pytest.raises(ValueError, match="cross a bucket boundary"):

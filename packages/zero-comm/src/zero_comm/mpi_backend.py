@@ -164,7 +164,7 @@ class MPICommunicator(Communicator):
             ) from exc
 
     def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
-        mine = torch.tensor(call, dtype=torch.int64)
+        mine = torch.tensor(call, dtype=torch.int64, device="cpu")  # MPI's buffers are host
         for peer in range(self.world_size):
             if peer != self.rank:
                 request = self._calls_comm.Isend(
@@ -183,8 +183,8 @@ class MPICommunicator(Communicator):
         return next((s for s in self._schedule.predicted if s % _TAG_LIMIT == tag), None)
 
     def _collect_calls(self, sequence: int, call: tuple[int, ...], what: str) -> list[list[int]]:
-        rows = torch.zeros(self.world_size, len(call), dtype=torch.int64)
-        rows[self.rank] = torch.tensor(call)
+        rows = torch.zeros(self.world_size, len(call), dtype=torch.int64, device="cpu")
+        rows[self.rank] = torch.tensor(call, device="cpu")
         for peer in range(self.world_size):
             if peer != self.rank:
                 request = self._calls_comm.Irecv(

@@ -50,7 +50,9 @@ class AllReducedGradients:
         self.slots = slots
         self.comm = comm
         self.config = config
-        self.flats = [torch.zeros(layout.padded_numel, dtype=dtype) for layout in layouts]
+        self.flats = [
+            torch.zeros(layout.padded_numel, dtype=dtype, device=comm.device) for layout in layouts
+        ]
         for slot in slots:
             flat = self.flats[slot.group]
             slot.grad_view = flat[slot.flat.start : slot.flat.stop]
@@ -161,7 +163,7 @@ class AllReducedGradients:
             param_row_sums(gradients[slot.group][slot.flat.start : slot.flat.stop])
             for slot in self.slots
         ]
-        return torch.cat(rows) if rows else torch.zeros(0)
+        return torch.cat(rows) if rows else torch.zeros(0, device=self.comm.device)
 
     def any_rank(self, flag: bool) -> bool:
         return flag  # every rank holds the same reduced gradients

@@ -371,32 +371,42 @@ def _fill_master(reader: CheckpointReader, group: ShardedGroupState, g: int) -> 
 def _tile_states(
     reader: CheckpointReader, group: ShardedGroupState, g: int
 ) -> list[dict[str, Any]]:
-    """The optimizer state of each tile of group ``g``: views of one flat buffer per
-    saved state (read piece by piece), and the group's scalar states."""
+    """The optimizer state of each tile of group ``g``, on that tile's device: the saved
+    tensors are read into one host buffer per state, and each tile gets its slice (a view
+    for a host tile, a copy for a device tile). Scalar states (Adam's step) stay on the
+    host, as torch's optimizers keep them, unless the group is ``fused`` or ``capturable``,
+    where torch keeps them on the parameter's device."""
     prefix = f"state.{g}."
     first = reader.file_of(reader.first_writer())
     buffers = {}
     for name in first.names:
         if name.startswith(prefix):
             buffers[name[len(prefix) :]] = buffer = torch.zeros(
-                group.numel, dtype=first.entry(name)[0]
+                group.numel, dtype=first.entry(name)[0], device="cpu"
             )
             reader.fill(buffer, group.pieces, g, name)
     scalars = {}
     for key, scalar in reader.index["groups"][g]["scalar_states"].items():
         value = scalar["value"]
         scalars[key] = (
-            torch.tensor(value, dtype=getattr(torch, scalar["dtype"]))
+            torch.tensor(value, dtype=getattr(torch, scalar["dtype"]), device="cpu")
             if "dtype" in scalar
             else value
         )
+    scalars_on_device = bool(group.options.get("fused") or group.options.get("capturable"))
     states: list[dict[str, Any]] = []
     for tile, where in group.master_tiles:
-        tile_state: dict[str, Any] = {key: buf[where].view_as(tile) for key, buf in buffers.items()}
+        tile_state: dict[str, Any] = {
+            key: buf[where].view_as(tile).to(tile.device) for key, buf in buffers.items()
+        }
         # A scalar tensor per tile, as the optimizer keeps it (not one shared by all).
         tile_state.update(
-            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
-        )
+            {
+                k: v.to(tile.device if scalars_on_device else "cpu", copy=True)
+                if isinstance(v, torch.Tensor) else v
+                for k, v in scalars.items()
+            }
+        )  # fmt: skip
         states.append(tile_state if buffers or scalars else {})
     return states
 

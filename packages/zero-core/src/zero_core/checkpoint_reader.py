@@ -107,7 +107,7 @@ class CheckpointReader:
 
     def read_whole(self, group: int, param: int, numel: int, name: str) -> torch.Tensor:
         """All ``numel`` elements of parameter ``param`` of ``group`` from tensor ``name``."""
-        value = torch.empty(numel)
+        value = torch.empty(numel, device="cpu")  # a consolidated copy lives on the host
         self.fill(value, [ShardPiece(param, Range(0, numel), 0)], group, name)
         return value
 

@@ -35,7 +35,7 @@ def row_sums_of_squares(flat: torch.Tensor) -> torch.Tensor:
 def param_row_sums(grad: torch.Tensor) -> torch.Tensor:
     """Row sums of one parameter's (float32) gradient, its last row padded with zeros."""
     flat = grad.reshape(-1)
-    padded = torch.zeros(-(-flat.numel() // BLOCK) * BLOCK, dtype=flat.dtype)
+    padded = flat.new_zeros(-(-flat.numel() // BLOCK) * BLOCK)
     padded[: flat.numel()] = flat
     return row_sums_of_squares(padded)
 

@@ -98,6 +98,7 @@ class BucketReducer:
         self.labels = labels or [""] * len(slots)
         self.slots = slots
         self.dtype = dtype
+        self._empty = torch.zeros(0, dtype=dtype, device=comm.device)  # a slot with no gradient
         self.max_in_flight = max_in_flight
         # By slot index (param_table): the bucket of every parameter.
         self._bucket_of: dict[int, int] = {
@@ -202,7 +203,7 @@ class BucketReducer:
             source, offset = slot.persistent, 0
         else:
             held = self._held[index]
-            source = held if held is not None else torch.zeros(0, dtype=self.dtype)
+            source = held if held is not None else self._empty
             offset = slot.params[0].flat.start  # an oversized bucket holds one parameter
         width = self._width(slot)
         starts = range(0, slot.slice_numel, width)

@@ -70,9 +70,7 @@ def disk_bytes_needed(
         disk = sum(s.numel for specs in plan for s in specs if s.tier is Tier.DISK)
         total += disk * DISK_BYTES_PER_MASTER_ELEMENT
     if config.offload_params == "disk":
-        total += (
-            sum(lay.shard_numel for lay in layouts) * torch.empty(0, dtype=dtype).element_size()
-        )
+        total += sum(lay.shard_numel for lay in layouts) * dtype.itemsize
     return total
 
 

@@ -102,7 +102,7 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) 
     global _PIN_WARNED
     if pin and device.type == "cuda":
         try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)
         except RuntimeError as exc:
             if not _PIN_WARNED:
                 _PIN_WARNED = True
@@ -112,4 +112,4 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) 
                     "offload_pin_memory=False to silence this",
                     stacklevel=2,
                 )
-    return torch.empty(numel, dtype=dtype)
+    return torch.empty(numel, dtype=dtype, device="cpu")

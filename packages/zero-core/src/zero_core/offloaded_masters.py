@@ -186,7 +186,7 @@ class OffloadedMasters:
             finally:
                 tile.grad = None
                 after = optimizer.state.pop(tile, {})
-                tile.data = torch.empty(0)
+                tile.data = tile.data.new_empty(0)
             scalars = {}
             for key, value in after.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -224,7 +224,7 @@ class OffloadedMasters:
         if spec.tier is not Tier.DISK:
             return self._tile(spec).detach()
         assert self.swap is not None
-        values = torch.empty(spec.numel)
+        values = torch.empty(spec.numel, device="cpu")
         self.swap.read(self._disk_index[(spec.group, spec.start)], MASTER, values)
         return values
 
@@ -262,7 +262,7 @@ class OffloadedMasters:
                         self._tile(spec).detach()[a - spec.start : b - spec.start] = part
         for index, changes in edits.items():
             assert self.swap is not None
-            master = torch.empty(self.swap.specs[index].numel)
+            master = torch.empty(self.swap.specs[index].numel, device="cpu")
             self.swap.read(index, MASTER, master)
             for offset, part in changes:
                 master[offset : offset + part.numel()] = part
@@ -287,7 +287,7 @@ class OffloadedMasters:
             masters.append((self._read_master(spec), where))
             state: dict[str, Any] = {}
             for key in self.swap.keys[index]:
-                value = torch.empty(spec.numel, dtype=self.swap.dtype_of(index, key))
+                value = torch.empty(spec.numel, dtype=self.swap.dtype_of(index, key), device="cpu")
                 self.swap.read(index, key, value)
                 state[key] = value
             for key, value in self.swap.scalars[index].items():

@@ -64,7 +64,7 @@ class ParameterShards:
             self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="zero-params")
             assert folder is not None and labels is not None
             folder.mkdir(parents=True, exist_ok=True)
-            itemsize = torch.empty(0, dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             for g, layout in enumerate(layouts):
                 for k, bucket in enumerate(layout.buckets):
                     name = f"params.g{g}.b{k}.{labels[(g, k)]}.swap"

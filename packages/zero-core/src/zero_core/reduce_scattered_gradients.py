@@ -113,7 +113,10 @@ class ReduceScatteredGradients:
     def _full_buffer_targets(self) -> list[list[torch.Tensor]]:
         rank = self.comm.rank
         self.grad_buckets = [
-            [torch.zeros(b.layout.padded_numel, dtype=self.dtype) for b in layout.buckets]
+            [
+                torch.zeros(b.layout.padded_numel, dtype=self.dtype, device=self.comm.device)
+                for b in layout.buckets
+            ]
             for layout in self.layouts
         ]
         for slot in self.slots:
@@ -137,6 +140,7 @@ class ReduceScatteredGradients:
                 [b.slice_numel for b in layout.buckets],
                 [b.local_offset for b in layout.buckets],
                 self.dtype,
+                self.comm.device,
             )
             for layout in self.layouts
         ]
@@ -198,7 +202,9 @@ class ReduceScatteredGradients:
             targets = [b.target for b in self.reducer.slots[first : first + count]]
             first += count
             gradients.append(
-                torch.cat([t.to(torch.float32) for t in targets]) if targets else torch.zeros(0)
+                torch.cat([t.to(torch.float32) for t in targets])
+                if targets
+                else torch.zeros(0, device=self.comm.device)
             )
         return gradients
 
@@ -217,9 +223,9 @@ class ReduceScatteredGradients:
         stage 0 uses) whatever the bucketing (a bucket slice is whole BLOCK rows)."""
         local = [row_sums_of_squares(p) for g in gradients for p in pieces_of(g) if p.numel()]
         if not local:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.comm.device)
         local_rows = torch.cat(local)
-        everyone = torch.empty(self.comm.world_size * local_rows.numel())
+        everyone = local_rows.new_empty(self.comm.world_size * local_rows.numel())
         self.comm.all_gather(everyone, local_rows)
         return everyone[self._canonical_row_order()]
 
@@ -232,7 +238,9 @@ class ReduceScatteredGradients:
                 for group, layout in enumerate(self.layouts)
                 for key in layout.row_keys(rank)
             ]
-            order = torch.tensor(sorted(range(len(keys)), key=keys.__getitem__))
+            order = torch.tensor(
+                sorted(range(len(keys)), key=keys.__getitem__), device=self.comm.device
+            )
             self._row_order = order
         return order
 

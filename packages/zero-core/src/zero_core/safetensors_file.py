@@ -91,7 +91,7 @@ def write_stream(
     header: dict[str, object] = {"__metadata__": metadata or {}}
     offset = 0
     for name, dtype, shape in specs:
-        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         header[name] = {
             "dtype": DTYPE_NAMES[dtype],
             "shape": list(shape),
@@ -173,7 +173,7 @@ class TensorFile:
         """Elements [start, stop) of tensor ``name``, flat (the whole tensor, shaped,
         when no range is given)."""
         dtype, shape, begin, end = self.entry(name)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         count = (end - begin) // itemsize
         whole = stop is None and start == 0
         stop = count if stop is None else stop

@@ -61,7 +61,7 @@ class ShardGradient:
     @classmethod
     def unallocated(
         cls, numels: Sequence[int], offsets: Sequence[int], dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str,
     ) -> ShardGradient:  # fmt: skip
         """Pieces of ``numels`` elements with no storage yet."""
         pieces = []

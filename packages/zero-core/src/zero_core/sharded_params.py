@@ -110,7 +110,9 @@ class ShardedParameters:
         fulls, shards, slots, slot_buckets = [], [], [], []
         for position, (g, k) in enumerate(keys):
             bucket = self.layouts[g].buckets[k]
-            fulls.append(torch.empty(bucket.layout.padded_numel, dtype=self.dtype))
+            fulls.append(
+                torch.empty(bucket.layout.padded_numel, dtype=self.dtype, device=self.comm.device)
+            )
             shards.append((g, k))
             for slot in self.slots.in_bucket(g, k):
                 slots.append(slot)

@@ -65,7 +65,7 @@ class ShardedGroupState:
         tiles = [tile.detach().reshape(-1) for tile, _ in self.master_tiles]
         if len(tiles) == 1:
             return tiles[0]
-        return torch.cat(tiles) if tiles else torch.zeros(0)
+        return torch.cat(tiles) if tiles else torch.zeros(0, device="cpu")  # no tiles: no device
 
 
 @dataclass

@@ -112,16 +112,16 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     padded = padded_bytes(numel * itemsize)
     if padded == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device="cpu")
     if padded >= HUGE_PAGE:
         raw = _huge_page_bytes(padded)
     else:
         # Over-allocate by one page and start at the first aligned byte. The CPU allocator
         # aligns to 64 bytes, so the shift is a multiple of every itemsize.
-        raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
+        raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8, device="cpu")
         shift = -raw.data_ptr() % ALIGNMENT
         raw = raw[shift : shift + padded]  # (padded,) bytes at an aligned address
     return raw.view(dtype)[:numel]  # (numel,)

@@ -92,7 +92,7 @@ class SwappedTiles:
         if key not in files:
             spec = self.specs[index]
             name = f"g{spec.group}.t{index:05d}.{self.labels[index]}.{key}.swap"
-            itemsize = torch.empty(0, dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             files[key] = SwapFile(self.folder / name, spec.numel * itemsize)
             self._dtypes[index][key] = dtype
         return files[key]

@@ -89,8 +89,8 @@ class BatchSampler:
     def batch(self, step: int, micro_step: int = 0) -> Batch:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro_step)
         limit = self.tokens.numel() - self.context - 1
-        offsets = torch.randint(0, limit, (self.global_batch,), generator=generator)
+        offsets = torch.randint(0, limit, (self.global_batch,), generator=generator, device="cpu")
         mine = offsets[self.rows.start : self.rows.stop]
-        index = mine[:, None] + torch.arange(self.context + 1)  # (b, T + 1)
+        index = mine[:, None] + torch.arange(self.context + 1, device="cpu")  # (b, T + 1)
         window = self.tokens[index]
         return Batch(window[:, :-1], window[:, 1:])

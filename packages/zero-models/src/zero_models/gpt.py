@@ -137,12 +137,12 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         for name, p in self.named_parameters():
             if name.endswith("bias"):
-                yield name, torch.zeros(p.shape)
+                yield name, torch.zeros(p.shape, device="cpu")
             elif ".ln_" in name or name.startswith("ln_f"):
-                yield name, torch.ones(p.shape)
+                yield name, torch.ones(p.shape, device="cpu")
             else:
                 std = residual_std if name.endswith("proj.weight") else 0.02
-                yield name, torch.randn(p.shape, generator=generator) * std
+                yield name, torch.randn(p.shape, generator=generator, device="cpu") * std
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _, t = tokens.shape

@@ -59,7 +59,7 @@ def report(
 def stage0_model_state_bytes(psi: int, dtype: str) -> float:
     """The paper's model states of ``psi`` AdamW parameters of ``dtype`` (a DTYPES name)
     on one rank without ZeRO: parameters, gradients and K bytes of state each."""
-    width = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    width = DTYPES[dtype].itemsize
     k = state_bytes_per_param(width, "adamw")
     return zero_core.model_state_bytes(
         psi, 1, 0, optimizer_state_bytes=k, param_bytes=width, grad_bytes=width

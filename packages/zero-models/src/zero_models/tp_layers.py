@@ -41,7 +41,8 @@ class ColumnParallelLinear(nn.Module):
         out = _split(full.out_features // groups, comm, "output features per group")
         rows = [
             torch.arange(g * full.out_features // groups + comm.rank * out,
-                         g * full.out_features // groups + (comm.rank + 1) * out)
+                         g * full.out_features // groups + (comm.rank + 1) * out,
+                         device=full.weight.device)
             for g in range(groups)
         ]  # fmt: skip
         index = torch.cat(rows)
@@ -122,7 +123,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         softmax, local, inside = ctx.saved_tensors
         result = softmax.clone()
-        rows = torch.arange(result.shape[0])[inside]
+        rows = torch.arange(result.shape[0], device=result.device)[inside]
         result[rows, local[inside]] -= 1.0
         return result * grad.unsqueeze(-1), None, None
 

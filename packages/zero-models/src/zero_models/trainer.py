@@ -277,7 +277,8 @@ class Trainer:
     def agree(self, loss: float) -> tuple[float, bool]:
         """Collective: (the mean of every rank's ``loss``, whether any rank's preemption
         flag is set); every rank gets the same pair."""
-        mean = torch.tensor([loss, float(self.preemption.received is not None)])
+        flags = [loss, float(self.preemption.received is not None)]
+        mean = torch.tensor(flags, device=self.run.metrics_comm.device)
         self.run.metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
         return float(mean[0].item()), bool(mean[1] > 0)
 
@@ -285,11 +286,12 @@ class Trainer:
         """Collective: every rank's (resident MiB, ``step_s``, intra-node and inter-node
         bytes its engine's communicators sent in the step), rank by rank as one flat
         float64 tensor of RANK_STATS columns, for the metrics (tools/soak.py reads them)."""
-        mine = torch.tensor([resident_mib(), step_s, *map(float, links)], dtype=torch.float64)
         comm = self.run.metrics_comm
-        per_rank = torch.empty(RANK_STATS * comm.world_size, dtype=torch.float64)
+        stats = [resident_mib(), step_s, *map(float, links)]
+        mine = torch.tensor(stats, dtype=torch.float64, device=comm.device)
+        per_rank = mine.new_empty(RANK_STATS * comm.world_size)
         comm.all_gather(per_rank, mine)
-        return per_rank
+        return per_rank.cpu()
 
     def save_due(self, step: int) -> bool:
         """Whether --save-every asks for a save after ``step``: every that many steps, and
