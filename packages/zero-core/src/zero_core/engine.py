@@ -225,8 +225,8 @@ class Engine:
         gradients = self.gradients.float32_gradients()
         for g in gradients:
             g.div_(denominator)
-        finite = all(
-            all_finite(piece, self.config.bucket_numel) for g in gradients for piece in pieces_of(g)
+        finite = all_finite(
+            (piece for g in gradients for piece in pieces_of(g)), self.config.bucket_numel
         )
         overflow = self.gradients.any_rank(not finite)
         if self.model_parallel is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 
@@ -97,13 +98,15 @@ class FlatLayout:
     ) -> FlatLayout:
         return cls(tuple(numels), world_size, alignment, param_alignment)
 
-    @property
+    # Cached: the engine asks for these per bucket and per tile at every step (a frozen
+    # dataclass keeps them valid; cached_property writes the instance dict directly).
+    @cached_property
     def numel(self) -> int:
         """Elements up to the end of the last parameter (with the gaps, without tail padding)."""
         ranges = self.param_flat_ranges()
         return ranges[-1].stop if ranges else 0
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements of each rank's shard (a multiple of ``alignment``)."""
         return round_up(-(-self.numel // self.world_size), self.alignment)

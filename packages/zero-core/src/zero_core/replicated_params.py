@@ -25,6 +25,7 @@ the tiles arrive in: a bucket complete before an earlier one waits for it.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterator
 
@@ -70,6 +71,8 @@ class ReplicatedParameters:
             full = self.buckets[slot.group][slot.bucket]
             slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
         self._owned = self.owned_slices()
+        # Per group, where each bucket's slice starts in the local shard (ascending).
+        self._slice_offsets = [[b.local_offset for b in lay.buckets] for lay in layouts]
         # The buckets that are all-gathered, in launch order, and per group and bucket the
         # elements of this rank's slice handed over since the last publish.
         self._order = [
@@ -108,18 +111,22 @@ class ReplicatedParameters:
         """Elements [start, start + len(values)) of this rank's master of ``group``
         (float32, updated, final for this step) into its owned slices, cast to the
         compute dtype; then the all-gathers of the buckets now complete are launched."""
-        layout = self.layouts[group]
-        for k, (bucket, owned) in enumerate(zip(layout.buckets, self._owned[group], strict=True)):
-            a = max(start, bucket.local_offset)
-            b = min(start + values.numel(), bucket.local_offset + bucket.slice_numel)
-            if a >= b:
-                continue
-            target = owned[a - bucket.local_offset : b - bucket.local_offset]
-            source = values[a - start : b - start]
-            if target.data_ptr() != source.data_ptr():
-                target.copy_(source)
-            if layout.world_size > 1:
-                self._count(group, k, b - a)
+        layout, offsets = self.layouts[group], self._slice_offsets[group]
+        stop = start + values.numel()
+        # Only the buckets the range overlaps: a scan of every bucket per tile made the
+        # step quadratic in the buckets (0.25 s of GPT-2 XL's step on a GPU).
+        k = max(0, bisect.bisect_right(offsets, start) - 1)
+        while k < len(offsets) and offsets[k] < stop:
+            offset, owned = offsets[k], self._owned[group][k]
+            a, b = max(start, offset), min(stop, offset + owned.numel())
+            if a < b:
+                target = owned[a - offset : b - offset]
+                source = values[a - start : b - start]
+                if target.data_ptr() != source.data_ptr():
+                    target.copy_(source)
+                if layout.world_size > 1:
+                    self._count(group, k, b - a)
+            k += 1
         self._launch(ready_only=True)
 
     def _count(self, group: int, bucket: int, numel: int) -> None:
