@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from typing import Any
 
 import torch
-from parity import ParityCase, assert_same_states, build_engine, loss_of, micro_batch, normalised
+from parity import ParityCase, assert_same_states, build_engine, normalised, run_steps
 
 import zero_comm
-import zero_core
 
 CASE = ParityCase(
     vocab=11,
@@ -34,32 +32,20 @@ CASE = ParityCase(
 )
 
 
-def run_steps(engine: zero_core.ZeroEngine, case: ParityCase, steps: range) -> list[dict[str, Any]]:
-    states = []
-    for step in steps:
-        for micro in range(case.accumulation):
-            x, target = micro_batch(case, step * case.accumulation + micro)
-            loss = loss_of(case, engine(x.to(engine.comm.device)), target.to(engine.comm.device))
-            engine.backward(loss)
-            if engine.step():
-                states.append({k: v.cpu() for k, v in engine.full_state_dict().items()})
-    return states
-
-
 def main() -> int:
     comm = zero_comm.init("nccl", deterministic=True)
     assert comm.device.type == "cuda", comm.device
     case = normalised(CASE)
-    reference = run_steps(build_engine(case, comm, 0), case, range(case.steps))
+    reference = run_steps(build_engine(case, comm, 0), case, comm, range(case.steps))
     for stage in (1, 2, 3):
         assert_same_states(
             reference,
-            run_steps(build_engine(case, comm, stage), case, range(case.steps)),
+            run_steps(build_engine(case, comm, stage), case, comm, range(case.steps)),
             f"cuda stage {stage}",
         )
         print(f"stage {stage} == stage 0 bit for bit on {torch.cuda.get_device_name()}")
     offloaded = ParityCase(**{**case.__dict__, "offload_optimizer": "cpu", "offload_params": "cpu"})
-    states = run_steps(build_engine(offloaded, comm, 3), offloaded, range(case.steps))
+    states = run_steps(build_engine(offloaded, comm, 3), offloaded, comm, range(case.steps))
     for key, value in states[-1].items():
         assert torch.isfinite(value).all(), key
         assert torch.allclose(value, reference[-1][key], atol=1e-2), key
@@ -67,14 +53,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         for stage in (0, 3):
             saver = build_engine(case, comm, stage)
-            run_steps(saver, case, range(2))
+            run_steps(saver, case, comm, range(2))
             saver.save(folder)
-            uninterrupted = run_steps(saver, case, range(2, case.steps))
+            uninterrupted = run_steps(saver, case, comm, range(2, case.steps))
             resumed = build_engine(case, comm, stage)
             resumed.load(folder)
             assert_same_states(
                 uninterrupted,
-                run_steps(resumed, case, range(2, case.steps)),
+                run_steps(resumed, case, comm, range(2, case.steps)),
                 f"cuda stage {stage} resumed",
             )
             print(f"stage {stage}: a loaded checkpoint continues bit for bit")

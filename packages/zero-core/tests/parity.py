@@ -169,17 +169,27 @@ def train(
     """
     case = normalised(case)
     engine = build_engine(case, comm, stage, settings)
+    states = run_steps(engine, case, comm, range(case.steps))
+    engine.close()
+    return states
+
+
+def run_steps(
+    engine: zero_core.ZeroEngine, case: ParityCase, comm: Communicator, steps: range
+) -> list[dict[str, torch.Tensor]]:
+    """Train ``engine`` (built from ``case``) over ``steps``, the micro-batches of those
+    steps moved to the communicator's device; the full fp32 state after each applied step."""
     states = []
-    for step in range(case.steps):
+    for step in steps:
         for micro in range(case.accumulation):
             x, target = micro_batch(
                 case, (step * case.accumulation + micro) * comm.world_size + comm.rank
             )
+            x, target = x.to(comm.device), target.to(comm.device)
             loss = loss_of(case, engine(x.to(DTYPES[case.dtype]) if not case.vocab else x), target)
             engine.backward(loss)
             if engine.step():
                 states.append(engine.full_state_dict())
-    engine.close()
     return states
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from implicit_device import ImplicitDeviceCalls
-from parity import DTYPES, ParityCase, build_engine, loss_of, micro_batch, normalised
+from parity import ParityCase, build_engine, normalised, run_steps
 
 from zero_comm import Communicator, run_simulated
 
@@ -45,15 +45,7 @@ def _train_and_round_trip(case: ParityCase, stage: int, settings: dict[str, Any]
         with mode:
             c = normalised(case)
             engine = build_engine(c, comm, stage, settings)
-            for step in range(c.steps):
-                for micro in range(c.accumulation):
-                    x, target = micro_batch(
-                        c, (step * c.accumulation + micro) * comm.world_size + comm.rank
-                    )
-                    loss = loss_of(c, engine(x if c.vocab else x.to(DTYPES[c.dtype])), target)
-                    engine.backward(loss)
-                    engine.step()
-            engine.full_state_dict()
+            run_steps(engine, c, comm, range(c.steps))  # the full state after each step too
             engine.memory_report()
             engine.save(folder)
             engine.load(folder)
