@@ -21,17 +21,36 @@ RowSums = Callable[[list[GroupGradient]], torch.Tensor]
 
 
 def all_finite(tensors: Iterable[torch.Tensor], chunk_numel: int) -> bool:
-    """Whether every element of every tensor is finite, checked ``chunk_numel`` elements at
-    a time: the check's temporaries (isfinite makes an absolute value and masks of the
-    whole input) stay within a bucket instead of growing with the model. The per-chunk
-    answers stay on the device and are read once: a read per chunk synchronised the host
-    with a GPU hundreds of times per step."""
+    """Whether every element of every tensor is finite.
+
+    Fast path: one sum per tensor. A sum is NaN or Inf whenever any element is (Inf + x is
+    Inf, Inf - Inf and NaN + x are NaN), so a finite sum proves every element finite, in
+    one read of the data (isfinite reads it four times and writes three temporaries: it was
+    two thirds of stage 0's step on the CPU). A non-finite sum is either a non-finite
+    element or an overflow of finite ones (|sum| > 3.4e38); the exact check, ``chunk_numel``
+    elements at a time so that its temporaries stay within a bucket, tells the two apart.
+    Half-precision tensors are summed in float32 (their range, 65504, is easily exceeded by
+    finite values). The answers stay on the device and are read once per path: a read per
+    chunk synchronised the host with a GPU hundreds of times per step."""
+    tensors = list(tensors)
+    if not tensors:
+        return True
+    sums = torch.stack([_sum32(t) for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return True
     flags = [
         torch.isfinite(part).all()
         for tensor in tensors
         for part in torch.split(tensor.reshape(-1), chunk_numel)
     ]
-    return bool(torch.stack(flags).all()) if flags else True
+    return bool(torch.stack(flags).all())
+
+
+def _sum32(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s elements, accumulated in at least float32."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.sum(dtype=torch.float32)
+    return tensor.sum()
 
 
 def first_nonfinite_message(

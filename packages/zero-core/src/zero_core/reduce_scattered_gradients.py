@@ -195,14 +195,19 @@ class ReduceScatteredGradients:
             self._sum_across_replicas()
         if self.grad_shards and not self.grads_are_views:
             return [shard.float() for shard in self.grad_shards]
+        # Full buffers without accumulation: the reduced slices are views of this rank's
+        # part of each bucket, handed over as they are (a float32 step scales them in
+        # place; clear() zeroes the buffers after it). Concatenating them into one flat
+        # tensor copied the whole slice every step: 129 of stage 1's 209 ms at 19M, N = 2.
         first = 0
         gradients: list[GroupGradient] = []
         for layout in self.layouts:
             count = len(layout.buckets)
             targets = [b.target for b in self.reducer.slots[first : first + count]]
             first += count
+            offsets = [b.local_offset for b in layout.buckets]
             gradients.append(
-                torch.cat([t.to(torch.float32) for t in targets])
+                ShardGradient(targets, offsets).float()
                 if targets
                 else torch.zeros(0, device=self.comm.device)
             )
