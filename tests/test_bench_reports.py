@@ -3,6 +3,8 @@
 - peers.md (tools/bench_peers_report.py): both largest-model tables (without and with
   activation checkpointing), the largest-model goal rows of each, met or missed by the
   figures given, and the peak-per-phase table;
+- a launch run in parts (bench_peers_search.LAUNCH_PARTS): one report, each row's ratios
+  to the DDP of its own part, and the column marked so in peers.md;
 - the search's step rule (bench_peers_search.search_layers) with the finer growth used
   with checkpointing: it still brackets and finds the answer;
 - scaling.md (tools/bench_scaling.py): the (N, batch) launches of both series, and each
@@ -142,6 +144,34 @@ def test_a_search_without_a_peer_says_so_and_old_launches_render_without_phases(
         in text
     )
     assert "with activation checkpointing" not in text
+
+
+def test_a_launch_in_parts_merges_into_one_column_with_ratios_to_its_own_ddp(
+    tmp_path: Path,
+) -> None:
+    first = launch_report(rows=[result_row("ours-3", 1.0, 300.0, (1.0, 2.0, 3.0)),
+                                result_row("ddp", 0.5, 900.0, (1.0, 2.0, 3.0))])  # fmt: skip
+    second = launch_report(rows=[result_row("ddp", 2.0, 900.0, (1.0, 2.0, 3.0)),
+                                 result_row("fsdp2", 3.0, 320.0, (1.0, 2.0, 3.0))])  # fmt: skip
+    second["command"] = "bench part 2"
+    for row in second["results"]:
+        row["ratio_to_ddp"] = row["median_step_s"] / 2.0  # per round, to its own part's DDP
+    merged = bench_peers_search.merge_parts([first, second])
+    assert [r["variant"] for r in merged["results"]] == ["ours-3", "ddp", "fsdp2"]
+    assert [r["ddp_median_step_s"] for r in merged["results"]] == [0.5, 0.5, 2.0]
+    assert merged["part_commands"] == ["bench", "bench part 2"]
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    (raw / "peers-smoke-n4.json").write_text(json.dumps(merged))
+    bench_peers_report.write_docs(tmp_path, raw)
+    text = (tmp_path / "peers.md").read_text()
+    assert "ran in 2 processes" in text
+    # fsdp2: 3.0 s against its own part's DDP (2.0 s) is 1.50, not 6.00 against the first's
+    assert "| fsdp2 | 3.000; 1.50 (1.50) |" in text
+    assert "| ours-3 | 1.000; 2.00 (2.00) |" in text
+    every = {v for part in bench_peers_search.launch_variants("100m", 4) for v in part}
+    assert every == set(bench_peers_search.LAUNCH_VARIANTS)
+    assert all("ddp" in part for part in bench_peers_search.launch_variants("100m", 4))
 
 
 @pytest.mark.parametrize("answer", [3, 11, 14, 40])

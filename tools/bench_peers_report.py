@@ -55,11 +55,13 @@ def paper_model_states_mib(variant: str, psi: int, n: int) -> float | None:
 
 
 def ddp_ratios(row: dict[str, Any], report: dict[str, Any]) -> str:
-    """'median of per-round ratios (ratio of the medians)' to DDP of the same launch."""
+    """'median of per-round ratios (ratio of the medians)' to DDP of the same launch (of the
+    same part, for a launch run in parts: ``ddp_median_step_s``)."""
     ddp = next((r for r in report["results"] if r["variant"] == "ddp"), None)
     if ddp is None or row["ratio_to_ddp"] is None:
         return "-"
-    return f"{row['ratio_to_ddp']:.2f} ({row['median_step_s'] / ddp['median_step_s']:.2f})"
+    ddp_median = row.get("ddp_median_step_s") or ddp["median_step_s"]
+    return f"{row['ratio_to_ddp']:.2f} ({row['median_step_s'] / ddp_median:.2f})"
 
 
 def launch_table(report: dict[str, Any]) -> str:
@@ -154,6 +156,13 @@ def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> 
         + ")"
         for f in run.get("failed_launches", [])
     ]
+    for report in launches:
+        if len(report.get("part_commands", [])) > 1:
+            lines.append(
+                f"- {_label(report)} ran in {len(report['part_commands'])} processes (one "
+                "process for every variant did not fit in memory): each part timed DDP too, "
+                "and every ratio of that column is to the DDP of its own part"
+            )
     first = launches[0]
     for report in launches[1:]:
         if (report["git_head"], report["date"][:10]) != (first["git_head"], first["date"][:10]):

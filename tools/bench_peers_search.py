@@ -97,26 +97,76 @@ def run_launch(command: list[str], label: str, env: dict[str, str] | None = None
     return done.returncode
 
 
+LAUNCH_VARIANTS = (
+    "ours-0", "ours-1", "ours-2", "ours-3", "ddp", "zero-redundancy", "fsdp2",
+    "deepspeed-1", "deepspeed-2", "deepspeed-3",
+)  # fmt: skip
+DETERMINISTIC_VARIANTS = ("ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det")
+# Launches whose variants run in several processes, each part with DDP so that every ratio
+# is to a DDP timed in the same rounds: the ten variants of 101M on 4 ranks in one process
+# each were killed by the kernel's out-of-memory killer twice (012be00, d70e610; 23.5 GiB):
+# a process's heap keeps what the variants before freed, and four such ranks did not fit.
+LAUNCH_PARTS: dict[tuple[str, int], tuple[tuple[str, ...], ...]] = {
+    ("100m", 4): (
+        ("ours-0", "ours-1", "ours-2", "ours-3", "ddp", "zero-redundancy"),
+        ("ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"),
+    ),
+}
+
+
+def launch_variants(size: str, n: int) -> tuple[tuple[str, ...], ...]:
+    """The variants of the launch (size, N), one tuple per process that runs them."""
+    every = LAUNCH_VARIANTS + (DETERMINISTIC_VARIANTS if size == "20m" else ())
+    return LAUNCH_PARTS.get((size, n), (every,))
+
+
 def launch_command(
-    size: str, n: int, batch: int, json_path: Path, args: argparse.Namespace
-) -> list[str]:
-    variants = [
-        "ours-0",
-        "ours-1",
-        "ours-2",
-        "ours-3",
-        "ddp",
-        "zero-redundancy",
-        "fsdp2",
-        "deepspeed-1",
-        "deepspeed-2",
-        "deepspeed-3",
-    ]
-    if size == "20m":
-        variants += ["ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det"]
+    size: str, n: int, batch: int, json_path: Path, args: argparse.Namespace,
+    variants: tuple[str, ...],
+) -> list[str]:  # fmt: skip
     options = ["--size", size, "--steps", str(args.steps), "--rounds", str(args.rounds)]
     options += ["--warmup", str(args.warmup), "--batch", str(batch), "--variants", *variants]
     return peers_launch(n, [*options, "--json", str(json_path)])
+
+
+def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One launch's report from the reports of its parts (``LAUNCH_PARTS``): the first
+    part's fields, every part's rows (a variant in several parts, DDP, from the first part
+    that ran it), each row with the median DDP step of its own part
+    (``ddp_median_step_s``: its ratios are to that DDP), the parts' commands and the sum of
+    their wall times."""
+    merged = {**parts[0], "results": [], "part_commands": [p["command"] for p in parts]}
+    for part in parts:
+        ddp = next((r for r in part["results"] if r["variant"] == "ddp"), None)
+        for row in part["results"]:
+            if all(row["variant"] != r["variant"] for r in merged["results"]):
+                ddp_median = None if ddp is None else ddp["median_step_s"]
+                merged["results"].append({**row, "ddp_median_step_s": ddp_median})
+    merged["wall_s"] = sum(p.get("wall_s", 0.0) for p in parts)
+    merged["sources_changed_during_run"] = any(p["sources_changed_during_run"] for p in parts)
+    merged["deepspeed_error"] = next(
+        (p["deepspeed_error"] for p in parts if p.get("deepspeed_error")), None
+    )
+    return merged
+
+
+def run_peer_launch(size: str, n: int, batch: int, path: Path, args: argparse.Namespace) -> int:
+    """Run the launch (size, N) in its parts and write its report to ``path``; the exit
+    status of the first part that failed (``path`` is then left as it was), else 0."""
+    parts = launch_variants(size, n)
+    if len(parts) == 1:
+        return run_launch(launch_command(size, n, batch, path, args, parts[0]), f"{size} N={n}")
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, variants in enumerate(parts, 1):
+            part_path = Path(tmp) / f"part-{k}.json"
+            label = f"{size} N={n}, part {k} of {len(parts)}"
+            code = run_launch(launch_command(size, n, batch, part_path, args, variants), label)
+            if code:
+                return code
+            reports.append(json.loads(part_path.read_text()))
+    path.write_text(json.dumps(merge_parts(reports), indent=1))
+    return 0
 
 
 def probe(variant: str, layers: int, budget_mib: int, checkpoint: str = "none") -> dict[str, Any]:
@@ -338,7 +388,7 @@ def run_all(args: argparse.Namespace) -> None:
         for size, n, batch in LAUNCHES if not args.search_only else ():
             path = raw / f"peers-{size}-n{n}.json"
             label = f"{size} N={n}"
-            code = run_launch(launch_command(size, n, batch, path, args), label)
+            code = run_peer_launch(size, n, batch, path, args)
             if code:
                 failed.append({"label": label, "exit": code})
         if not args.skip_search:
