@@ -18,6 +18,10 @@ Each phase is wall-clock time on rank 0, the median over ``--steps`` steps after
                              parameters (stages 1-2), stage 3's persistent refresh
     wait       of each phase, the time blocked in Communicator._wait (a collective issued
                but not finished); the rest of the phase is computing or issuing
+    CPU        the step's CPU time on rank 0 (user + system): of the whole process (every
+               thread: gloo's and torch's too), and of the main thread alone. With as many
+               ranks as cores, a step cannot take less wall time than its CPU time, so what
+               the other threads add (collectives, their copies) is time the step pays
 
 The optimizer and publish columns come from wrapping those bound methods of the engine,
 and the wait columns from wrapping the communicator's ``_wait``; where the code under test
@@ -58,7 +62,7 @@ SIZES = {  # vocabulary 256 (bytes), as tools/bench_peers.py
 }
 PHASES = ("forward", "backward", "step")
 COLUMNS = ("forward", "forward_wait", "backward", "backward_wait", "step", "optimizer",
-           "publish", "step_wait", "total")  # fmt: skip
+           "publish", "step_wait", "total", "cpu", "cpu_main")  # fmt: skip
 
 
 class PhaseClock:
@@ -143,6 +147,7 @@ class Variant:
         clock = self.clock
         clock.seconds.clear()
         started = time.perf_counter()
+        cpu_started, main_started = time.process_time(), time.thread_time()
         with clock.phase("forward"):
             model = self.model if self.name == "ddp" else self.engine
             logits = model(inputs)
@@ -159,9 +164,10 @@ class Variant:
             elif not self.engine.step():
                 raise RuntimeError(f"[rank {self.comm.rank}] {self.name}: step was skipped")
         total = time.perf_counter() - started
+        cpu, cpu_main = time.process_time() - cpu_started, time.thread_time() - main_started
         self.last_loss = float(loss.detach())  # after the clock: .item() waits for nothing here
-        row: dict[str, float | None] = {"total": total}
-        for column in COLUMNS[:-1]:
+        row: dict[str, float | None] = {"total": total, "cpu": cpu, "cpu_main": cpu_main}
+        for column in COLUMNS[: COLUMNS.index("total")]:
             measured = column in PHASES or column in self.seen
             row[column] = clock.seconds.get(column, 0.0) if measured else None
         return row
@@ -202,12 +208,16 @@ def markdown(summaries: dict[str, dict[str, Any]], header: str) -> list[str]:
     base = next(iter(summaries.values()))["vs"]
     lines = [header, "",
              "| variant | forward | (wait) | backward | (wait) | step | optimizer | publish "
-             f"| (wait) | total | total min-max | / {base}, per round: median (min-max) |",
-             "|---|" + "---:|" * 11]  # fmt: skip
+             f"| (wait) | total | total min-max | / {base}, per round: median (min-max) "
+             "| CPU, all threads | CPU, main thread |",
+             "|---|" + "---:|" * 13]  # fmt: skip
     for name, s in summaries.items():
-        cells = " | ".join(ms(s[c]) for c in COLUMNS)
+        cells = " | ".join(ms(s[c]) for c in COLUMNS[: COLUMNS.index("cpu")])
         ratio = f"{s['ratio']:.2f}x ({s['ratio_min']:.2f}-{s['ratio_max']:.2f})"
-        lines.append(f"| {name} | {cells} | {s['total_min']:.1f}-{s['total_max']:.1f} | {ratio} |")
+        cpu = f"{ms(s['cpu'])} | {ms(s['cpu_main'])}"
+        lines.append(
+            f"| {name} | {cells} | {s['total_min']:.1f}-{s['total_max']:.1f} | {ratio} | {cpu} |"
+        )
     return lines
 
 
