@@ -158,14 +158,12 @@ def train(
     comm: Communicator,
     stage: int,
     *,
-    batches_per_rank: int = 1,
     settings: dict[str, Any] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train ``case.steps`` updates; return the full fp32 state after each applied step.
 
     Rank r's micro-batch number m of step s is global index
-    ((s * accumulation + m) * world_size + r) * batches_per_rank ...; with
-    ``batches_per_rank`` > 1 one rank consumes several ranks' micro-batches in rank order.
+    (s * accumulation + m) * world_size + r.
     """
     case = normalised(case)
     engine = build_engine(case, comm, stage, settings)
