@@ -104,8 +104,10 @@ LAUNCH_VARIANTS = (
 DETERMINISTIC_VARIANTS = ("ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det")
 # Launches whose variants run in several processes, each part with DDP so that every ratio
 # is to a DDP timed in the same rounds: the ten variants of 101M on 4 ranks in one process
-# each were killed by the kernel's out-of-memory killer twice (012be00, d70e610; 23.5 GiB):
-# a process's heap keeps what the variants before freed, and four such ranks did not fit.
+# each were killed by the kernel's out-of-memory killer three times (012be00, d70e610,
+# 0e7c277; 23.5 GiB, 6 GB per rank at the kill). The cause was our engines' leak (each
+# kept its model and gradients alive after close, fixed since); the split keeps the
+# margin: one process per rank holds what every variant before it left in its heap.
 LAUNCH_PARTS: dict[tuple[str, int], tuple[tuple[str, ...], ...]] = {
     ("100m", 4): (
         ("ours-0", "ours-1", "ours-2", "ours-3", "ddp", "zero-redundancy"),
