@@ -233,3 +233,16 @@ def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
     assert "## Strong scaling" in text and "## Weak scaling" in text
     # strong N=4 ours-3: t(1) (batch 4: 5.0 / 6.0 -> 5.5) over t(4) 1.75
     assert f"| {5.5 / 1.75:.2f} |" in text
+
+
+def test_a_run_that_skipped_the_search_says_where_the_largest_model_tables_come_from() -> None:
+    searches = [search("none", {"ours-3": 1}), search("full", {"ours-3": 1})]
+    skipped = {"command": "bench_peers.py --all --skip-search"}
+    line = bench_peers_report.search_provenance(skipped, searches)
+    assert "**not part of this run**" in line and "does not record when" in line
+    searches[0] |= {"date": "2026-12-04T20:00:00+00:00", "git_head": "abc1234"}
+    line = bench_peers_report.search_provenance(skipped, searches[:1])
+    assert "2026-12-04T20:00:00+00:00, git commit abc1234" in line
+    assert "part of the command above" in bench_peers_report.search_provenance(
+        {"command": "bench_peers.py --all"}, searches
+    )

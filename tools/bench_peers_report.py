@@ -159,8 +159,8 @@ def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> 
     for report in launches:
         if len(report.get("part_commands", [])) > 1:
             lines.append(
-                f"- {_label(report)} ran in {len(report['part_commands'])} processes (one "
-                "process for every variant did not fit in memory): each part timed DDP too, "
+                f"- {_label(report)} ran in {len(report['part_commands'])} processes per rank "
+                "(tools/bench_peers_search.py LAUNCH_PARTS says why): each part timed DDP too, "
                 "and every ratio of that column is to the DDP of its own part"
             )
     first = launches[0]
@@ -171,6 +171,24 @@ def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> 
                 f"commit {report['git_head']}), not this one: compare that column with care"
             )
     return lines
+
+
+def search_provenance(run: dict[str, Any], searches: list[dict[str, Any]]) -> str:
+    """Where the largest-model tables come from: this run, a search-only run after it, or
+    (``--skip-search``) an earlier run, named by the date and commit its JSON records."""
+    if "search_command" in run:
+        return f"- largest-model search, run again on its own: `{run['search_command']}`"
+    if "--skip-search" not in run.get("command", "").split():
+        return "- largest-model search: part of the command above"
+    when = sorted({f"{s['date']}, git commit {s['git_head']}" for s in searches if "date" in s})
+    origin = (
+        "from an earlier run (" + "; ".join(when) + ")"
+        if when
+        else "from an earlier run, whose JSON does not record when (before the search wrote "
+        "its date and commit)"
+    )
+    skipped = "- largest-model search: **not part of this run** (`--skip-search`)"
+    return f"{skipped}: its tables are {origin}"
 
 
 def _label(report: dict[str, Any]) -> str:
@@ -336,9 +354,7 @@ def write_docs(out: Path, raw: Path) -> None:
         + (f" ({run['wall_s'] / 60:.0f} min)" if "wall_s" in run else ""),
         f"- one launch: `{first['command']}`",
         *provenance_warnings(launches, run),
-        f"- largest-model search, run again on its own: `{run['search_command']}`"
-        if "search_command" in run
-        else "- largest-model search: part of the command above",
+        search_provenance(run, searches),
         f"- machine: {first['machine']['cpu']}, {first['machine']['cpu_count']} cores, "
         f"{first['machine']['memory_gib']} GiB, {first['machine']['system']}, Python "
         f"{first['machine']['python']}; shared with other work (timings are medians)",

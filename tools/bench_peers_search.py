@@ -33,6 +33,7 @@ search out (the report keeps the search JSON already in peers-json/).
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import math
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_peers_report import SEARCH_FILES, paper_model_states_mib, write_docs
+from provenance import git_head
 
 from zero_models.gpt import GPTConfig
 
@@ -364,6 +366,8 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
             "budget_mib_per_rank": args.search_budget_mib,
             "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank, over "
             "the build and the 2 steps; " + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "git_head": git_head(),
             "results": results[mode],
         }
         (raw / SEARCH_FILES[mode]).write_text(json.dumps(search, indent=1))
