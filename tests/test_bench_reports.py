@@ -71,6 +71,7 @@ def launch_report(
         "versions": {"torch": "2.13.0"}, "git_head": "abc1234", "uncommitted": [],
         "sources": "0" * 12, "sources_changed_during_run": False, "deepspeed_error": None,
         "results": rows if rows is not None else [
+            result_row("ours-0", 0.55, 900.0, (444.0, 555.0, 466.0)),
             result_row("ours-3", 1.0, 300.0, (111.0, 222.0, 133.0)),
             result_row("ddp", 0.5, 900.0, (444.0, 555.0, 466.0)),
             result_row("fsdp2", 1.2, 320.0, (120.0, 240.0, 140.0)),
@@ -118,6 +119,8 @@ def test_peers_report_has_both_largest_tables_goal_rows_and_phase_peaks(tmp_path
     assert verdict[("largest model, ours-3 >= 3.5x ddp", True)] == "yes"
     assert verdict[("largest model, ours-3 >= 3.5x ddp", False)] == "NO"
     assert "| 1.20x (360M vs 300M) | yes |" in text
+    assert "| ours-0 step time <= 1.05x DDP | 0M N=4 | 1.10x | NO |" in text  # issue 17
+    assert "| ours-3 step time <= 1.15x DDP | 0M N=4 | 2.00x | NO |" in text
     assert "### Peak resident memory per phase of one step" in text
     assert "| ours-3 | 111 / 222 / 133 |" in text
     assert "| fsdp2 | 120 / 240 / 140 |" in text
@@ -168,6 +171,7 @@ def test_a_launch_in_parts_merges_into_one_column_with_ratios_to_its_own_ddp(
     assert "ran in 2 processes" in text
     # fsdp2: 3.0 s against its own part's DDP (2.0 s) is 1.50, not 6.00 against the first's
     assert "| fsdp2 | 3.000; 1.50 (1.50) |" in text
+    assert "| ours-3 step time <= 1.15x DDP | 0M N=4 | 2.00x | NO |" in text
     assert "| ours-3 | 1.000; 2.00 (2.00) |" in text
     every = {v for part in bench_peers_search.launch_variants("100m", 4) for v in part}
     assert every == set(bench_peers_search.LAUNCH_VARIANTS)
