@@ -37,6 +37,7 @@ writes rank 0's Chrome trace (``DIR/<variant>.json``) and its top operators by s
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -237,23 +238,16 @@ def trace_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor, ra
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` ZeroConfig overrides; values parsed as True/False/None, int, float,
-    then kept as text."""
+    """``key=value`` ZeroConfig overrides; values parsed as Python literals (ints, floats,
+    True/False/None), anything else kept as text."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:
             raise ValueError(f"--config {pair!r}: write key=value, e.g. bucket_numel=4194304")
-        if text in ("True", "False", "None"):
-            options[key] = {"True": True, "False": False, "None": None}[text]
-            continue
-        for convert in (int, float):
-            try:
-                options[key] = convert(text)
-                break
-            except ValueError:
-                continue
-        else:
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
             options[key] = text
     return options
 
