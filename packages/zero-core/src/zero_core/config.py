@@ -139,6 +139,11 @@ class ZeroConfig:
         True means "int4". ``zero_quantized_gradients``.
     allow_quantize_fallback: where a quantized collective cannot run (see
         zero_comm.quantized), warn once and use the exact one; False makes it an error.
+    release_host_heap: on a CPU device, give the C heap's free pages back to the system
+        at the end of the build and of every step (glibc's ``malloc_trim``; see
+        zero_core.host_heap): without it, resident memory can grow step after step with
+        pages the allocator holds but nobody uses. A no-op on a GPU device or another
+        C library.
     """
 
     stage: int = 2
@@ -173,6 +178,7 @@ class ZeroConfig:
     quantize_weights: bool = False
     quantize_gradients: str | bool | None = None
     allow_quantize_fallback: bool = False
+    release_host_heap: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))

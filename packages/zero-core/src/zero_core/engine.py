@@ -60,6 +60,7 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
+from .host_heap import release_free_heap
 from .hybrid_sharding import hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import whole_tensors
@@ -137,6 +138,7 @@ class Engine:
         self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
         refuse_eager_state_on_disk(self.masters, self.optimizer)
+        self._release_host_heap()  # the build's temporaries (whole values, full buffers)
 
     # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
@@ -241,6 +243,7 @@ class Engine:
             self.loss_scaler.update(overflow=True)  # a no-op unless float16
             self.skipped_steps += 1
             self.zero_grad()
+            self._release_host_heap()
             return False
         if self.config.clip_grad_norm is not None:
             mp, row_sums = self.model_parallel, self.gradients.row_sums
@@ -268,7 +271,13 @@ class Engine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
+        self._release_host_heap()
         return True
+
+    def _release_host_heap(self) -> None:
+        """Free heap pages back to the system on a CPU device (ZeroConfig.release_host_heap)."""
+        if self.config.release_host_heap and self.comm.device.type == "cpu":
+            release_free_heap()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (done automatically after every applied step)."""
