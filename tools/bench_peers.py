@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import gc
 import json
@@ -103,8 +102,7 @@ def reset_peak_rss() -> bool:
 
 def trim_allocator() -> None:
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    zero_core.host_heap.release_free_heap()
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:

@@ -24,14 +24,13 @@ is the larger of the resident bytes at the phase's start and end.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+
+from .host_heap import release_free_heap
 
 
 class PhasePeak(NamedTuple):
@@ -88,7 +87,7 @@ class MemoryTracker:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self.current_bytes()
-        _trim_heap()
+        release_free_heap()
         if self.exact:
             with open("/proc/self/clear_refs", "w") as clear_refs:
                 clear_refs.write("5")  # resets VmHWM to the current resident set
@@ -132,16 +131,3 @@ def _can_reset_high_water_mark() -> bool:
         return True
     except OSError:
         return False
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the system (glibc); a no-op elsewhere."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
