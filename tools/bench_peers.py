@@ -71,6 +71,7 @@ from provenance import git_head, sources_digest
 import zero_comm
 import zero_core
 import zero_models
+from zero_core.host_heap import release_free_heap
 from zero_models.data import BatchSampler, load_tokens
 from zero_models.gpt import GPTConfig
 
@@ -102,7 +103,7 @@ def reset_peak_rss() -> bool:
 
 def trim_allocator() -> None:
     gc.collect()
-    zero_core.host_heap.release_free_heap()
+    release_free_heap()
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:

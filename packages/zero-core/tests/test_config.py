@@ -31,6 +31,7 @@ def test_defaults_and_dtype_names() -> None:
         ({"loss_scale": 128.0}, "float16 only"),
         ({"param_dtype": "fp16", "initial_loss_scale": 0.5}, "min_loss_scale"),
         ({"overlap_comm": "false"}, "overlap_comm='false' must be True or False"),
+        ({"release_host_heap": 1}, "release_host_heap=1 must be True or False"),
     ],
 )
 def test_bad_settings_are_named(kwargs: dict[str, object], message: str) -> None:

@@ -139,11 +139,12 @@ class ZeroConfig:
         True means "int4". ``zero_quantized_gradients``.
     allow_quantize_fallback: where a quantized collective cannot run (see
         zero_comm.quantized), warn once and use the exact one; False makes it an error.
-    release_host_heap: on a CPU device, give the C heap's free pages back to the system
-        at the end of the build and of every step (glibc's ``malloc_trim``; see
-        zero_core.host_heap): without it, resident memory can grow step after step with
-        pages the allocator holds but nobody uses. A no-op on a GPU device or another
-        C library.
+    release_host_heap: on a CPU device, or with model states offloaded to host memory or
+        disk, give the C heap's free pages back to the system at the end of the build and
+        of every optimizer step, applied or skipped (not each micro-step; glibc's
+        ``malloc_trim``, zero_core.host_heap): without it, resident memory can grow step
+        after step with pages the allocator holds but nobody uses. A no-op with another C
+        library.
     """
 
     stage: int = 2
@@ -205,7 +206,9 @@ class ZeroConfig:
             raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be a number or None")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
-        for name in ("allow_untested_optimizer", "cast_forward_inputs", "overlap_comm"):
+        for name in (
+            "allow_untested_optimizer", "cast_forward_inputs", "overlap_comm", "release_host_heap",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.clip_grad_norm is not None and not (

@@ -275,8 +275,10 @@ class Engine:
         return True
 
     def _release_host_heap(self) -> None:
-        """Free heap pages back to the system on a CPU device (ZeroConfig.release_host_heap)."""
-        if self.config.release_host_heap and self.comm.device.type == "cpu":
+        """Free heap pages back to the system where the step's tensors live in host memory
+        (ZeroConfig.release_host_heap)."""
+        host = self.comm.device.type == "cpu" or self.config.offloads
+        if self.config.release_host_heap and host:
             release_free_heap()
 
     def zero_grad(self) -> None:

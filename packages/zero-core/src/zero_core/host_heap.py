@@ -11,13 +11,12 @@ shrinks from its top:
                     ^ pages nobody uses, still counted in the process's RSS
 
 How much stays depends on the order in which blocks are freed, which depends on thread
-timing. Measured at 101M parameters, 4 ranks, stage 3 on a communicator split from the
-world (as the benchmark and any tensor x data-parallel mesh make it): the heap grew by
-about 450 MiB per step with 406 MiB of it in use, to an RSS of 2324 MiB after 4 steps;
-on the world communicator itself it stayed flat. ``malloc_trim(0)`` returns the free
-pages anywhere in the heap (glibc >= 2.8, ``madvise(MADV_DONTNEED)``), so calling it at
-the end of the build and of each step bounds the resident heap by what the next step
-needs (docs/stage3-memory.md).
+timing. At 101M parameters on 4 ranks, stage 3 on a communicator split from the world
+(as the benchmark and any tensor x data-parallel mesh make one), the heap grew by about
+500 MiB a step while its bytes in use stayed constant (docs/stage3-memory.md).
+``malloc_trim(0)`` returns the free pages anywhere in the heap (glibc >= 2.8,
+``madvise(MADV_DONTNEED)``), so calling it at the end of the build and of each optimizer
+step bounds the resident heap by what one step needs.
 
 Where the C library is not glibc (musl, macOS, Windows) this is a no-op.
 """
@@ -27,22 +26,28 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 from collections.abc import Callable
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS,
+    Windows). The process's own symbols first: ``find_library`` needs ldconfig or a
+    compiler, which a slim glibc image may lack."""
+    names: list[str | None] = [None] if os.name == "posix" else []  # None: loaded symbols
+    found = ctypes.util.find_library("c")
+    if found is not None:
+        names.append(found)
+    for name in names:
+        try:
+            trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            continue
+        trim.argtypes = [ctypes.c_size_t]
+        trim.restype = ctypes.c_int
+        return trim
+    return None
 
 
 def release_free_heap() -> bool:
