@@ -190,6 +190,25 @@ def test_search_with_the_finer_growth_brackets_and_finds_the_answer(answer: int)
     assert all(p["ok"] == (p["parameters"] <= answer) for p in probes)
 
 
+@pytest.mark.parametrize("answer", [1, 12, 22, 24, 26, 32])
+def test_the_peer_search_bisects_to_one_layer(answer: int) -> None:
+    """With tolerance 0 (the peer search) the bracket ends one layer wide, so 24 against
+    27 layers (1.125x) is resolved instead of read as a tie."""
+
+    def fake_probe(layers: int) -> dict[str, Any]:
+        return {"ok": layers <= answer, "how": "ran", "parameters": layers, "seconds": 0.0}
+
+    lo, hi, _ = bench_peers_search.search_layers(
+        fake_probe,
+        22,  # ours-3's and FSDP2's first guess at 1536 MiB
+        max_probes=bench_peers_search.MAX_PROBES,
+        deadline=time.time() + 60,
+        label="test",
+        tolerance=0.0,
+    )
+    assert (lo, hi) == (answer, answer + 1)
+
+
 def scaling_args(**overrides: Any) -> argparse.Namespace:
     args = bench_scaling.parser().parse_args([])
     for key, value in overrides.items():

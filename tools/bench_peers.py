@@ -570,7 +570,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--search-minutes",
         type=float,
-        default=45.0,
+        default=65.0,
         help="--all: time budget of the whole search (both settings, every variant)",
     )
     p.add_argument(

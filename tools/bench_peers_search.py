@@ -18,12 +18,13 @@ others; nothing else on the machine is at risk. Address space is a little more t
 memory (reserved, untouched pages count), so the cap is strict; the successful probes
 record both. A probe whose paper model-state bytes alone exceed the budget fails by that
 estimate, without running. The search per variant starts at the layer count that the paper's
-formula puts at ~70% of the budget, grows (x1.5) or shrinks (/1.5) until it brackets the
-limit, then bisects until the bracket is within 1/8 of the answer, at most ``MAX_PROBES``
-probes, within ``--search-minutes`` for all variants and both settings together. With
-checkpointing, a variant's search starts one step (x1.125) above its answer without, and
-grows by x1.125: checkpointing at one sequence of 128 tokens frees ~8 MiB per block, so
-the answer moves by ~10%, and a finer step finds it in fewer probes.
+formula puts at ~70% of the budget, grows (x1.5) or shrinks (/1.5) until it brackets the limit,
+then bisects until the bracket is one layer wide (the goals are ratios of 1.15x, which a
+bracket of 1/8 cannot tell apart), at most ``MAX_PROBES`` probes, within ``--search-minutes``
+for all variants and both settings together. With checkpointing, a variant's search starts one
+step (x1.125) above its answer without, and grows by x1.125: checkpointing at one sequence of
+128 tokens frees ~8 MiB per block, so the answer moves by ~10%, and a finer step finds it in
+fewer probes.
 
 After the search, tools/bench_scaling.py (N = 1, 2, 4; docs/benchmarks/scaling.md) unless
 ``--skip-scaling``; ``--scaling-only`` runs that alone; ``--skip-search`` leaves the
@@ -59,7 +60,7 @@ SEARCH_VARIANTS = (
     "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"
 )  # fmt: skip
 SEARCH_WIDTH, SEARCH_HEADS, SEARCH_CONTEXT, SEARCH_N = 1024, 16, 128, 4
-MAX_PROBES = 7
+MAX_PROBES = 8
 # glibc's dynamic mmap threshold rises to the size of the largest block freed (up to 32 MiB),
 # after which blocks below it come from the heap and stay resident when freed: a gathered
 # 16 MiB parameter, freed and gathered again, inflated our stage 3's resident memory by 2x
@@ -241,6 +242,11 @@ def probe(variant: str, layers: int, budget_mib: int, checkpoint: str = "none") 
         }
 
 
+def bracketed(lo: int, hi: int, tolerance: float) -> bool:
+    """Whether ``lo`` ran and ``hi`` failed within ``tolerance`` of ``lo`` (0: adjacent)."""
+    return bool(lo and hi and hi - lo <= max(1, math.floor(lo * tolerance)))
+
+
 def search_layers(
     run_probe: Callable[[int], dict[str, Any]],
     guess: int,
@@ -250,10 +256,12 @@ def search_layers(
     label: str,
     retry_errors: bool = False,
     growth: float = 1.5,
+    tolerance: float = 1 / 8,
 ) -> tuple[int, int, list[dict[str, Any]]]:
     """The most layers for which ``run_probe(layers)["ok"]``: from ``guess``, grow (x``growth``)
     or shrink (/``growth``) until a probe brackets the limit, then bisect until the bracket is
-    within 1/8 of the answer, at most ``max_probes`` probes before ``deadline``. Returns
+    within ``tolerance`` of the answer (0: one layer wide), at most ``max_probes`` probes
+    before ``deadline``. Returns
     (most layers that ran, fewest that failed or 0, every probe). With ``retry_errors``
     a probe that failed other than by memory is run once more, so that noise is not read
     as capacity."""
@@ -277,7 +285,7 @@ def search_layers(
             lo = layers
         else:
             hi = layers
-        if hi and hi - lo <= max(1, lo // 8):
+        if hi and bracketed(lo, hi, tolerance):
             break
         if not hi:
             layers = max(layers + 1, math.ceil(layers * growth))
@@ -316,6 +324,7 @@ def largest(
         label=f"search, checkpoint {checkpoint}",
         retry_errors=True,
         growth=growth,
+        tolerance=0.0,
     )
     return {
         "variant": variant,
@@ -324,7 +333,7 @@ def largest(
         "parameters": search_config(lo).num_params if lo else 0,
         "first_failing_layers": hi or None,
         "probes": probes,
-        "converged": bool(lo and hi and hi - lo <= max(1, lo // 8)),
+        "converged": bracketed(lo, hi, 0.0),
     }
 
 
