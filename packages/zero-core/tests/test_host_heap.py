@@ -1,5 +1,7 @@
-"""The engine gives the C heap's free pages back after its build and after each step
-(ZeroConfig.release_host_heap, zero_core.host_heap).
+"""The engine gives the C heap's free pages back after its build, and after a step when
+the heap has grown past the first step's (ZeroConfig.release_host_heap,
+zero_core.host_heap): steps that reuse the heap as it is keep their pages, since a
+released page costs a fault when the next step touches it again.
 
 Found by tools/bench_peers.py: ours-3 at 101M parameters on 4 ranks, on a communicator
 split from the world, grew its heap by about 500 MiB a step with the bytes in use
@@ -18,11 +20,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zero_comm.launch import free_port
-from zero_core.host_heap import _malloc_trim
+from zero_core import host_heap
+from zero_core.host_heap import MIN_GROWTH_BYTES, StepHeapRelease, _malloc_trim
 
 HOLES_MIB = 128  # freed below as many live MiB, before the build and again before the step
+STEADY_STEPS = 4  # steps between the build and the holes, which must not release
 
 BODY = r"""
 import ctypes, ctypes.util, json, sys
@@ -62,18 +68,22 @@ def body(comm):  # in the main thread: a thread's allocations go to another aren
     after_holes = rss_mib()
     engine = build_engine(case, comm, stage, {"release_host_heap": release})
     after_build = rss_mib()
+    for _ in range(STEADY):  # the first sets the reference; the rest leave the heap level
+        train_one_step(engine, comm)
+    steady = engine._step_heap_release.releases
     pins += holes(HOLES)
     after_more = rss_mib()
     train_one_step(engine, comm, skipped)
     after_step = rss_mib()
+    released = engine._step_heap_release.releases - steady
     engine.close()
     return dict(before=before, holes=after_holes, build=after_build, more=after_more,
-                step=after_step)
+                step=after_step, steady_releases=steady, releases=released)
 
 comm = zero_comm.init("gloo")
 print(json.dumps(body(comm)))
 comm.close()
-""".replace("HOLES", str(HOLES_MIB))
+""".replace("HOLES", str(HOLES_MIB)).replace("STEADY", str(STEADY_STEPS))
 
 
 def run_body(stage: int, release: bool, skipped: bool = False) -> dict[str, float]:
@@ -110,6 +120,9 @@ def test_build_and_step_give_free_heap_pages_back(stage: int, skipped: bool) -> 
     assert rss["build"] - rss["before"] < 1.3 * h, f"the build kept the holes: {rss}"
     assert rss["more"] - rss["build"] > 1.8 * h, f"no new holes: {rss}"
     assert rss["step"] - rss["before"] < 2.3 * h, f"the step kept the holes: {rss}"
+    # steps that reuse the heap as it is do not pay a page fault per page again
+    assert rss["steady_releases"] == 0, rss
+    assert rss["releases"] == 1, rss
 
 
 @pytest.mark.skipif(not glibc(), reason="malloc_trim is glibc's; elsewhere release is a no-op")
@@ -120,3 +133,45 @@ def test_without_release_the_holes_stay_resident() -> None:
     h = HOLES_MIB  # the second holes() reuses the first one's free blocks: 3h at the end
     assert rss["build"] - rss["before"] > 1.8 * h, f"the build released the holes: {rss}"
     assert rss["step"] - rss["before"] > 2.8 * h, f"the step released the holes: {rss}"
+
+
+MIB = 1 << 20
+
+
+@given(st.lists(st.tuples(st.integers(0, 8192), st.integers(0, 1024)), min_size=1, max_size=12))
+def test_a_step_releases_only_past_the_first_steps_resident_bytes(
+    readings_mib: list[tuple[int, int]],
+) -> None:
+    """The rule alone, with (resident, heap free) MiB given: no release at the first step,
+    then one exactly when resident memory exceeds the first step's by more than
+    max(an eighth of it, MIN_GROWTH_BYTES) and the heap has MIN_GROWTH_BYTES free."""
+    readings = iter(readings_mib)
+    reading: list[tuple[int, int]] = []
+
+    def resident() -> int:
+        reading[:] = [next(readings)]
+        return reading[0][0] * MIB
+
+    released: list[int] = []
+    policy = StepHeapRelease()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_heap, "resident_bytes", resident)
+        patch.setattr(host_heap, "heap_free_bytes", lambda: reading[0][1] * MIB)
+        patch.setattr(host_heap, "release_free_heap", lambda: released.append(1) or True)
+        decisions = [policy.after_step() for _ in readings_mib]
+    reference = readings_mib[0][0] * MIB
+    limit = reference + max(reference // 8, MIN_GROWTH_BYTES)
+    expected = [r * MIB > limit and f * MIB >= MIN_GROWTH_BYTES for r, f in readings_mib[1:]]
+    assert decisions == [False, *expected]
+    assert len(released) == policy.releases == sum(decisions)
+
+
+def test_where_memory_cannot_be_read_every_step_releases() -> None:
+    """Without mallinfo2 (glibc < 2.33) or /proc the rule cannot see the heap: release."""
+    released: list[int] = []
+    policy = StepHeapRelease()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_heap, "heap_free_bytes", lambda: None)
+        patch.setattr(host_heap, "release_free_heap", lambda: released.append(1) or True)
+        assert all(policy.after_step() for _ in range(3))
+    assert len(released) == 3

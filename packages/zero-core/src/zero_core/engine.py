@@ -60,7 +60,7 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
-from .host_heap import release_free_heap
+from .host_heap import StepHeapRelease, release_free_heap
 from .hybrid_sharding import hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import whole_tensors
@@ -138,7 +138,9 @@ class Engine:
         self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
         refuse_eager_state_on_disk(self.masters, self.optimizer)
-        self._release_host_heap()  # the build's temporaries (whole values, full buffers)
+        self._step_heap_release = StepHeapRelease()
+        if self._releases_host_heap():
+            release_free_heap()  # the build's temporaries (whole values, full buffers)
 
     # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
@@ -274,12 +276,17 @@ class Engine:
         self._release_host_heap()
         return True
 
+    def _releases_host_heap(self) -> bool:
+        """Whether free heap pages go back to the system: where the step's tensors live in
+        host memory (ZeroConfig.release_host_heap)."""
+        host = self.comm.device.type == "cpu" or bool(self.config.offloads)
+        return self.config.release_host_heap and host
+
     def _release_host_heap(self) -> None:
-        """Free heap pages back to the system where the step's tensors live in host memory
-        (ZeroConfig.release_host_heap)."""
-        host = self.comm.device.type == "cpu" or self.config.offloads
-        if self.config.release_host_heap and host:
-            release_free_heap()
+        """After a step: free heap pages back to the system if the heap has grown past the
+        first step's (zero_core.host_heap.StepHeapRelease)."""
+        if self._releases_host_heap():
+            self._step_heap_release.after_step()
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (done automatically after every applied step)."""
