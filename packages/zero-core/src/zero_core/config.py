@@ -140,12 +140,12 @@ class ZeroConfig:
     allow_quantize_fallback: where a quantized collective cannot run (see
         zero_comm.quantized), warn once and use the exact one; False makes it an error.
     release_host_heap: on a CPU device, or with model states offloaded to host memory or
-        disk, give the C heap's free pages back to the system at the end of the build, and
-        after an optimizer step (applied or skipped, not a micro-step) whose resident
-        memory has grown past the first step's by more than max(1/8, 64 MiB) (glibc's
-        ``malloc_trim``, zero_core.host_heap.StepHeapRelease): without it, resident
-        memory can grow step after step with pages the allocator holds but nobody uses.
-        Steps that reuse the heap as it is do not release, since each released page costs
+        disk, give the C heap's free pages back to the system at the end of the build and
+        of the first two optimizer steps, and after a later step (applied or skipped, not
+        a micro-step) when the heap has grown (glibc's ``malloc_trim``; the rule is
+        zero_core.host_heap.StepHeapRelease): without it, resident memory can grow step
+        after step with pages the allocator holds but nobody uses. Steps that reuse the
+        heap as it is do not release, since each released page costs
         a fault when touched again. A no-op with another C library.
     """
 

@@ -15,10 +15,10 @@ timing. At 101M parameters on 4 ranks, stage 3 on a communicator split from the 
 (as the benchmark and any tensor x data-parallel mesh make one), the heap grew by about
 500 MiB a step while its bytes in use stayed constant (docs/stage3-memory.md).
 ``malloc_trim(0)`` returns the free pages anywhere in the heap (glibc >= 2.8,
-``madvise(MADV_DONTNEED)``). The engine calls it at the end of its build, and after an
-optimizer step when resident memory has grown past what the first step left
-(``StepHeapRelease``): a release is paid for with a page fault for each released page the
-next step touches again, so a heap that the steps reuse as it is keeps its pages.
+``madvise(MADV_DONTNEED)``). The engine calls it at the end of its build and of its first
+two optimizer steps, and after a later step when the heap has grown (``StepHeapRelease``):
+a release is paid for with a page fault for each released page the next step touches
+again, so a heap that the steps reuse as it is keeps its pages.
 
 Where the C library is not glibc (musl, macOS, Windows) this is a no-op.
 """
@@ -78,11 +78,14 @@ def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     return info
 
 
-def heap_free_bytes() -> int | None:
-    """Bytes in free heap chunks over every arena (resident or not), or None where glibc's
-    ``mallinfo2`` is missing."""
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes allocated and live, bytes in free heap chunks, resident or not) over every
+    arena, mapped blocks counted as live; None where glibc's ``mallinfo2`` is missing."""
     info = _mallinfo2()
-    return int(info().fordblks) if info is not None else None
+    if info is None:
+        return None
+    stats = info()
+    return int(stats.uordblks + stats.hblkhd), int(stats.fordblks)
 
 
 def release_free_heap() -> bool:
@@ -94,8 +97,11 @@ def release_free_heap() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-# The least growth of resident memory over the first step's that makes a step release.
+# How far the resident memory that no live allocation accounts for may grow past the
+# first step's before a step releases.
 MIN_GROWTH_BYTES = 64 << 20
+# Steps whose largest slack is the reference; each of them releases.
+REFERENCE_STEPS = 2
 
 
 def resident_bytes() -> int | None:
@@ -113,36 +119,49 @@ class StepHeapRelease:
     Releasing costs a page fault and the kernel's zeroing for each released page that the
     next step touches again: at 19M parameters on 2 ranks, releasing after every step
     took 18-47 thousand page faults and 10-27 ms of ``malloc_trim`` per step; where the
-    steps kept their pages, 0.2-3 thousand. A step that reuses the blocks the last one
-    freed leaves resident memory level, and a release would only repay that price every
-    step. So the resident bytes after the first step are the reference, and a later step
-    releases only when they exceed it by more than max(reference / 8,
-    MIN_GROWTH_BYTES) and the heap holds at least MIN_GROWTH_BYTES free: the heap has
-    grown around freed blocks that are not being reused (at 101M on 4 ranks, by about
-    500 MiB a step, docs/stage3-memory.md). The heap's free bytes alone cannot tell: they
-    count released pages too, which a step can make resident again without changing them.
-    Where resident or free bytes cannot be read, every step releases.
+    steps kept their pages, 0.2-5 thousand. A step that reuses the blocks the last one
+    freed leaves the resident memory that no live allocation accounts for level:
+
+        slack = resident bytes - bytes malloc holds live (heap and mapped blocks)
+
+    that is the process's code and data outside malloc, and the free heap pages still
+    resident. The first REFERENCE_STEPS steps release, and the largest slack after them
+    is the reference (where the heap fragments, the first step is where it grows most: at
+    101M on 4 ranks, 863 MiB). A later step releases when the heap has at least
+    MIN_GROWTH_BYTES free and either
+
+    - its free bytes grew by more than MIN_GROWTH_BYTES over the most after any earlier
+      step: new heap was made around freed blocks that are not being reused (at 101M on
+      4 ranks, by 280-540 MiB a step, docs/stage3-memory.md), or
+    - slack exceeds the reference by more than MIN_GROWTH_BYTES: released pages were
+      made resident again and not freed, which the free bytes do not show (they count
+      released pages too).
+
+    Live memory (optimizer states, a caller's caches) moves resident and live bytes alike,
+    so it counts in neither. Where resident or heap bytes cannot be read, every step
+    releases.
     """
 
     def __init__(self) -> None:
-        self.reference: int | None = None
+        self.reference = 0  # bytes; set by the first REFERENCE_STEPS steps
+        self.steps = 0  # steps seen, up to REFERENCE_STEPS
+        self.most_free = 0  # the most free heap bytes after any step so far
         self.releases = 0
 
-    def limit(self) -> int | None:
-        """Resident bytes above which a step releases (None before the first step)."""
-        if self.reference is None:
-            return None
-        return self.reference + max(self.reference // 8, MIN_GROWTH_BYTES)
-
     def after_step(self) -> bool:
-        """Release if resident memory has grown (see the class); True if it did."""
-        resident, free = resident_bytes(), heap_free_bytes()
-        if resident is not None and free is not None:
-            if self.reference is None:
-                self.reference = resident
-                return False
-            limit = self.limit()
-            if limit is not None and (resident <= limit or free < MIN_GROWTH_BYTES):
-                return False
+        """Release if the slack has grown (see the class); True if it did."""
+        resident, heap = resident_bytes(), heap_bytes()
+        if resident is not None and heap is not None:
+            live, free = heap
+            slack = resident - live
+            heap_grew = free > self.most_free + MIN_GROWTH_BYTES
+            self.most_free = max(free, self.most_free)
+            if self.steps < REFERENCE_STEPS:
+                self.steps += 1
+                self.reference = max(slack, self.reference)  # and release
+            else:
+                slack_grew = slack > self.reference + MIN_GROWTH_BYTES
+                if free < MIN_GROWTH_BYTES or not (heap_grew or slack_grew):
+                    return False
         self.releases += 1
         return release_free_heap()
