@@ -87,7 +87,7 @@ TOOLS = Path(__file__).resolve().parent
 # ------------------------------------------------------------------ process memory
 def status_kib(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS, VmHWM, VmSize, VmPeak); 0 if absent."""
-    from zero_core.memory_tracker import process_status_kib
+    from zero_core.proc_status import process_status_kib
 
     return process_status_kib(field) or 0
 

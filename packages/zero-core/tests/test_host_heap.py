@@ -68,7 +68,7 @@ def body(comm):  # in the main thread: a thread's allocations go to another aren
     after_holes = rss_mib()
     engine = build_engine(case, comm, stage, {"release_host_heap": release})
     after_build = rss_mib()
-    for _ in range(STEADY):  # the first sets the reference and releases; the rest do not
+    for _ in range(STEADY):  # the first 2 set the reference and release; the rest do not
         train_one_step(engine, comm)
     steady = engine._step_heap_release.releases
     pins += holes(HOLES)

@@ -325,7 +325,7 @@ import resource, sys
 import torch._dynamo  # imported on first use in the build: not the model's memory
 import zero_models.run_setup as run_setup
 import zero_models.train as train
-from zero_core.memory_tracker import process_status_kib
+from zero_core.proc_status import process_status_kib
 
 budget, footprint, launch = int(sys.argv[1]) << 20, run_setup.run_footprint, train.launch
 

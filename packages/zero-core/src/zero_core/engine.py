@@ -139,7 +139,7 @@ class Engine:
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
         refuse_eager_state_on_disk(self.masters, self.optimizer)
         self._step_heap_release = StepHeapRelease()
-        if self._releases_host_heap():
+        if self._heap_release_on():
             release_free_heap()  # the build's temporaries (whole values, full buffers)
 
     # ----------------------------------------------------------- parameters
@@ -245,7 +245,7 @@ class Engine:
             self.loss_scaler.update(overflow=True)  # a no-op unless float16
             self.skipped_steps += 1
             self.zero_grad()
-            self._release_host_heap()
+            self._release_heap_after_step()
             return False
         if self.config.clip_grad_norm is not None:
             mp, row_sums = self.model_parallel, self.gradients.row_sums
@@ -273,19 +273,19 @@ class Engine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
-        self._release_host_heap()
+        self._release_heap_after_step()
         return True
 
-    def _releases_host_heap(self) -> bool:
+    def _heap_release_on(self) -> bool:
         """Whether free heap pages go back to the system: where the step's tensors live in
         host memory (ZeroConfig.release_host_heap)."""
         host = self.comm.device.type == "cpu" or bool(self.config.offloads)
         return self.config.release_host_heap and host
 
-    def _release_host_heap(self) -> None:
-        """After a step: free heap pages back to the system if the heap has grown past the
-        first step's (zero_core.host_heap.StepHeapRelease)."""
-        if self._releases_host_heap():
+    def _release_heap_after_step(self) -> None:
+        """Free heap pages back to the system if the heap has grown past the first steps'
+        (zero_core.host_heap.StepHeapRelease)."""
+        if self._heap_release_on():
             self._step_heap_release.after_step()
 
     def zero_grad(self) -> None:

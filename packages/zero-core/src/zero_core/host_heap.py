@@ -31,6 +31,8 @@ import functools
 import os
 from collections.abc import Callable
 
+from .proc_status import process_status_kib
+
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -105,12 +107,9 @@ REFERENCE_STEPS = 2
 
 
 def resident_bytes() -> int | None:
-    """This process's resident memory (Linux ``/proc/self/statm``), or None elsewhere."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
+    """This process's resident memory (VmRSS), or None where /proc is missing."""
+    kib = process_status_kib("VmRSS")
+    return None if kib is None else kib * 1024
 
 
 class StepHeapRelease:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from .host_heap import release_free_heap
+from .proc_status import process_status_kib
 
 
 class PhasePeak(NamedTuple):
@@ -100,19 +101,6 @@ class MemoryTracker:
         if self.exact:
             return _status_kib("VmHWM") * 1024
         return self.current_bytes()
-
-
-def process_status_kib(field: str) -> int | None:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM, VmSize, VmPeak); None where
-    there is no such file or field (not Linux). The one reader of that file."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def _status_kib(field: str) -> int:
