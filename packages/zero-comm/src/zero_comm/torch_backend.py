@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .comm_options import CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
+from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
 from .launcher_env import LaunchEnv
 from .peers import Peer, describe_dead
@@ -80,6 +81,7 @@ class TorchCommunicator(Communicator):
                 raise BackendUnavailableError(f"[rank {env.rank}] this torch build has no gloo")
             device = torch.device("cpu")
         peers: list[Peer] | None = None
+        keep_flight_recorder_off()  # its entries fragment the heap (flight_recorder.py)
         if dist.is_initialized():
             existing = dist.get_backend()
             if existing != backend:
