@@ -309,9 +309,9 @@ def bench(session: nox.Session) -> None:
 
     About 2 hours on a 2-core machine: the launches ~37 min, the two searches up to
     --search-minutes (65; each bisects to one layer, and a variant's search ends at its
-    share of what is left), the scaling ~10 min. Parts: --search-only, --scaling-only,
-    --skip-scaling, --skip-search, --search-checkpoint none|full|both, --report-only
-    (rebuild peers.md from the JSON).
+    share of what is left, in proportion to its first guess), the scaling ~10 min. Parts:
+    --search-only, --scaling-only, --skip-scaling, --skip-search, --search-checkpoint
+    none|full|both, --report-only (rebuild peers.md from the JSON).
 
     DeepSpeed and matplotlib are installed here only, never as dependencies of our packages,
     with torch held at TORCH (a constraints file), DeepSpeed without pre-built ops. Where

@@ -298,6 +298,20 @@ def search_layers(
     return lo, hi, probes
 
 
+def first_guess(variant: str, budget_mib: int) -> int:
+    """The layers whose paper model states take ~70% of the budget: where a search starts."""
+    per_layer = search_config(2).num_params - search_config(1).num_params
+    bytes_per_param = (paper_model_states_mib(variant, 1, SEARCH_N) or 16 / 2**20) * 2**20
+    return max(1, int(0.7 * budget_mib * 2**20 / (bytes_per_param * per_layer)))
+
+
+def time_share(seconds_left: float, weights: list[int]) -> float:
+    """The seconds the first of the searches left gets: ``seconds_left`` split in proportion
+    to ``weights`` (each search's first guess, in layers: a probe's time grows with the
+    model, so an even split left the largest models' last probes unrun)."""
+    return seconds_left * weights[0] / sum(weights)
+
+
 def largest(
     variant: str,
     budget_mib: int,
@@ -308,10 +322,7 @@ def largest(
     """The most layers of width SEARCH_WIDTH that ``variant`` trains on N = 4 in the budget;
     ``without_checkpoint``: the answer of the search without checkpointing (0: unknown),
     where a search with checkpointing starts (module docstring)."""
-    per_layer = search_config(2).num_params - search_config(1).num_params
-    bytes_per_param = (paper_model_states_mib(variant, 1, SEARCH_N) or 16 / 2**20) * 2**20
-    guess = max(1, int(0.7 * budget_mib * 2**20 / (bytes_per_param * per_layer)))
-    growth = 1.5
+    guess, growth = first_guess(variant, budget_mib), 1.5
     if checkpoint != "none" and without_checkpoint:
         guess, growth = max(without_checkpoint + 1, math.ceil(without_checkpoint * 1.125)), 1.125
     # A crash (a C++ allocation under the cap in a helper thread, a peer's teardown) is
@@ -356,8 +367,9 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
     answers: dict[str, int] = {}
     searches = [(mode, variant) for mode in modes for variant in variants]
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    weights = [first_guess(variant, args.search_budget_mib) for _, variant in searches]
     for k, (mode, variant) in enumerate(searches):
-        share = (deadline - time.time()) / (len(searches) - k)
+        share = time_share(deadline - time.time(), weights[k:])
         found = largest(
             variant, args.search_budget_mib, time.time() + share, mode, answers.get(variant, 0)
         )
