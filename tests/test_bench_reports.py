@@ -280,3 +280,6 @@ def test_a_run_that_skipped_the_search_says_where_the_largest_model_tables_come_
     assert "part of the command above" in bench_peers_report.search_provenance(
         {"command": "bench_peers.py --all"}, searches
     )
+    later = {**skipped, "search_command": "bench_peers.py --all --search-only"}
+    line = bench_peers_report.search_provenance(later, searches[:1])
+    assert "run again on its own (2026-12-04T20:00:00+00:00, git commit abc1234)" in line

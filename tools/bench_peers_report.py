@@ -177,11 +177,12 @@ def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> 
 def search_provenance(run: dict[str, Any], searches: list[dict[str, Any]]) -> str:
     """Where the largest-model tables come from: this run, a search-only run after it, or
     (``--skip-search``) an earlier run, named by the date and commit its JSON records."""
+    when = sorted({f"{s['date']}, git commit {s['git_head']}" for s in searches if "date" in s})
     if "search_command" in run:
-        return f"- largest-model search, run again on its own: `{run['search_command']}`"
+        at = f" ({'; '.join(when)})" if when else ""
+        return f"- largest-model search, run again on its own{at}: `{run['search_command']}`"
     if "--skip-search" not in run.get("command", "").split():
         return "- largest-model search: part of the command above"
-    when = sorted({f"{s['date']}, git commit {s['git_head']}" for s in searches if "date" in s})
     origin = (
         "from an earlier run (" + "; ".join(when) + ")"
         if when
