@@ -13,7 +13,10 @@ shrinks from its top:
 How much stays depends on the order in which blocks are freed, which depends on thread
 timing. At 101M parameters on 4 ranks, stage 3 on a communicator split from the world
 (as the benchmark and any tensor x data-parallel mesh make one), the heap grew by about
-500 MiB a step while its bytes in use stayed constant (docs/stage3-memory.md).
+500 MiB a step while its bytes in use stayed constant (docs/stage3-memory.md). Most of
+that growth was torch's flight recorder, whose per-collective entries pinned the holes
+(zero_comm keeps it off: zero_comm/flight_recorder.py); without it the heap still holds
+up to ~500 MiB free at that size, from the dynamic threshold above.
 ``malloc_trim(0)`` returns the free pages anywhere in the heap (glibc >= 2.8,
 ``madvise(MADV_DONTNEED)``). The engine calls it at the end of its build and of its first
 two optimizer steps, and after a later step when the heap has grown (``StepHeapRelease``):
