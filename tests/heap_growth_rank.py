@@ -42,3 +42,5 @@ for _ in range(steps):
     free_mib.append(heap[1] / 2**20)
 if comm.rank == 0:
     print("FREE-MIB " + json.dumps(free_mib), flush=True)
+engine.close()
+comm.close()

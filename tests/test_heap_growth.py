@@ -6,6 +6,13 @@ checkpointed: ours-3's heap grew 35-40 MiB a step (docs/stage3-memory.md).
 
 The control sets the recorder's size as a user may, which zero_comm keeps: the same run
 then grows, so the test measures the recorder and not glibc's luck.
+
+Limits: with the recorder off the free heap moved by about 3 MiB from the second step to
+the eighth (glibc's bins settling), with it on by about 70 MiB (2026-12-05, torch 2.13).
+8 MiB leaves room for the first; the control must exceed 3x that limit. If the control
+stops growing (a torch whose recorder no longer holds heap blocks, or a communicator that
+is not split: on the world group it grew 10 MiB against 6), this test no longer guards
+anything: find what grows the heap again with tools/malloc_trace/ before changing it.
 """
 
 from __future__ import annotations
@@ -18,20 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from zero_comm.flight_recorder import RECORDER_SIZE_VARIABLES, keep_flight_recorder_off
+from zero_comm.flight_recorder import RECORDER_SIZE_VARIABLES
 from zero_core.host_heap import heap_bytes
 
 RANK = Path(__file__).with_name("heap_growth_rank.py")
 STEPS = 8
 SETTLED = 2  # steps before the growth is measured: the first ones size the heap
-
-
-def test_the_recorder_is_set_off_only_where_the_user_set_no_size() -> None:
-    env: dict[str, str] = {}
-    assert keep_flight_recorder_off(env) and env == {"TORCH_FR_BUFFER_SIZE": "0"}
-    for name in RECORDER_SIZE_VARIABLES:
-        env = {name: "2000"}
-        assert not keep_flight_recorder_off(env) and env == {name: "2000"}
 
 
 def free_heap_growth_mib(recorder_size: str | None) -> float:
@@ -62,5 +61,5 @@ def test_stage3_steps_with_checkpointing_keep_the_heap_flat() -> None:
     assert growth < 8.0, f"the heap grew {growth:.1f} MiB over {STEPS - SETTLED} steps"
     assert control > 3 * max(growth, 8.0), (
         f"the control (recorder on) grew {control:.1f} MiB, the default {growth:.1f}: the test "
-        "no longer sees the effect it guards against"
+        "no longer sees the effect it guards against; see this module's docstring"
     )

@@ -7,7 +7,7 @@ that bound them, by (size, call site, phase allocated in). Small blocks that out
 step and sit at the edges of freed activations are what to look for
 (docs/stage3-memory.md, "The heap's holes: torch's flight recorder").
 
-    gcc -O2 -shared -fPIC -o /tmp/malloc_trace.so tools/malloc_trace/malloc_trace.c -ldl
+    gcc -O2 -shared -fPIC -o /tmp/malloc_trace.so tools/malloc_trace/malloc_trace.c -ldl -lpthread
     zero-launch -n 4 sh -c '[ "$RANK" = 0 ] && export LD_PRELOAD=/tmp/malloc_trace.so \\
         MALLOC_TRACE_ALL=1 MALLOC_TRACE_OUT=/tmp/trace; exec python my_script.py'
     python tools/malloc_trace/heap_holes.py /tmp/trace.<pid>
@@ -71,8 +71,9 @@ def main() -> None:
             address, size = int(fields[0], 16), int(fields[1])
             if not address or address >= args.heap_below:
                 continue
+            if address not in live:  # else its free was not logged: the new block replaces it
+                bisect.insort(starts, address)
             live[address] = (size, fields[2], phase)
-            bisect.insort(starts, address)
             end = address + size
             if end > heap_top:
                 if heap_top and size >= args.min_request and phase != "start":

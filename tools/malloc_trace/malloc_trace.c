@@ -2,6 +2,8 @@
  * its holes (docs/stage3-memory.md, "The heap's holes: torch's flight recorder").
  *
  * Build:  gcc -O2 -shared -fPIC -o /tmp/malloc_trace.so tools/malloc_trace/malloc_trace.c -ldl -lpthread
+ * A child forked without exec writes into its parent's log (interleaved lines): trace
+ * processes that fork only to exec.
  * Use:    LD_PRELOAD=/tmp/malloc_trace.so MALLOC_TRACE_ALL=1 MALLOC_TRACE_OUT=/tmp/trace python ...
  *         (for one rank only: see heap_holes.py). The process may call
  *         ctypes.CDLL(None).malloc_trace_mark(b"phase name") to start logging (without
@@ -38,21 +40,25 @@ static void *(*real_memalign)(size_t, size_t);
 static int fd = -1;
 static volatile int enabled = 0, marked = 0;
 static __thread int inside = 0;                  /* backtrace() may allocate */
-static char bootstrap[8192];                     /* dlsym's calloc, before calloc is found */
+static _Alignas(16) char bootstrap[8192];        /* dlsym's calloc, before calloc is found */
 static size_t bootstrap_used = 0;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 #define SEEN_SLOTS 65536
 static uint64_t seen[SEEN_SLOTS];
 
+static __thread int resolving = 0;               /* inside dlsym: calloc from bootstrap */
+
 static void find_real(void) {
   if (real_malloc) return;
+  resolving = 1;
   real_calloc = dlsym(RTLD_NEXT, "calloc");
-  real_malloc = dlsym(RTLD_NEXT, "malloc");
   real_free = dlsym(RTLD_NEXT, "free");
   real_realloc = dlsym(RTLD_NEXT, "realloc");
   real_posix_memalign = dlsym(RTLD_NEXT, "posix_memalign");
   real_aligned_alloc = dlsym(RTLD_NEXT, "aligned_alloc");
   real_memalign = dlsym(RTLD_NEXT, "memalign");
+  real_malloc = dlsym(RTLD_NEXT, "malloc");     /* last: the others are set when it is */
+  resolving = 0;
 }
 
 static void emit(const char *s, int n) {
@@ -75,8 +81,9 @@ static void record(char op, void *p, size_t size) {
   for (int i = 2; i < depth; i++) { h ^= (uint64_t)bt[i]; h *= 1099511628211ULL; }
   pthread_mutex_lock(&lock);
   uint64_t slot = h % SEEN_SLOTS;
-  while (seen[slot] && seen[slot] != h) slot = (slot + 1) % SEEN_SLOTS;
-  if (!seen[slot]) {
+  int probes = 0;
+  while (seen[slot] && seen[slot] != h && ++probes < SEEN_SLOTS) slot = (slot + 1) % SEEN_SLOTS;
+  if (!seen[slot]) {  /* a full table: the site's backtrace is not written, its hash is */
     seen[slot] = h;
     int n = snprintf(line, sizeof line, "B %lx %d\n", (unsigned long)h, depth - 2);
     emit(line, n);
@@ -119,10 +126,15 @@ void free(void *p) {
 }
 
 void *calloc(size_t count, size_t size) {
-  if (!real_calloc) {  /* dlsym itself asks for memory before calloc is known */
-    void *p = bootstrap + bootstrap_used;
-    bootstrap_used += (count * size + 15) & ~(size_t)15;
-    return p;
+  if (!real_calloc) {
+    if (!resolving) find_real();
+    if (!real_calloc) {  /* dlsym itself asks for memory before calloc is known */
+      size_t need = (count * size + 15) & ~(size_t)15;
+      if (bootstrap_used + need > sizeof bootstrap) return NULL;
+      void *p = bootstrap + bootstrap_used;
+      bootstrap_used += need;
+      return p;
+    }
   }
   void *p = real_calloc(count, size);
   record('+', p, count * size);
@@ -131,9 +143,11 @@ void *calloc(size_t count, size_t size) {
 
 void *realloc(void *p, size_t size) {
   find_real();
-  if (p) record('-', p, 0);
   void *q = real_realloc(p, size);
-  record('+', q, size);
+  if (q || size == 0) {  /* a failed realloc leaves p as it was */
+    if (p) record('-', p, 0);
+    if (q) record('+', q, size);
+  }
   return q;
 }
 

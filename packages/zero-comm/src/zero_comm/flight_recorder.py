@@ -1,5 +1,11 @@
-"""torch's flight recorder stays off in the process groups zero_comm creates, unless the
+"""torch's flight recorder is off in a process whose world zero_comm creates, unless the
 user set its size.
+
+The recorder is one per process, sized from the environment when it first records, so the
+setting is process-wide: it holds for every process group of this process (the user's
+own included) and for children that inherit its environment. Where torch.distributed was
+initialised before ``zero_comm.init``, zero_comm leaves the environment alone: the
+recorder may already be sized.
 
 c10d's flight recorder keeps a ring of the last collectives (2000 by default, for the dump
 a hung NCCL job can write). Each entry it records holds small heap blocks (41 bytes and
@@ -16,6 +22,11 @@ the hole it left, so the heap grows at its top instead:
 
 At 24 layers of width 1024 on 4 ranks with every block checkpointed, glibc's heap grew
 35-40 MiB a step with this recorder on and stayed flat without it (docs/stage3-memory.md).
+It showed on communicators split from the world (as the benchmark's and a tensor x data
+mesh's are): in tests/test_heap_growth.py's run the free heap grew 70 MiB in 6 steps on
+a split communicator (3 MiB with the recorder off), and on the world group 10 MiB (6
+off). The blocks were attributed to the recorder by turning it off, which removed the
+growth; the malloc trace was not repeated without it.
 zero_comm names a dead or diverging rank itself (``check_consistency``, the host watch),
 so the recorder's dump is not what finds a hang here. A user who wants it sets
 ``TORCH_FR_BUFFER_SIZE`` (or the older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) before

@@ -81,7 +81,6 @@ class TorchCommunicator(Communicator):
                 raise BackendUnavailableError(f"[rank {env.rank}] this torch build has no gloo")
             device = torch.device("cpu")
         peers: list[Peer] | None = None
-        keep_flight_recorder_off()  # its entries fragment the heap (flight_recorder.py)
         if dist.is_initialized():
             existing = dist.get_backend()
             if existing != backend:
@@ -90,6 +89,7 @@ class TorchCommunicator(Communicator):
                     f"{existing!r}; ask zero_comm.init for backend={existing!r}"
                 )
         else:
+            keep_flight_recorder_off()  # its entries fragment the heap (flight_recorder.py)
             store = rendezvous_store(env, options.timeout)
             peers = read_peers(store, env.world_size)
             _WorldSession.start(store, env.rank, env.world_size)
