@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,12 @@ def main() -> None:
         "world": whole,
         "intra": intra,
     }
-    print("CLUSTER_PROBE " + json.dumps(report), flush=True)
+    # One write with its newline: ranks on a node share the launcher's pipe, and print()
+    # on an unbuffered stdout writes the line and its newline apart, so two ranks' lines
+    # could run together (a CI run read two reports as one line). A pipe write of at most
+    # PIPE_BUF bytes is not interleaved.
+    sys.stdout.flush()
+    os.write(1, ("CLUSTER_PROBE " + json.dumps(report) + "\n").encode())
     comm.barrier()
 
 
