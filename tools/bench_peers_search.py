@@ -310,7 +310,7 @@ def time_share(seconds_left: float, weights: list[int]) -> float:
     to ``weights`` (each search's first guess, in layers: a probe's time grows with the
     model, so an even split left the largest models' last probes unrun). A search with
     checkpointing starts from the answer without it instead; the guess stands in for it,
-    as that answer was within 1.3x of the guess in every variant (peers.md, 5de5451)."""
+    as that answer was within 1.4x of the guess in every variant (peers.md, 5de5451)."""
     return seconds_left * weights[0] / sum(weights)
 
 
