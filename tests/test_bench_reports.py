@@ -283,3 +283,45 @@ def test_a_run_that_skipped_the_search_says_where_the_largest_model_tables_come_
     later = {**skipped, "search_command": "bench_peers.py --all --search-only"}
     line = bench_peers_report.search_provenance(later, searches[:1])
     assert "run again on its own (2026-12-04T20:00:00+00:00, git commit abc1234)" in line
+
+
+def test_a_search_of_some_variants_keeps_the_others_each_with_its_own_date(
+    tmp_path: Path,
+) -> None:
+    """``--search-variants``: the new answers replace theirs, the others stay, stamped with
+    the date and commit of the search that found them; a file of another budget is not
+    merged (its answers would not compare)."""
+    path = tmp_path / "largest-n4.json"
+    old = {
+        "budget_mib_per_rank": 1536,
+        "date": "2026-12-04T20:00:00+00:00",
+        "git_head": "abc1234",
+        "results": [{"variant": "ours-3", "layers": 26}, {"variant": "fsdp2", "layers": 25}],
+    }
+    path.write_text(json.dumps(old))
+    new = [
+        {"variant": "fsdp2", "layers": 24, "date": "2026-12-05", "git_head": "def5678"},
+        {"variant": "ours-3-in-bwd", "layers": 33, "date": "2026-12-05", "git_head": "def5678"},
+    ]
+    merged = bench_peers_search.kept_results(path, new, 1536)
+    assert [(r["variant"], r["layers"], r["git_head"]) for r in merged] == [
+        ("ours-3", 26, "abc1234"),
+        ("fsdp2", 24, "def5678"),
+        ("ours-3-in-bwd", 33, "def5678"),
+    ]
+    assert bench_peers_search.kept_results(path, new, 2048) == new
+    line = bench_peers_report.search_provenance(
+        {"search_command": "x"}, [{**old, "date": "2026-12-05", "results": merged}]
+    )
+    assert "2026-12-04T20:00:00+00:00, git commit abc1234" in line and "def5678" in line
+
+
+def test_the_step_in_backward_variants_hold_no_gradient_in_the_paper_formula() -> None:
+    """12 bytes per parameter / N instead of 16 (float32 Adam at stage 3), so the search
+    starts them higher and does not refuse their probes by the 16-byte estimate."""
+    psi, n = 10**8, 4
+    plain = bench_peers_report.paper_model_states_mib("ours-3", psi, n)
+    fused = bench_peers_report.paper_model_states_mib("ours-3-in-bwd", psi, n)
+    assert plain is not None and fused is not None
+    assert fused == pytest.approx(plain * 12 / 16)
+    assert bench_peers_report.paper_model_states_mib("fsdp2-in-bwd", psi, n) == fused

@@ -57,7 +57,8 @@ LAUNCHER = (sys.executable, "-m", "zero_comm.launch")  # zero-launch
 # (size, N, sequences per rank): one sequence at 100M keeps the whole run under ~45 minutes
 LAUNCHES = (("20m", 2, 2), ("100m", 2, 1), ("20m", 4, 2), ("100m", 4, 1))
 SEARCH_VARIANTS = (
-    "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"
+    "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3",
+    "ours-3-in-bwd", "fsdp2-in-bwd",
 )  # fmt: skip
 SEARCH_WIDTH, SEARCH_HEADS, SEARCH_CONTEXT, SEARCH_N = 1024, 16, 128, 4
 MAX_PROBES = 8
@@ -378,7 +379,14 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
         if mode == "none":
             answers[variant] = found["layers"]
         results[mode].append(found)
+    stamp = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_head": git_head(),
+    }
     for mode in modes:
+        found = [{**result, **stamp} for result in results[mode]]
+        if args.search_variants:
+            found = kept_results(raw / SEARCH_FILES[mode], found, args.search_budget_mib)
         search = {
             "world_size": SEARCH_N,
             "width": SEARCH_WIDTH,
@@ -389,11 +397,29 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
             "budget_mib_per_rank": args.search_budget_mib,
             "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank, over "
             "the build and the 2 steps; " + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "git_head": git_head(),
-            "results": results[mode],
+            **stamp,
+            "results": found,
         }
         (raw / SEARCH_FILES[mode]).write_text(json.dumps(search, indent=1))
+
+
+def kept_results(path: Path, found: list[dict[str, Any]], budget_mib: int) -> list[dict[str, Any]]:
+    """``found`` (a search of some variants: ``--search-variants``) with the results of
+    every other variant kept from the search JSON at ``path`` if it had the same budget,
+    each stamped with the date and commit of the search that made it (the file's own, for
+    results written before results carried theirs), in the file's variant order, new
+    variants last."""
+    if not path.exists():
+        return found
+    previous = json.loads(path.read_text())
+    if previous.get("budget_mib_per_rank") != budget_mib:
+        return found
+    stamp = {key: previous[key] for key in ("date", "git_head") if key in previous}
+    fresh = {result["variant"]: result for result in found}
+    merged = [
+        fresh.pop(result["variant"], None) or {**stamp, **result} for result in previous["results"]
+    ]
+    return merged + list(fresh.values())
 
 
 def run_scaling(args: argparse.Namespace) -> None:

@@ -70,7 +70,14 @@ OURS_OFFLOAD = ("ours-3-disk", "ours-3-cpu")
 # DeepSpeed's stage 3 with offload_optimizer and offload_param on "cpu" (its NVMe tier
 # needs libaio), stepping the same torch AdamW.
 DEEPSPEED_OFFLOAD = ("deepspeed-3-cpu",)
-VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET, *OURS_OFFLOAD, *DEEPSPEED_OFFLOAD)
+# The optimizer step fused into backward, each parameter's shard stepped as soon as its
+# gradient is reduced and the gradient freed: ours (ZeroConfig.optimizer_in_backward) and
+# FSDP2 with one AdamW per parameter stepped by a post-accumulate-grad hook (FSDP2 runs
+# those hooks on its sharded parameters after each reduce-scatter; torch's recipe).
+IN_BACKWARD = ("ours-3-in-bwd", "fsdp2-in-bwd")
+VARIANTS = (
+    *OURS, *TORCH_PEERS, *DEEPSPEED, *OURS_DET, *OURS_OFFLOAD, *DEEPSPEED_OFFLOAD, *IN_BACKWARD,
+)  # fmt: skip
 DEFAULT_VARIANTS = (*OURS, *TORCH_PEERS, *DEEPSPEED)
 
 
@@ -210,10 +217,13 @@ class Trainer:
 class Ours(Trainer):
     def __init__(
         self, stage: int, config: GPTConfig, seed: int, hyper: Hyper, comm: zero_comm.Communicator,
-        offload: str = "none", checkpoint: str = "none",
+        offload: str = "none", checkpoint: str = "none", in_backward: bool = False,
     ) -> None:  # fmt: skip
         self.name = f"ours-{stage}" + ("-det" if comm.deterministic else "")
         tiers: dict[str, Any] = {}
+        if in_backward:
+            self.name += "-in-bwd"
+            tiers = {"optimizer_in_backward": True, "nonfinite": "raise"}
         if offload != "none":
             self.name += f"-{offload}"
             tiers = {"offload_optimizer": offload, "offload_params": offload}
@@ -303,10 +313,14 @@ class TorchPeer(Trainer):
         self.name = name
         self.counter = peer_comm.CallCounter(group)
         model: nn.Module
-        if name == "fsdp2":
+        self.optimizer: Any
+        if name in ("fsdp2", "fsdp2-in-bwd"):
             model = fsdp2_gpt(config, seed, group, checkpoint)
             self.module = model
-            self.optimizer: torch.optim.Optimizer = hyper.adamw(model.parameters())
+            if name == "fsdp2":
+                self.optimizer = hyper.adamw(model.parameters())
+            else:
+                self.optimizer = StepsInBackward(model.parameters(), hyper)
             self.local_optimizer = self.optimizer
         else:
             self.module = build_gpt(config, seed)
@@ -361,6 +375,34 @@ class TorchPeer(Trainer):
 
     def close(self) -> None:
         del self.optimizer, self.local_optimizer, self.model, self.module
+
+
+class StepsInBackward:
+    """One AdamW per parameter, stepped by the parameter's post-accumulate-grad hook, its
+    gradient freed right after (torch's "optimizer step in backward" recipe; FSDP2 runs the
+    hook on each sharded parameter once its reduce-scatter has landed). ``step`` and
+    ``zero_grad`` have nothing left to do; ``state`` is every optimizer's state."""
+
+    def __init__(self, params: Iterable[nn.Parameter], hyper: Hyper) -> None:
+        self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        for param in params:
+            self.optimizers[param] = hyper.adamw([param])
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: torch.Tensor) -> None:
+        optimizer = self.optimizers[param]  # type: ignore[index]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {k: v for o in self.optimizers.values() for k, v in o.state.items()}
+
+    def step(self) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
 
 
 def fsdp2_gpt(config: GPTConfig, seed: int, group: Any, checkpoint: str = "none") -> nn.Module:
@@ -506,7 +548,9 @@ def make_trainer(
         return Ours(
             3, config, seed, hyper, comm, offload=variant.split("-")[2], checkpoint=checkpoint
         )
-    if variant in TORCH_PEERS:
+    if variant == "ours-3-in-bwd":
+        return Ours(3, config, seed, hyper, comm, checkpoint=checkpoint, in_backward=True)
+    if variant in TORCH_PEERS or variant == "fsdp2-in-bwd":
         group = getattr(comm, "group", None)
         return TorchPeer(variant, config, seed, hyper, group, checkpoint)
     if variant in DEEPSPEED:

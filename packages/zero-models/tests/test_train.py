@@ -34,6 +34,8 @@ def run(
         (["--stage", "0", "--shard-group", "2"], "hybrid sharding needs stage 1 or more"),
         (["--nproc", "4", "--shard-group", "3"], "--shard-group 3 does not divide the 4"),
         (["--nproc", "4", "--stage", "3", "--hpz", "4"], "--hpz 4 must divide the 4 ranks"),
+        (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
+        (["--stage", "2", "--clip", "0", "--optimizer-in-backward"], "stage=2 (it needs stage 3"),
     ],
 )
 def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:
@@ -124,6 +126,19 @@ def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
         again = losses_of(tmp_path / out / "metrics.jsonl")
         assert again == losses[3:], (extra, again, losses)
     assert checkpoint.exists()
+
+
+def test_the_optimizer_step_in_backward_trains_with_the_same_bits(tmp_path: Path) -> None:
+    """zero-train --optimizer-in-backward (stage 3, no clipping) has every loss of the run
+    without it, to the last bit (metrics.jsonl keeps full float precision)."""
+    common = ["--model", "test", "--stage", "3", "--clip", "0", "--steps", "4",
+              "--batch-size", "4", "--sample-tokens", "4"]  # fmt: skip
+    plain = run(*common, "--out", "plain", cwd=tmp_path)
+    fused = run(*common, "--optimizer-in-backward", "--out", "fused", cwd=tmp_path)
+    assert plain.returncode == 0 and fused.returncode == 0, plain.stderr + fused.stderr
+    losses = losses_of(tmp_path / "plain/metrics.jsonl")
+    assert len(losses) == 4 and len(set(losses)) == 4
+    assert losses_of(tmp_path / "fused/metrics.jsonl") == losses
 
 
 def losses_of(metrics: Path) -> list[float]:

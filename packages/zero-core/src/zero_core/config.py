@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .fused_step_rule import optimizer_in_backward_error
+
 # The compute dtypes by their short names (the command lines' --dtype), and every name
 # param_dtype accepts: the one home of these maps.
 SHORT_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,6 +149,11 @@ class ZeroConfig:
         after step with pages the allocator holds but nobody uses. Steps that reuse the
         heap as it is do not release, since each released page costs
         a fault when touched again. A no-op with another C library.
+    optimizer_in_backward: stage 3: step each gradient bucket's slice of the optimizer as
+        soon as backward has reduced it, then free that slice, so no rank ever holds its
+        whole gradient shard: model states peak at 12 bytes per parameter / N instead of
+        16 (float32 Adam), with the same bits. Needs nonfinite="raise" and no clipping,
+        accumulation, float16 or offload (zero_core.optimizer_in_backward says why).
     """
 
     stage: int = 2
@@ -182,6 +189,7 @@ class ZeroConfig:
     quantize_gradients: str | bool | None = None
     allow_quantize_fallback: bool = False
     release_host_heap: bool = True
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
@@ -210,6 +218,7 @@ class ZeroConfig:
             raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
         for name in (
             "allow_untested_optimizer", "cast_forward_inputs", "overlap_comm", "release_host_heap",
+            "optimizer_in_backward",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -229,6 +238,9 @@ class ZeroConfig:
             )
         if self.loss_scale and self.param_dtype is not torch.float16:
             raise ValueError("loss_scale applies to param_dtype=float16 only; remove it")
+        fused = optimizer_in_backward_error(self)
+        if fused:
+            raise ValueError(fused)
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):

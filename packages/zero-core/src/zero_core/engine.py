@@ -65,10 +65,13 @@ from .hybrid_sharding import hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
+from .master_weights import MasterWeights
 from .memory import MemoryReport, tensor_bytes
 from .model_parallel import ModelParallel
+from .optimizer_in_backward import BackwardStepper
 from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
+from .reduce_scattered_gradients import ReduceScatteredGradients
 from .shard_gradient import pieces_of
 from .sharded_state import ShardedGroupState, ShardedState
 from .stage_policy import ParameterPlacement, StagePolicy
@@ -138,6 +141,15 @@ class Engine:
         self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
         self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
         refuse_eager_state_on_disk(self.masters, self.optimizer)
+        # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
+        self.backward_stepper: BackwardStepper | None = None
+        if config.optimizer_in_backward:
+            assert isinstance(self.gradients, ReduceScatteredGradients)
+            assert isinstance(self.masters, MasterWeights)
+            self.backward_stepper = BackwardStepper(
+                comm, config, self.gradients, self.masters, self.optimizer,
+                self.parameters.take_master_values,
+            )  # fmt: skip
         self._step_heap_release = StepHeapRelease()
         if self._heap_release_on():
             release_free_heap()  # the build's temporaries (whole values, full buffers)
@@ -188,10 +200,14 @@ class Engine:
         first = self.micro_steps == 0
         self.gradients.before_backward(first, self.micro_step_label)
         self.parameters.before_backward()
+        if self.backward_stepper is not None:
+            self.backward_stepper.begin()
         try:
             scale = self.loss_scaler.scale
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             self.gradients.after_backward(first)
+            if self.backward_stepper is not None:
+                self.backward_stepper.finish(self.global_steps)
         finally:
             self.gradients.end_backward()
             self.parameters.end_backward()
@@ -224,6 +240,10 @@ class Engine:
                     "saw no backward: call engine.backward(loss), not loss.backward()"
                 )
             return False
+        if self.backward_stepper is not None:  # backward stepped every bucket
+            self.parameters.publish()
+            self._applied()
+            return True
         denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
         denominator *= self.loss_scaler.scale
         gradients = self.gradients.float32_gradients()
@@ -268,13 +288,17 @@ class Engine:
             bucket_by_bucket=self.policy.parameters is ParameterPlacement.REPLICATED,
         )
         self.parameters.publish()
+        self._applied()
+        return True
+
+    def _applied(self) -> None:
+        """An update was applied: count it, advance the schedule, drop the gradients."""
         self.loss_scaler.update(overflow=False)
         self.global_steps += 1
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
         self._release_heap_after_step()
-        return True
 
     def _heap_release_on(self) -> bool:
         """Whether free heap pages go back to the system: where the step's tensors live in
@@ -446,7 +470,9 @@ class Engine:
         disk += self.parameters.disk_bytes
         return MemoryReport(
             parameters=tensor_bytes(self.parameters.report_tensors(self.module)),
-            gradients=self.gradients.step_bytes(),
+            gradients=self.gradients.step_bytes()
+            if self.backward_stepper is None
+            else self.backward_stepper.held_bytes(),
             master_weights=self.masters.bytes,
             optimizer_states=device_states,
             buffers=tensor_bytes(self.module.buffers()),

@@ -27,6 +27,7 @@ goes in one piece, so the results are identical; only the staging is bounded.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -110,6 +111,9 @@ class BucketReducer:
         self._pieces_left = [0] * len(slots)
         self._first = True
         self._tag = ""
+        # Called with a bucket's index once its slice of this micro-step is in its target
+        # (optimizer_in_backward steps and frees it there).
+        self.on_reduced: Callable[[int], None] | None = None
 
     def begin(self, first_micro_step: bool, tag: str = "") -> None:
         """Start a micro-step; ``tag`` is appended to every label (the micro-step)."""
@@ -250,6 +254,8 @@ class BucketReducer:
         if staging is not None and slot.persistent is None:
             self.comm.buffers.give_back(staging)
         self._staging[index] = None
+        if self.on_reduced is not None:
+            self.on_reduced(index)
 
     def finish(self) -> None:
         """After backward: complete every bucket (missing gradients are zeros), launch the

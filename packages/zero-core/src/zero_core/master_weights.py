@@ -192,6 +192,32 @@ class MasterWeights:
         if not self.aliased:
             self.visit(updated)
 
+    def step_bucket(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: int,
+        bucket: int,
+        gradient: torch.Tensor,
+        updated: TileVisitor,
+    ) -> None:
+        """One ``optimizer.step()`` over the tiles of one bucket slice of ``group``, with
+        ``gradient`` (float32, that slice's elements), each tile then handed to ``updated``:
+        one part of ``step(..., bucket_by_bucket=True)``, the same bits
+        (optimizer_parts; the optimizer must step in parts)."""
+        offset = self.layouts[group].buckets[bucket].local_offset
+        members = [
+            tile
+            for tile, k in zip(self.tiles[group], self.tile_buckets[group], strict=True)
+            if k == bucket
+        ]
+        part = []
+        for tile, where in members:
+            start, stop = (where.start or 0) - offset, (where.stop or 0) - offset
+            part.append((tile, gradient[start:stop]))
+        step_part(optimizer, part)
+        for tile, where in members:
+            updated(group, where.start or 0, tile.detach().view(-1))
+
     def visit(self, updated: TileVisitor) -> None:
         """Hand every tile's values to ``updated``, in order."""
         for g, tiles in enumerate(self.tiles):

@@ -35,7 +35,7 @@ from .out_of_memory import (
     stop_in_one_line,
 )
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
-from .train_options import DTYPES, hierarchy_settings, model_config
+from .train_options import DTYPES, engine_settings, model_config
 
 
 class Run(NamedTuple):
@@ -75,20 +75,7 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     setup = getattr(args, "deepspeed_setup", None)
-    zero_config = (
-        setup.zero
-        if setup is not None
-        else zero_core.ZeroConfig(
-            stage=args.stage,
-            param_dtype=DTYPES[args.dtype],
-            gradient_accumulation_steps=args.grad_accum,
-            clip_grad_norm=args.clip or None,
-            offload_optimizer=args.offload_optimizer,
-            offload_params=args.offload_params,
-            offload_dir=None if args.offload_dir is None else str(args.offload_dir),
-            **hierarchy_settings(args),
-        )
-    )
+    zero_config = setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
     footprint = run_footprint(args, config, world, mesh, zero_config)
     with stop_in_one_line(
         world.rank, lambda: "the build", footprint, signalled=signalled,

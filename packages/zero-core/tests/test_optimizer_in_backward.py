@@ -1,0 +1,193 @@
+"""Stage 3 with the optimizer step fused into backward (ZeroConfig.optimizer_in_backward).
+
+The property: the same bits as stage 0 (and so as plain stage 3) after every step, for
+every world size, precision (float32, bfloat16), optimizer, bucketing, tying, freezing and
+grouping the parity suite draws; and no rank ever holds more than one bucket slice of its
+gradient shard. The settings it cannot honour are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from parity import (
+    ParityCase,
+    assert_same_states,
+    build_engine,
+    loss_of,
+    micro_batch,
+    normalised,
+    parity_cases,
+    train,
+)
+
+from zero_comm import Communicator, run_simulated
+from zero_core import ZeroConfig
+
+FUSED = {"optimizer_in_backward": True, "nonfinite": "raise"}
+
+
+def fusable(case: ParityCase) -> ParityCase:
+    """``case`` without what the fused step refuses (float16, accumulation, clipping)."""
+    dtype = "float32" if case.dtype == "float16" else case.dtype
+    return ParityCase(**{**case.__dict__, "dtype": dtype, "accumulation": 1, "clip": None})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    case=parity_cases(),
+    world_size=st.sampled_from([3, 3, 1, 2, 4]),
+    deferred=st.booleans(),
+    steps=st.sampled_from([1, 3]),
+)
+def test_the_fused_step_equals_stage_0_bit_for_bit(
+    case: ParityCase, world_size: int, deferred: bool, steps: int
+) -> None:
+    case = ParityCase(**{**fusable(case).__dict__, "steps": steps})
+
+    def body(comm: Communicator) -> None:
+        reference = train(case, comm, 0)
+        assert_same_states(reference, train(case, comm, 3, settings=FUSED), "fused stage 3")
+
+    run_simulated(world_size, body, defer_outputs=deferred)
+
+
+@pytest.mark.parametrize(
+    ("extra", "persistence"),
+    [({"shard_group_size": 2}, 0), ({"hpz_partition_size": 2}, 0), ({}, 200)],
+    ids=["hybrid-2x2", "hpz-2", "persistent-unit"],
+)
+def test_the_fused_step_composes_with_hybrid_sharding_and_hpz(
+    extra: dict[str, Any], persistence: int
+) -> None:
+    case = ParityCase(
+        widths=(33, 130, 7), vocab=11, tie=True, bucket_numel=300, steps=3, seed=4,
+        persistence_threshold=persistence,
+    )  # fmt: skip
+
+    def body(comm: Communicator) -> None:
+        reference = train(case, comm, 0)
+        fused = train(case, comm, 3, settings={**FUSED, **extra})
+        assert_same_states(reference, fused, f"fused stage 3 with {extra}")
+
+    run_simulated(4, body)
+
+
+def held_gradient_bytes(case: ParityCase, fused: bool) -> tuple[int, int, int]:
+    """(most gradient-shard bytes with storage at any bucket's landing, the widest bucket
+    slice's bytes, the whole shard's bytes) on rank 0 of 2, over 2 steps."""
+
+    def body(comm: Communicator) -> tuple[int, int, int]:
+        engine = build_engine(case, comm, 3, FUSED if fused else {"nonfinite": "raise"})
+        shards = engine.gradients.grad_shards
+        reducer = engine.gradients.reducer
+        stepper = reducer.on_reduced
+        most = 0
+
+        def sample(index: int) -> None:
+            nonlocal most
+            most = max(most, sum(shard.held_bytes() for shard in shards))
+            if stepper is not None:
+                stepper(index)
+
+        reducer.on_reduced = sample
+        for step in range(2):
+            x, target = micro_batch(case, step * comm.world_size + comm.rank)
+            engine.backward(loss_of(case, engine(x), target))
+            assert engine.step()
+        pieces = [p for shard in shards for p in shard.pieces]
+        widest = max(p.numel() * p.element_size() for p in pieces)
+        whole = sum(shard.nbytes() for shard in shards)
+        engine.close()
+        return most, widest, whole
+
+    return run_simulated(2, body)[0]
+
+
+def test_no_rank_holds_more_than_one_bucket_slice_of_its_gradient_shard() -> None:
+    """Fused: at most one slice has storage when a bucket lands. The control (plain stage
+    3, sampled the same way) holds the whole shard by the last bucket, so the sampling
+    sees what it is meant to."""
+    case = normalised(ParityCase(widths=(32,) * 9, bucket_numel=2048, seed=2))
+    most, widest, whole = held_gradient_bytes(case, fused=True)
+    assert whole > 4 * widest, "the case needs several buckets"
+    assert most <= widest, f"held {most} bytes of gradient at once; one slice is {widest}"
+    plain_most, _, plain_whole = held_gradient_bytes(case, fused=False)
+    assert plain_most == plain_whole == whole
+
+
+def test_the_memory_report_counts_one_bucket_slice_of_gradients() -> None:
+    case = ParityCase(widths=(32,) * 9, bucket_numel=2048, seed=2)
+
+    def body(comm: Communicator) -> tuple[int, int]:
+        fused = build_engine(case, comm, 3, FUSED).memory_report()
+        plain = build_engine(case, comm, 3, {"nonfinite": "raise"}).memory_report()
+        return fused.gradients, plain.gradients
+
+    fused, plain = run_simulated(2, body)[0]
+    assert 0 < fused <= 2048 // 2 * 4 < plain
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"stage": 2}, "stage=2 (it needs stage 3)"),
+        ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+        ({"param_dtype": "fp16"}, "param_dtype=float16"),
+        ({"offload_optimizer": "cpu"}, "offloaded model states"),
+        ({"nonfinite": "skip"}, "set nonfinite='raise'"),
+    ],
+)
+def test_settings_it_cannot_honour_are_refused_by_name(
+    settings: dict[str, Any], named: str
+) -> None:
+    chosen = {"stage": 3, **FUSED, **settings}
+    with pytest.raises(ValueError, match="optimizer_in_backward") as raised:
+        ZeroConfig(**chosen)
+    assert named in str(raised.value)
+    assert "optimizer_in_backward=False" in str(raised.value)
+
+
+def test_an_optimizer_that_may_read_every_tensor_is_refused() -> None:
+    class GlobalAdam(torch.optim.Adam):  # a subclass may override step()
+        pass
+
+    def body(comm: Communicator) -> str:
+        model = torch.nn.Linear(4, 4)
+        config = ZeroConfig(stage=3, allow_untested_optimizer=True, **FUSED)
+        import zero_core
+
+        with pytest.raises(ValueError, match="one bucket at a time") as raised:
+            zero_core.initialize(model, GlobalAdam(model.parameters()), config, comm)
+        return str(raised.value)
+
+    assert "GlobalAdam" in run_simulated(1, body)[0]
+
+
+def test_a_non_finite_gradient_raises_on_every_rank_and_names_the_rank() -> None:
+    """Rank 1's input is NaN: its gradients, and so every reduced slice, are NaN; every
+    rank raises after backward, naming the ranks that saw it (here rank 0 only: these
+    parameters fit in rank 0's padded slices) and, on those, the parameters."""
+    case = ParityCase(widths=(5, 7, 3), bucket_numel=64, seed=1)
+
+    def body(comm: Communicator) -> str:
+        engine = build_engine(case, comm, 3, FUSED)
+        x, _ = micro_batch(case, comm.rank)
+        if comm.rank == 1:
+            x = torch.full_like(x, float("nan"))
+        with pytest.raises(FloatingPointError) as raised:
+            engine.backward(loss_of(case, engine(x), torch.zeros(0)))
+        assert not engine.step(), "a backward that raised applies nothing more in step()"
+        engine.close()
+        return str(raised.value)
+
+    messages = run_simulated(2, body)
+    for rank, message in enumerate(messages):
+        assert f"[rank {rank}] non-finite gradient at step 0 on rank(s) [0]" in message
+        assert ("whose parameters are layers." in message) == (rank == 0)
+        assert "restore the last checkpoint" in message
