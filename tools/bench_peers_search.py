@@ -103,7 +103,7 @@ def run_launch(command: list[str], label: str, env: dict[str, str] | None = None
 
 LAUNCH_VARIANTS = (
     "ours-0", "ours-1", "ours-2", "ours-3", "ours-3-in-bwd", "ddp", "zero-redundancy", "fsdp2",
-    "deepspeed-1", "deepspeed-2", "deepspeed-3",
+    "fsdp2-in-bwd", "deepspeed-1", "deepspeed-2", "deepspeed-3",
 )  # fmt: skip
 DETERMINISTIC_VARIANTS = ("ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det")
 # Launches whose variants run in several processes, each part with DDP so that every ratio
@@ -115,7 +115,7 @@ DETERMINISTIC_VARIANTS = ("ours-0-det", "ours-1-det", "ours-2-det", "ours-3-det"
 LAUNCH_PARTS: dict[tuple[str, int], tuple[tuple[str, ...], ...]] = {
     ("100m", 4): (
         ("ours-0", "ours-1", "ours-2", "ours-3", "ours-3-in-bwd", "ddp", "zero-redundancy"),
-        ("ddp", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3"),
+        ("ddp", "fsdp2", "fsdp2-in-bwd", "deepspeed-1", "deepspeed-2", "deepspeed-3"),
     ),
 }
 
