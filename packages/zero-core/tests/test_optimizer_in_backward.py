@@ -188,6 +188,7 @@ def test_a_non_finite_gradient_raises_on_every_rank_and_names_the_rank() -> None
 
     messages = run_simulated(2, body)
     for rank, message in enumerate(messages):
-        assert f"[rank {rank}] non-finite gradient at step 0 on rank(s) [0]" in message
+        saw = "non-finite gradient at step 0 on data-parallel rank(s) [0]"
+        assert f"[rank {rank}] {saw}" in message
         assert ("whose parameters are layers." in message) == (rank == 0)
         assert "restore the last checkpoint" in message

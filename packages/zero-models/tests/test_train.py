@@ -128,11 +128,15 @@ def test_resume_continues_bit_for_bit_at_any_stage(tmp_path: Path) -> None:
     assert checkpoint.exists()
 
 
-def test_the_optimizer_step_in_backward_trains_with_the_same_bits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_the_optimizer_step_in_backward_trains_with_the_same_bits(
+    checkpoint: str, tmp_path: Path
+) -> None:
     """zero-train --optimizer-in-backward (stage 3, no clipping) has every loss of the run
-    without it, to the last bit (metrics.jsonl keeps full float precision)."""
+    without it, to the last bit (metrics.jsonl keeps full float precision), also with
+    every block recomputed in backward (its gathers happen while buckets are stepped)."""
     common = ["--model", "test", "--stage", "3", "--clip", "0", "--steps", "4",
-              "--batch-size", "4", "--sample-tokens", "4"]  # fmt: skip
+              "--batch-size", "4", "--sample-tokens", "4", "--checkpoint", checkpoint]  # fmt: skip
     plain = run(*common, "--out", "plain", cwd=tmp_path)
     fused = run(*common, "--optimizer-in-backward", "--out", "fused", cwd=tmp_path)
     assert plain.returncode == 0 and fused.returncode == 0, plain.stderr + fused.stderr

@@ -148,7 +148,7 @@ class Engine:
             assert isinstance(self.masters, MasterWeights)
             self.backward_stepper = BackwardStepper(
                 comm, config, self.gradients, self.masters, self.optimizer,
-                self.parameters.take_master_values,
+                self.parameters.take_master_values, model_parallel,
             )  # fmt: skip
         self._step_heap_release = StepHeapRelease()
         if self._heap_release_on():

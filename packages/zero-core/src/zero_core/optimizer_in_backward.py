@@ -43,8 +43,9 @@ import torch
 from zero_comm import Communicator, ReduceOp
 
 from .config import ZeroConfig
-from .gradient_checks import all_finite
+from .gradient_checks import all_finite, any_model_parallel_rank
 from .master_weights import MasterWeights, TileVisitor
+from .model_parallel import ModelParallel
 from .optimizer_parts import steps_in_parts
 from .reduce_scattered_gradients import ReduceScatteredGradients
 
@@ -63,7 +64,10 @@ class BackwardStepper:
         masters: MasterWeights,
         optimizer: torch.optim.Optimizer,
         take_master_values: TileVisitor,
+        model_parallel: ModelParallel | None = None,
     ) -> None:
+        """``model_parallel``: the tensor-parallel group, told of a NaN too (its ranks hold
+        other slices of the same layers)."""
         if not steps_in_parts(optimizer):
             raise ValueError(
                 f"optimizer_in_backward steps the optimizer one bucket at a time, which is "
@@ -78,6 +82,7 @@ class BackwardStepper:
         self.masters = masters
         self.optimizer = optimizer
         self.take_master_values = take_master_values
+        self.model_parallel = model_parallel
         self.bucket_keys = [
             (g, k) for g, layout in enumerate(gradients.layouts) for k in range(len(layout.buckets))
         ]
@@ -128,7 +133,10 @@ class BackwardStepper:
         flags[self.comm.rank] = int(bool(self.nonfinite))
         self.comm.all_reduce(flags, ReduceOp.SUM, label="non-finite gradients")
         ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
-        if not ranks:
+        anywhere = bool(ranks)
+        if self.model_parallel is not None:
+            anywhere = any_model_parallel_rank(self.model_parallel, anywhere)
+        if not anywhere:
             return
         here = ""
         if self.nonfinite:
@@ -139,9 +147,10 @@ class BackwardStepper:
                 + ", ".join(members[:4])
                 + (" ..." if len(members) > 4 else "")
             )
+        where = ranks or "(none; a rank of another model-parallel group)"
         raise FloatingPointError(
-            f"[rank {self.comm.rank}] non-finite gradient at step {step} on rank(s) "
-            f"{ranks}{here}. With optimizer_in_backward the buckets reduced before it were "
-            "already applied, so the model is part-updated: restore the last checkpoint "
+            f"[rank {self.comm.rank}] non-finite gradient at step {step} on data-parallel "
+            f"rank(s) {where}{here}. With optimizer_in_backward the buckets reduced before "
+            "it were already applied, so the model is part-updated: restore the last checkpoint "
             "(and lower the learning rate, or find the source of the NaN)"
         )
