@@ -173,6 +173,21 @@ def test_a_launch_in_parts_merges_into_one_column_with_ratios_to_its_own_ddp(
     assert "| fsdp2 | 3.000; 1.50 (1.50) |" in text
     assert "| ours-3 step time <= 1.15x DDP | 0M N=4 | 2.00x | NO |" in text
     assert "| ours-3 | 1.000; 2.00 (2.00) |" in text
+
+
+def test_the_step_table_shows_the_spread_of_the_rounds(tmp_path: Path) -> None:
+    """Rows that kept their per-round ratios show [lowest-highest]; older rows get them
+    from the round times where their DDP is the launch's, and one round shows none."""
+    ours = result_row("ours-0", 1.0, 300.0, (1.0, 2.0, 3.0))
+    ours |= {"round_step_s": [1.0, 1.3, 0.9], "round_ratios_to_ddp": [0.98, 1.21, 0.86]}
+    older = result_row("ours-1", 1.0, 300.0, (1.0, 2.0, 3.0)) | {"round_step_s": [1.0, 1.1, 0.8]}
+    ddp = result_row("ddp", 1.0, 900.0, (1.0, 2.0, 3.0)) | {"round_step_s": [1.0, 1.0, 1.0]}
+    ddp["ratio_to_ddp"] = 1.0
+    single = result_row("ours-2", 0.5, 300.0, (1.0, 2.0, 3.0))
+    report = launch_report(rows=[ours, older, ddp, single])
+    assert bench_peers_report.ddp_ratios(ours, report) == "2.00 (1.00) [0.86-1.21]"
+    assert bench_peers_report.ddp_ratios(older, report) == "2.00 (1.00) [0.80-1.10]"
+    assert bench_peers_report.ddp_ratios(single, report) == "1.00 (0.50)"
     every = {v for part in bench_peers_search.launch_variants("100m", 4) for v in part}
     assert every == set(bench_peers_search.LAUNCH_VARIANTS)
     assert all("ddp" in part for part in bench_peers_search.launch_variants("100m", 4))

@@ -354,6 +354,7 @@ def summarize(
                 "median_step_s": statistics.median(times),
                 "round_step_s": times,
                 "ratio_to_ddp": statistics.median(ratios) if ratios else None,
+                "round_ratios_to_ddp": ratios,
                 "state_bytes": {
                     k: max(b["state_bytes"][k] for b in blocks) for k in blocks[0]["state_bytes"]
                 },

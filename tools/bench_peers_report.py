@@ -65,13 +65,28 @@ def paper_model_states_mib(variant: str, psi: int, n: int) -> float | None:
 
 
 def ddp_ratios(row: dict[str, Any], report: dict[str, Any]) -> str:
-    """'median of per-round ratios (ratio of the medians)' to DDP of the same launch (of the
-    same part, for a launch run in parts: ``ddp_median_step_s``)."""
+    """'median of per-round ratios (ratio of the medians) [lowest-highest round]' to DDP of
+    the same launch (of the same part, for a launch run in parts: ``ddp_median_step_s``)."""
     ddp = next((r for r in report["results"] if r["variant"] == "ddp"), None)
     if ddp is None or row["ratio_to_ddp"] is None:
         return "-"
     ddp_median = row.get("ddp_median_step_s") or ddp["median_step_s"]
-    return f"{row['ratio_to_ddp']:.2f} ({row['median_step_s'] / ddp_median:.2f})"
+    spread = round_spread(row, ddp)
+    return f"{row['ratio_to_ddp']:.2f} ({row['median_step_s'] / ddp_median:.2f}){spread}"
+
+
+def round_spread(row: dict[str, Any], ddp: dict[str, Any]) -> str:
+    """' [lowest-highest]' of the per-round ratios to DDP, '' where there is one round or
+    they are unknown: a launch written before the rows kept them gives them only where
+    the row's DDP is the launch's (round by round, the same rounds)."""
+    ratios = row.get("round_ratios_to_ddp")
+    if ratios is None and row.get("ddp_median_step_s") in (None, ddp["median_step_s"]):
+        mine, theirs = row.get("round_step_s", []), ddp.get("round_step_s", [])
+        if len(mine) == len(theirs):
+            ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+    if not ratios or len(ratios) < 2:
+        return ""
+    return f" [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def launch_table(report: dict[str, Any]) -> str:
@@ -306,9 +321,11 @@ def targets(launches: list[dict[str, Any]], searches: list[dict[str, Any]]) -> l
             r = _result(report, variant)
             if r and r["ratio_to_ddp"] is not None:
                 ok = r["ratio_to_ddp"] <= bound
+                ddp = _result(report, "ddp")
+                spread = "" if ddp is None else round_spread(r, ddp)
                 out.append(
                     f"| {variant} step time <= {bound}x DDP | {_label(report)} "
-                    f"| {r['ratio_to_ddp']:.2f}x | {'yes' if ok else 'NO'} |"
+                    f"| {r['ratio_to_ddp']:.2f}x{spread} | {'yes' if ok else 'NO'} |"
                 )
         for stage, peers in (
             (1, ("deepspeed-1", "zero-redundancy")),
@@ -411,7 +428,9 @@ def write_docs(out: Path, raw: Path) -> None:
     lines += _pivot(
         launches,
         "Step time: median s; ratio to DDP, the median over rounds of (variant / DDP of the "
-        "same round), and in brackets the ratio of the two medians",
+        "same round), in brackets the ratio of the two medians, then [the lowest and the "
+        "highest round's ratio]: a goal is judged by the median, and a range wider than the "
+        "goal's margin says this many rounds cannot tell it",
         lambda r, rep: f"{r['median_step_s']:.3f}; {ddp_ratios(r, rep)}",
     )
     lines += _pivot(

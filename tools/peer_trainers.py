@@ -374,6 +374,8 @@ class TorchPeer(Trainer):
         return self.counter.total_bytes, dict(self.counter.calls)
 
     def close(self) -> None:
+        if isinstance(self.optimizer, StepsInBackward):
+            self.optimizer.close()
         del self.optimizer, self.local_optimizer, self.model, self.module
 
 
@@ -385,9 +387,10 @@ class StepsInBackward:
 
     def __init__(self, params: Iterable[nn.Parameter], hyper: Hyper) -> None:
         self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self.handles: list[Any] = []
         for param in params:
             self.optimizers[param] = hyper.adamw([param])
-            param.register_post_accumulate_grad_hook(self._step)
+            self.handles.append(param.register_post_accumulate_grad_hook(self._step))
 
     def _step(self, param: torch.Tensor) -> None:
         optimizer = self.optimizers[param]  # type: ignore[index]
@@ -403,6 +406,13 @@ class StepsInBackward:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
+
+    def close(self) -> None:
+        """Remove the hooks: each holds this object, and through it every optimizer and
+        parameter, alive for as long as the model lives (the next variant's run)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.optimizers = [], {}
 
 
 def fsdp2_gpt(config: GPTConfig, seed: int, group: Any, checkpoint: str = "none") -> nn.Module:

@@ -170,9 +170,9 @@ def test_an_optimizer_that_may_read_every_tensor_is_refused() -> None:
 
 
 def test_a_non_finite_gradient_raises_on_every_rank_and_names_the_rank() -> None:
-    """Rank 1's input is NaN: its gradients, and so every reduced slice, are NaN; every
-    rank raises after backward, naming the ranks that saw it (here rank 0 only: these
-    parameters fit in rank 0's padded slices) and, on those, the parameters."""
+    """Rank 1's input is NaN: its gradients, and so every reduced sum, are NaN; every rank
+    raises after backward, naming the ranks whose slices hold it (here rank 0 only: these
+    parameters fit in rank 0's padded slices) and the bucket's parameters, on every rank."""
     case = ParityCase(widths=(5, 7, 3), bucket_numel=64, seed=1)
 
     def body(comm: Communicator) -> str:
@@ -188,7 +188,78 @@ def test_a_non_finite_gradient_raises_on_every_rank_and_names_the_rank() -> None
 
     messages = run_simulated(2, body)
     for rank, message in enumerate(messages):
-        saw = "non-finite gradient at step 0 on data-parallel rank(s) [0]"
-        assert f"[rank {rank}] {saw}" in message
-        assert ("whose parameters are layers." in message) == (rank == 0)
+        saw = "non-finite gradient at step 0 in the reduced gradient slices held by "
+        assert f"[rank {rank}] {saw}data-parallel rank(s) [0]" in message
+        assert "whose parameters are layers." in message
         assert "restore the last checkpoint" in message
+
+
+@pytest.mark.parametrize(
+    "lossy", [{"quantize_weights": True}, {"quantize_gradients": "int8"}], ids=["qwZ", "qgZ"]
+)
+def test_with_zeropp_quantization_the_fused_step_equals_plain_stage_3(
+    lossy: dict[str, Any],
+) -> None:
+    """qwZ and qgZ are lossy, so stage 0 is no reference; plain stage 3 with the same
+    quantization is, bit for bit (the quantization is deterministic)."""
+    case = ParityCase(widths=(33, 130, 7), vocab=11, bucket_numel=300, steps=3, seed=6)
+
+    def body(comm: Communicator) -> None:
+        plain = train(case, comm, 3, settings={"nonfinite": "raise", **lossy})
+        fused = train(case, comm, 3, settings={**FUSED, **lossy})
+        assert_same_states(plain, fused, f"fused stage 3 with {lossy}")
+
+    run_simulated(4, body)
+
+
+def test_the_update_is_whole_after_backward_and_step_only_counts_it() -> None:
+    """backward publishes (the persistent unit too): the state after backward is the
+    state after step(), and equals plain stage 3's after its step()."""
+    case = ParityCase(widths=(33, 130, 7), vocab=11, bucket_numel=300, persistence_threshold=200)
+
+    def body(comm: Communicator) -> None:
+        x, target = micro_batch(case, comm.rank)
+        plain = build_engine(case, comm, 3, {"nonfinite": "raise"})
+        plain.backward(loss_of(case, plain(x), target))
+        assert plain.step()
+        fused = build_engine(case, comm, 3, FUSED)
+        fused.backward(loss_of(case, fused(x), target))
+        after_backward = fused.full_state_dict()
+        assert fused.step() and fused.global_steps == 1
+        assert_same_states([after_backward], [fused.full_state_dict()], "backward vs step()")
+        assert_same_states([plain.full_state_dict()], [after_backward], "plain vs fused")
+
+    run_simulated(2, body)
+
+
+def test_options_changed_between_backward_and_step_are_refused() -> None:
+    """The update was applied in backward with the old learning rate: a new one set
+    before step() would silently not apply, so step() names it."""
+    case = ParityCase(widths=(5, 7, 3), seed=1)
+
+    def body(comm: Communicator) -> str:
+        engine = build_engine(case, comm, 3, FUSED)
+        x, target = micro_batch(case, comm.rank)
+        engine.backward(loss_of(case, engine(x), target))
+        engine.optimizer.param_groups[0]["lr"] = 0.5
+        with pytest.raises(RuntimeError, match="changed between backward and step") as raised:
+            engine.step()
+        return str(raised.value)
+
+    assert "group 0: lr 0.01 -> 0.5" in run_simulated(1, body)[0]
+
+
+def test_a_step_hook_added_after_initialize_is_refused_at_the_next_backward() -> None:
+    case = ParityCase(widths=(5, 7, 3), seed=1)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 3, FUSED)
+        engine.optimizer.register_step_post_hook(lambda *_: None)
+        x, target = micro_batch(case, comm.rank)
+        with pytest.raises(ValueError, match="has step hooks now"):
+            engine.backward(loss_of(case, engine(x), target))
+        engine.optimizer._optimizer_step_post_hooks.clear()  # the hook removed: trains on
+        engine.backward(loss_of(case, engine(x), target))
+        assert engine.step()
+
+    run_simulated(1, body)

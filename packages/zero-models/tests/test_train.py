@@ -36,6 +36,7 @@ def run(
         (["--nproc", "4", "--stage", "3", "--hpz", "4"], "--hpz 4 must divide the 4 ranks"),
         (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
         (["--stage", "2", "--clip", "0", "--optimizer-in-backward"], "stage=2 (it needs stage 3"),
+        (["--deepspeed", "ds.json", "--optimizer-in-backward"], "with --deepspeed: a DeepSpeed"),
     ],
 )
 def test_wrong_options_stop_before_launching(args: list[str], message: str, tmp_path: Path) -> None:

@@ -198,10 +198,10 @@ class Engine:
             f" (micro-step {self.micro_steps + 1} of {self.config.gradient_accumulation_steps})"
         )
         first = self.micro_steps == 0
+        if self.backward_stepper is not None:
+            self.backward_stepper.begin()  # raises before anything has begun
         self.gradients.before_backward(first, self.micro_step_label)
         self.parameters.before_backward()
-        if self.backward_stepper is not None:
-            self.backward_stepper.begin()
         try:
             scale = self.loss_scaler.scale
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
@@ -211,6 +211,8 @@ class Engine:
         finally:
             self.gradients.end_backward()
             self.parameters.end_backward()
+        if self.backward_stepper is not None:
+            self.parameters.publish()  # the update is whole now, not at step()
         self.micro_steps += 1
 
     def _check_requires_grad(self) -> None:
@@ -240,8 +242,8 @@ class Engine:
                     "saw no backward: call engine.backward(loss), not loss.backward()"
                 )
             return False
-        if self.backward_stepper is not None:  # backward stepped every bucket
-            self.parameters.publish()
+        if self.backward_stepper is not None:  # backward stepped and published every bucket
+            self.backward_stepper.check_options()
             self._applied()
             return True
         denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)

@@ -9,7 +9,7 @@ Plain stage 3 holds this rank's whole gradient shard from the end of backward to
 Fused, each bucket's slice is stepped the moment its reduce-scatter lands, then freed:
 
     backward ---------------------------------------------> step()
-    grad shard     | b3 |  b2 |  b1 |  b0 |                  (only publishes and counts)
+    grad shard     | b3 |  b2 |  b1 |  b0 |                  (only counts it)
                      ^ step b3's tiles, write them to the compute shard, free b3's slice
     peak           12 bytes per parameter / N, plus one bucket slice
 
@@ -31,9 +31,16 @@ only after every backward node that reads the parameter has run (autograd accumu
 last); the gathered units are copies, and a unit whose gradients are all in is never
 gathered again in that backward.
 
-A non-finite gradient: the rank that sees it leaves that bucket's tiles unstepped; at the
-end of backward one all-reduce tells every rank, and each raises FloatingPointError. The
-other buckets were already stepped, so the model is part-updated: restore a checkpoint.
+A non-finite gradient: each bucket's float64 sum stays on the device, and at the end of
+backward one read and one all-reduce tell every rank, which each raise FloatingPointError
+naming the ranks whose slices hold it and the first such bucket's parameters. Every bucket
+was already stepped (checking each before its step would stall a GPU once per bucket), so
+the model is corrupt there: restore a checkpoint.
+
+The update happens in backward, with the optimizer's options as backward began: step()
+refuses options changed in between, and a step hook registered after initialize is
+refused at the next backward. backward ends by publishing the parameters (the persistent
+unit gathered again), so the model between backward and step() is the updated one.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import torch
 from zero_comm import Communicator, ReduceOp
 
 from .config import ZeroConfig
-from .gradient_checks import all_finite, any_model_parallel_rank
+from .gradient_checks import any_model_parallel_rank
 from .master_weights import MasterWeights, TileVisitor
 from .model_parallel import ModelParallel
 from .optimizer_parts import steps_in_parts
@@ -87,7 +94,9 @@ class BackwardStepper:
             (g, k) for g, layout in enumerate(gradients.layouts) for k in range(len(layout.buckets))
         ]
         self.denominator = float(comm.world_size)
-        self.nonfinite: list[tuple[int, int]] = []  # (group, bucket) left unstepped here
+        self.options: list[dict[str, str]] = []  # each group's, when backward began
+        self.landed: list[int] = []  # buckets in the order they were stepped
+        self.sums: list[torch.Tensor] = []  # each one's float64 sum (on the device)
         self.stepped = 0
         gradients.reducer.on_reduced = self.bucket_reduced
 
@@ -102,7 +111,18 @@ class BackwardStepper:
         return widest
 
     def begin(self) -> None:
-        self.nonfinite = []
+        """Before backward: the optimizer may still be stepped in parts (a step hook added
+        since initialize would run once per bucket, mid-backward), and its options are
+        recorded: a change made after backward would not apply (``check_options``)."""
+        if not steps_in_parts(self.optimizer):
+            raise ValueError(
+                "optimizer_in_backward: the optimizer has step hooks now (registered after "
+                "initialize); they would run once per gradient bucket, in the middle of "
+                "backward. Remove them, or build the engine with optimizer_in_backward=False"
+            )
+        self.options = options_of(self.optimizer)
+        self.landed = []
+        self.sums = []
         self.stepped = 0
 
     def bucket_reduced(self, index: int) -> None:
@@ -112,12 +132,12 @@ class BackwardStepper:
         piece = self.gradients.grad_shards[group].pieces[bucket]
         gradient = piece if piece.dtype == torch.float32 else piece.float()
         gradient.div_(self.denominator)
-        if all_finite([gradient], self.config.bucket_numel):
-            self.masters.step_bucket(
-                self.optimizer, group, bucket, gradient, self.take_master_values
-            )
-        else:
-            self.nonfinite.append((group, bucket))
+        # Summed in float64, non-finite exactly when an element is (float32 values cannot
+        # overflow it); kept on the device and read once per backward (in finish), so a
+        # GPU never waits for the host here.
+        self.landed.append(index)
+        self.sums.append(gradient.sum(dtype=torch.float64))
+        self.masters.step_bucket(self.optimizer, group, bucket, gradient, self.take_master_values)
         self.stepped += 1
         piece.untyped_storage().resize_(0)
 
@@ -129,28 +149,62 @@ class BackwardStepper:
                 f"[rank {self.comm.rank}] optimizer_in_backward stepped {self.stepped} of "
                 f"{len(self.bucket_keys)} gradient buckets in this backward"
             )
-        flags = torch.zeros(self.comm.world_size, dtype=torch.int32, device=self.comm.device)
-        flags[self.comm.rank] = int(bool(self.nonfinite))
+        first_here = 0  # 1 + the first non-finite bucket's index here, 0 if none
+        if self.sums:
+            finite = torch.stack(self.sums).isfinite().tolist()
+            bad = [index for index, ok in zip(self.landed, finite, strict=True) if not ok]
+            first_here = 1 + min(bad) if bad else 0
+        flags = torch.zeros(self.comm.world_size, dtype=torch.int64, device=self.comm.device)
+        flags[self.comm.rank] = first_here
         self.comm.all_reduce(flags, ReduceOp.SUM, label="non-finite gradients")
-        ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
-        anywhere = bool(ranks)
+        seen = {rank: flag - 1 for rank, flag in enumerate(flags.tolist()) if flag}
+        anywhere = bool(seen)
         if self.model_parallel is not None:
             anywhere = any_model_parallel_rank(self.model_parallel, anywhere)
         if not anywhere:
             return
-        here = ""
-        if self.nonfinite:
-            group, bucket = self.nonfinite[0]
+        if seen:
+            group, bucket = self.bucket_keys[min(seen.values())]
             members = [slot.name for slot in self.gradients.slots.in_bucket(group, bucket)]
-            here = (
-                f"; here in group {group}, bucket {bucket}, whose parameters are "
+            where = (
+                f"in the reduced gradient slices held by data-parallel rank(s) {sorted(seen)} "
+                "(a rank holds its slice of every rank's sum: this says where the NaN or Inf "
+                f"landed, not whose data made it), first in group {group}, bucket {bucket}, "
+                "whose parameters are "
                 + ", ".join(members[:4])
                 + (" ..." if len(members) > 4 else "")
             )
-        where = ranks or "(none; a rank of another model-parallel group)"
+        else:
+            where = "on a rank of another data-parallel group (tensor parallelism)"
         raise FloatingPointError(
-            f"[rank {self.comm.rank}] non-finite gradient at step {step} on data-parallel "
-            f"rank(s) {where}{here}. With optimizer_in_backward the buckets reduced before "
-            "it were already applied, so the model is part-updated: restore the last checkpoint "
-            "(and lower the learning rate, or find the source of the NaN)"
+            f"[rank {self.comm.rank}] non-finite gradient at step {step} {where}. With "
+            "optimizer_in_backward every bucket was already applied, so the model is "
+            "corrupt on those ranks: restore the last checkpoint (and lower the learning "
+            "rate, or find the source of the NaN)"
         )
+
+    def check_options(self) -> None:
+        """In step(): the optimizer's options are those backward applied the update with."""
+        now = options_of(self.optimizer)
+        if now == self.options:
+            return
+        changed = [
+            f"group {g}: {key} {before.get(key)} -> {after.get(key)}"
+            for g, (before, after) in enumerate(zip(self.options, now, strict=False))
+            for key in sorted(set(before) | set(after))
+            if before.get(key) != after.get(key)
+        ]
+        raise RuntimeError(
+            f"[rank {self.comm.rank}] the optimizer's options changed between backward and "
+            f"step() ({'; '.join(changed) or 'its groups'}): with optimizer_in_backward the "
+            "update was applied during backward, with the old values. Change them before "
+            "backward (a scheduler stepped after engine.step() does)"
+        )
+
+
+def options_of(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
+    """Each group's options but its tensors, as text (a tensor learning rate too)."""
+    return [
+        {key: repr(value) for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]

@@ -265,6 +265,11 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         zero_core.ZeroConfig(stage=args.stage, **hierarchy_settings(args))
     except ValueError as exc:
         p.error(f"--shard-group/--hpz/--quantize-*: {exc}")
+    if args.optimizer_in_backward and args.deepspeed is not None:
+        p.error(
+            "--optimizer-in-backward with --deepspeed: a DeepSpeed config has no such key and "
+            "sets the engine itself (clipping, accumulation); drop one of them"
+        )
     if args.optimizer_in_backward:
         try:
             zero_core.ZeroConfig(**engine_settings(args))
