@@ -286,3 +286,22 @@ def test_cli_prints_each_tier_and_what_a_stage_cannot_offload(
     with pytest.raises(SystemExit):
         main(["--params", "1e6", "--world-size", "2", "--offload-fraction", "2"])
     assert "--offload-fraction" in capsys.readouterr().err
+
+
+def test_the_step_in_backward_holds_one_bucket_slice_of_gradients_at_stage_3(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """fp32 Adam, 1e9 parameters on 4 ranks: stage 3's 16 bytes per parameter / N become
+    12 plus one bucket slice; the other stages are as without the flag."""
+    argv = ["--params", "1e9", "--world-size", "4", "--dtype", "fp32", "--json"]
+    main(argv)
+    plain = json.loads(capsys.readouterr().out)
+    main([*argv, "--optimizer-in-backward"])
+    fused = json.loads(capsys.readouterr().out)
+    slice_bytes = 2**22 / 4 * 4
+    assert fused["3"]["gradients"] == slice_bytes
+    assert fused["3"]["total"] == pytest.approx(12 * 1e9 / 4 + slice_bytes)
+    assert plain["3"]["total"] == pytest.approx(16 * 1e9 / 4)
+    assert fused["3"]["device"] == plain["3"]["device"] - 4 * 1e9 / 4 + slice_bytes
+    for stage in ("0", "1", "2"):
+        assert fused[stage] == plain[stage]

@@ -96,6 +96,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="stage 3: elements gathered ahead; disk-tier parameters are read as many more "
         "ahead, into host buffers (default 2**22)",
     )  # fmt: skip
+    parser.add_argument(
+        "--optimizer-in-backward", action="store_true",
+        help="stage 3: the optimizer stepped in backward bucket by bucket "
+        "(ZeroConfig.optimizer_in_backward): one bucket slice of gradients held, not Ψ/N",
+    )  # fmt: skip
     links = parser.add_argument_group("communication per link class (issue 16)")
     links.add_argument(
         "--ranks-per-node", type=int,
@@ -196,15 +201,22 @@ def _row(
     )  # fmt: skip
     parameters = plain.parameters  # in whichever tier
     optimizer_states = tiered.model_states - parameters - plain.gradients  # + separate masters
+    gradients = plain.gradients
+    if stage == 3 and args.optimizer_in_backward:
+        # One bucket slice at a time (a parameter larger than a bucket is its own bucket),
+        # with its float32 copy when the compute dtype is narrower.
+        slice_numel = min(args.params, max(args.bucket_numel, largest)) / shards
+        gradients = slice_numel * (width + (4 if width != 4 else 0))
+    saved = plain.gradients - gradients
     asked = args.offload_optimizer != "none" or args.offload_params != "none"
     applies = optimizer != "none" or params != "none"
     na = asked and not applies
     return {
         "parameters": parameters,
-        "gradients": plain.gradients,
+        "gradients": gradients,
         "optimizer_states": optimizer_states,
-        "total": tiered.model_states + secondary,
-        "device": tiered.device + secondary,
+        "total": tiered.model_states + secondary - saved,
+        "device": tiered.device + secondary - saved,
         "hpz_secondary": secondary,
         "host": None if na else tiered.host_resident,
         "disk": None if na else tiered.disk,
@@ -258,6 +270,7 @@ def _print_table(
     print(
         f"model states per rank, Ψ={args.params:.4g}, N={args.world_size}, "
         f"{args.dtype} parameters and gradients, K={k:g}"
+        + ("; stage 3 steps the optimizer in backward" if args.optimizer_in_backward else "")
     )
     asked = args.offload_optimizer != "none" or args.offload_params != "none"
     if asked:
