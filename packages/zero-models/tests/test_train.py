@@ -461,3 +461,11 @@ def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits()
     ), line
     on_gpu = out_of_memory_line(1, "the build", run._replace(device="cuda"), MemoryError())
     assert "; --checkpoint full --offload-optimizer cpu" in on_gpu and "disk" not in on_gpu
+    # The optimizer stepped in backward: 14 bytes per parameter / N in bf16 (one bucket
+    # slice of gradients), and no offload tier to suggest, since it refuses them.
+    fused = zero_core.ZeroConfig(stage=3, optimizer_in_backward=True, nonfinite="raise")
+    line = out_of_memory_line(1, "the build", run._replace(zero=fused), MemoryError())
+    slice_bytes = gpt.vocab_size * gpt.width / 2 * (2 + 4)  # the embedding is the largest
+    states = (14 * gpt.num_params / 2 + slice_bytes) / 2**30
+    assert f"predicts {states:.2f} GiB of model states" in line, line
+    assert "offload" not in line and "; even --checkpoint full would keep" in line, line

@@ -27,6 +27,7 @@ from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
     TIERS,
+    in_backward_gradient_bytes,
     model_state_bytes,
     state_bytes_per_param,
     tiered_state_bytes,
@@ -203,10 +204,9 @@ def _row(
     optimizer_states = tiered.model_states - parameters - plain.gradients  # + separate masters
     gradients = plain.gradients
     if stage == 3 and args.optimizer_in_backward:
-        # One bucket slice at a time (a parameter larger than a bucket is its own bucket),
-        # with its float32 copy when the compute dtype is narrower.
-        slice_numel = min(args.params, max(args.bucket_numel, largest)) / shards
-        gradients = slice_numel * (width + (4 if width != 4 else 0))
+        gradients = in_backward_gradient_bytes(
+            args.params, shards, width, args.bucket_numel, largest
+        )
     saved = plain.gradients - gradients
     asked = args.offload_optimizer != "none" or args.offload_params != "none"
     applies = optimizer != "none" or params != "none"

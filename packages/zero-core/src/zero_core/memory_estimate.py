@@ -232,3 +232,14 @@ def _largest_slice(stage: int, world_size: int, bucket_numel: int, largest_param
     n = world_size if stage >= 1 else 1
     biggest = max(bucket_numel, math.ceil(largest_param))
     return math.ceil(biggest / (n * SLICE_ALIGNMENT)) * SLICE_ALIGNMENT
+
+
+def in_backward_gradient_bytes(
+    params: float, world_size: int, grad_bytes: float, bucket_numel: int, largest_param: float
+) -> float:
+    """Stage 3 with ``ZeroConfig.optimizer_in_backward``: the gradient bytes a rank holds
+    at once, one bucket slice (never more than its Ψ / N) and, where the gradients are
+    narrower than float32, that slice's float32 copy; it stands for the gradients' g Ψ / N."""
+    slice_numel = min(params / world_size, _largest_slice(3, world_size, bucket_numel,
+                                                          largest_param))  # fmt: skip
+    return slice_numel * (grad_bytes + (4 if grad_bytes != 4 else 0))

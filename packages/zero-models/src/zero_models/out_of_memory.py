@@ -55,7 +55,11 @@ from torch import distributed as dist
 import zero_comm
 from zero_core.activation_estimate import TransformerShape, activation_bytes
 from zero_core.config import ZeroConfig
-from zero_core.memory_estimate import state_bytes_per_param, tiered_state_bytes
+from zero_core.memory_estimate import (
+    in_backward_gradient_bytes,
+    state_bytes_per_param,
+    tiered_state_bytes,
+)
 from zero_core.proc_status import process_status_kib
 
 from .train_options import EXIT_FAILED
@@ -140,7 +144,14 @@ class Footprint(NamedTuple):
             buffer_count=zero.offload_buffer_count, bucket_numel=zero.bucket_numel,
         )  # fmt: skip
         device = held.device + (held.host_resident if self.device == "cpu" else 0.0)
-        return held.model_states, device
+        saved = 0.0
+        if zero.optimizer_in_backward and placement.stage == 3:  # one bucket slice held
+            whole = self.params * width / self.dp
+            largest = self.shape.vocab_size * self.shape.width / self.tp  # the embedding
+            saved = whole - in_backward_gradient_bytes(
+                self.params, self.dp, width, zero.bucket_numel, largest
+            )
+        return held.model_states - saved, device - saved
 
     def activations(self, placement: Placement) -> float:
         """Peak activation bytes of one micro-step (zero_core.activation_estimate)."""
@@ -177,11 +188,14 @@ def available_bytes(device: torch.device, local_ranks: int) -> float | None:
     return None
 
 
-def placements(now: Placement, device: str) -> list[Placement]:
+def placements(now: Placement, device: str, offload: bool = True) -> list[Placement]:
     """The placements zero-train's flags reach from ``now`` by only lowering the device's
     share, cheapest first: a higher stage, then activation checkpointing, then the
-    optimizer's tier, then the parameters' (cpu on a GPU, disk on a CPU-only machine)."""
+    optimizer's tier, then the parameters' (cpu on a GPU, disk on a CPU-only machine);
+    without ``offload`` (the optimizer stepped in backward refuses the tiers) no tier."""
     tier = "cpu" if device == "cuda" else "disk"
+    if not offload:
+        tier = "none"
     checkpoints = dict.fromkeys(
         [now.checkpoint, "full" if now.checkpoint == "none" else now.checkpoint]
     )
@@ -222,7 +236,8 @@ def advice(run: Footprint) -> str:
     """What would fit: the cheapest change whose prediction fits in what this rank had,
     or, if none does, the one that keeps the least on the device."""
     now = run.placement
-    smaller = [p for p in placements(now, run.device) if run.on_device(p) < run.on_device(now)]
+    reachable = placements(now, run.device, offload=not run.zero.optimizer_in_backward)
+    smaller = [p for p in reachable if run.on_device(p) < run.on_device(now)]
     if not smaller:
         return "no stage or tier keeps less on the device: add ranks, or train a smaller model"
 
