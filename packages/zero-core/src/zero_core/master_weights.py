@@ -29,7 +29,6 @@ while the parameters gather the buckets already stepped (``step``, optimizer_par
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -92,6 +91,14 @@ class MasterWeights:
                     ]
                 )
         self.tiles: list[list[Tile]] = [self._tiles(g) for g in range(len(layouts))]
+        # Per group and bucket, the tiles of that bucket slice (every bucket has one at least).
+        self.bucket_tiles: list[list[list[Tile]]] = [
+            [
+                [tile for tile, k in zip(tiles, buckets, strict=True) if k == bucket]
+                for bucket in range(len(layout.buckets))
+            ]
+            for layout, tiles, buckets in zip(layouts, self.tiles, self.tile_buckets, strict=True)
+        ]
         # Whether the parameters gather anything after a step (not at stage 0).
         self.sharded = any(layout.world_size > 1 for layout in layouts)
 
@@ -176,19 +183,20 @@ class MasterWeights:
         values already are the parameters'; the call says they are final). Otherwise one
         ``optimizer.step()`` over every tile, then every tile handed over (not for
         aliased masters: the parameters are those values). Both give the same bits."""
-        parts = [
-            ((group, bucket), tile, where, g[where])
-            for group, (tiles, g) in enumerate(zip(self.tiles, gradients, strict=True))
-            for (tile, where), bucket in zip(tiles, self.tile_buckets[group], strict=True)
-        ]
         if bucket_by_bucket and self.sharded and steps_in_parts(optimizer):
-            for _, in_bucket in itertools.groupby(parts, key=lambda part: part[0]):
-                members = list(in_bucket)
-                step_part(optimizer, [(tile, gradient) for _, tile, _, gradient in members])
-                for (group, _), tile, where, _ in members:
-                    updated(group, where.start or 0, tile.detach().view(-1))
+            for group, g in enumerate(gradients):
+                for bucket, b in enumerate(self.layouts[group].buckets):
+                    in_bucket = g[b.local_offset : b.local_offset + b.slice_numel]
+                    self.step_bucket(optimizer, group, bucket, in_bucket, updated)
             return
-        step_part(optimizer, [(tile, gradient) for _, tile, _, gradient in parts])
+        step_part(
+            optimizer,
+            [
+                (tile, g[where])
+                for tiles, g in zip(self.tiles, gradients, strict=True)
+                for tile, where in tiles
+            ],
+        )
         if not self.aliased:
             self.visit(updated)
 
@@ -202,19 +210,18 @@ class MasterWeights:
     ) -> None:
         """One ``optimizer.step()`` over the tiles of one bucket slice of ``group``, with
         ``gradient`` (float32, that slice's elements), each tile then handed to ``updated``:
-        one part of ``step(..., bucket_by_bucket=True)``, the same bits
-        (optimizer_parts; the optimizer must step in parts)."""
+        the part ``step(..., bucket_by_bucket=True)`` takes for each bucket, and
+        optimizer_in_backward for the bucket just reduced (the optimizer must step in
+        parts: optimizer_parts)."""
         offset = self.layouts[group].buckets[bucket].local_offset
-        members = [
-            tile
-            for tile, k in zip(self.tiles[group], self.tile_buckets[group], strict=True)
-            if k == bucket
-        ]
-        part = []
-        for tile, where in members:
-            start, stop = (where.start or 0) - offset, (where.stop or 0) - offset
-            part.append((tile, gradient[start:stop]))
-        step_part(optimizer, part)
+        members = self.bucket_tiles[group][bucket]
+        step_part(
+            optimizer,
+            [
+                (tile, gradient[(where.start or 0) - offset : (where.stop or 0) - offset])
+                for tile, where in members
+            ],
+        )
         for tile, where in members:
             updated(group, where.start or 0, tile.detach().view(-1))
 

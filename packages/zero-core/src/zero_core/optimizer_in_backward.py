@@ -53,7 +53,7 @@ from .config import ZeroConfig
 from .gradient_checks import any_model_parallel_rank
 from .master_weights import MasterWeights, TileVisitor
 from .model_parallel import ModelParallel
-from .optimizer_parts import steps_in_parts
+from .optimizer_parts import IN_PARTS, steps_in_parts
 from .reduce_scattered_gradients import ReduceScatteredGradients
 
 
@@ -78,10 +78,9 @@ class BackwardStepper:
         if not steps_in_parts(optimizer):
             raise ValueError(
                 f"optimizer_in_backward steps the optimizer one bucket at a time, which is "
-                f"exact only for torch's {', '.join(('SGD', 'Adam', 'AdamW', 'Adagrad'))} and "
-                f"RMSprop without step hooks; {type(optimizer).__name__} (or its hooks) may "
-                "read every tensor in one step: use one of those, or "
-                "optimizer_in_backward=False"
+                f"exact only for torch's {', '.join(t.__name__ for t in IN_PARTS)} without "
+                f"step hooks; {type(optimizer).__name__} (or its hooks) may read every tensor "
+                "in one step: use one of those, or optimizer_in_backward=False"
             )
         self.comm = comm
         self.config = config
@@ -97,7 +96,6 @@ class BackwardStepper:
         self.options: list[dict[str, str]] = []  # each group's, when backward began
         self.landed: list[int] = []  # buckets in the order they were stepped
         self.sums: list[torch.Tensor] = []  # each one's float64 sum (on the device)
-        self.stepped = 0
         gradients.reducer.on_reduced = self.bucket_reduced
 
     def held_bytes(self) -> int:
@@ -123,7 +121,6 @@ class BackwardStepper:
         self.options = options_of(self.optimizer)
         self.landed = []
         self.sums = []
-        self.stepped = 0
 
     def bucket_reduced(self, index: int) -> None:
         """Bucket ``index``'s slice holds its reduced gradient: step its tiles, hand their
@@ -138,15 +135,14 @@ class BackwardStepper:
         self.landed.append(index)
         self.sums.append(gradient.sum(dtype=torch.float64))
         self.masters.step_bucket(self.optimizer, group, bucket, gradient, self.take_master_values)
-        self.stepped += 1
         piece.untyped_storage().resize_(0)
 
     def finish(self, step: int) -> None:
         """Collective, after backward: raise on every rank if any rank saw a non-finite
         gradient (naming the ranks and, where it is local, the parameters)."""
-        if self.stepped != len(self.bucket_keys):
+        if len(self.landed) != len(self.bucket_keys):
             raise RuntimeError(
-                f"[rank {self.comm.rank}] optimizer_in_backward stepped {self.stepped} of "
+                f"[rank {self.comm.rank}] optimizer_in_backward stepped {len(self.landed)} of "
                 f"{len(self.bucket_keys)} gradient buckets in this backward"
             )
         first_here = 0  # 1 + the first non-finite bucket's index here, 0 if none
