@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import sys
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -27,6 +28,9 @@ _TORCH_OP = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
 _CLOSE_KEY = "zero_comm/closed"
+# The digest check's looks for posts while a gloo collective waits (_wait_looking_for_posts).
+FIRST_LOOK_S = 0.01
+LOOK_EVERY_S = 0.1
 _TIMEOUT_WORDS = ("timed out", "timeout")  # matched without case
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
 
@@ -113,16 +117,7 @@ class TorchCommunicator(Communicator):
 
     def _wait(self, work: Work, name: str) -> None:
         if self._check_mode == "digest" and not self._resolving and self.backend == "gloo":
-            # Poll instead of blocking, to join a resolution another rank has started: this
-            # collective cannot complete until it has (see call_schedule.py). Not on nccl,
-            # where wait() does not block the host and polling would.
-            start, next_look = time.monotonic(), 0.002
-            while not work.is_completed():  # type: ignore[attr-defined]
-                waited = time.monotonic() - start
-                if waited > next_look:
-                    self._join_resolution()
-                    next_look = min(2 * next_look, waited + 0.05)
-                time.sleep(0 if waited < 0.001 else 1e-4)
+            self._wait_looking_for_posts(work)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -132,6 +127,25 @@ class TorchCommunicator(Communicator):
                 self._failed = f"{name} #{self._sequence}"
             raise self._failure(name, str(exc)) from exc
         _InFlight.waited(work)
+
+    def _wait_looking_for_posts(self, work: Work) -> None:
+        """Block until ``work`` completes, looking for another rank's post 10, 20, 40, ...
+        ms in (then every 100 ms): a resolution that rank has started must be joined, or
+        this collective never completes (see call_schedule.py). Not on nccl, where wait()
+        does not block the host. A look is a round trip to the rendezvous store, across the
+        slow link for another node's ranks, so the first comes late: most waits end before
+        it, and only a diverging rank, which is rare, waits for one.
+
+        The thread sleeps on an event that the collective's future sets, rather than
+        polling ``is_completed``: with more ranks than cores a polling waiter takes the CPU
+        from the ranks and the gloo threads it waits for (ZeRO++'s step on 2 cores, 4 ranks:
+        ~8% of it, docs/across-nodes.md), and wakes up to 100 us late."""
+        finished = threading.Event()
+        work.get_future().add_done_callback(lambda _: finished.set())  # type: ignore[attr-defined]
+        start, next_look = time.monotonic(), FIRST_LOOK_S
+        while not finished.wait(max(0.0, start + next_look - time.monotonic())):
+            self._join_resolution()
+            next_look = min(2 * next_look, time.monotonic() - start + LOOK_EVERY_S)
 
     def _failure(self, name: str, text: str) -> CommError:
         """The error for collective ``name`` whose wait raised ``text``."""
