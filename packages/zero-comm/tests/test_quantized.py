@@ -171,6 +171,94 @@ def test_zero_blocks_decode_to_zeros_and_non_finite_blocks_stay_non_finite() -> 
     assert torch.allclose(y[12:], x[12:], rtol=0, atol=8 / 127 / 2 * 1.001)
 
 
+def reference_encode(quantizer: BlockQuantizer, x: torch.Tensor, parts: int) -> torch.Tensor:
+    """The module docstring's formulas, written plainly (zero padding, ``abs().amax()``,
+    one cast per step): the bytes the codec must send, whatever its speed tricks."""
+    qmax, block = quantizer.qmax, quantizer.block_numel
+    n = x.numel() // parts
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    rows = x.reshape(parts, n).to(torch.float32)
+    blocks_per_row = -(-n // block)
+    padded = torch.zeros(parts, blocks_per_row * block)
+    padded[:, :n] = rows
+    blocks = padded.view(-1, block)
+    scales = blocks.abs().amax(dim=1) / qmax
+    divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = (blocks / divisor[:, None]).round().clamp(-qmax, qmax).nan_to_num(0.0)
+    codes = codes.to(torch.int8).view(parts, -1)
+    if quantizer.bits == 8:
+        payload = codes.view(torch.uint8)[:, :n]
+    else:  # int4 blocks are even, so the padded row is whole bytes; padding codes are 0
+        nibbles = (codes + 8).to(torch.uint8).view(parts, -1, 2)
+        payload = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))[:, : quantizer.payload_bytes(n)]
+    scale_bytes = scales.view(parts, blocks_per_row).contiguous().view(torch.uint8)
+    return torch.cat([payload, scale_bytes], dim=1).reshape(-1)
+
+
+def reference_decode(
+    quantizer: BlockQuantizer, wire: torch.Tensor, n: int, parts: int
+) -> torch.Tensor:
+    """The inverse of reference_encode, as plainly: float32 (parts * n,)."""
+    if n == 0:
+        return torch.empty(0)
+    block, blocks_per_row = quantizer.block_numel, quantizer.num_blocks(n)
+    rows = wire.view(parts, -1)
+    split = quantizer.payload_bytes(n)
+    scales = rows[:, split:].reshape(-1).clone().view(torch.float32).reshape(-1, 1)
+    if quantizer.bits == 8:
+        codes = rows[:, :split].view(torch.int8).to(torch.float32)
+    else:
+        payload = rows[:, :split]
+        low_high = torch.stack([payload & 15, payload >> 4], dim=2).reshape(parts, -1)
+        codes = low_high[:, :n].to(torch.float32) - 8
+    padded = torch.zeros(parts, blocks_per_row * block)
+    padded[:, :n] = codes
+    return (padded.view(-1, block) * scales).view(parts, -1)[:, :n].reshape(-1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    quantizer=quantizers(),
+    parts=st.integers(1, 4),
+    numel=st.integers(0, 90),
+    dtype=st.sampled_from(list(DTYPES)),
+    seed=st.integers(0, 2**16),
+    specials=st.lists(
+        st.tuples(st.integers(0, 359), st.sampled_from([0.0, -0.0, "nan", "inf", "-inf"])),
+        max_size=6,
+    ),
+)
+def test_the_codec_sends_the_bytes_of_the_plain_formulas_and_decodes_them_alike(
+    quantizer: BlockQuantizer,
+    parts: int,
+    numel: int,
+    dtype: str,
+    seed: int,
+    specials: list[tuple[int, Any]],
+) -> None:
+    """The codec computes absmax as max(max, -min), divides block views in place, packs
+    int4 in float32 and decodes into its output (no padding copies, no temporaries per
+    step): every byte on the wire and every decoded bit must still be the plain formulas'
+    (signed zeros, NaN, infinities and all-zero blocks included), since they are what
+    the bounds and the cross-backend tests were proven on."""
+    x = rank_input(seed, 0, parts * numel, DTYPES[dtype])
+    for position, value in specials:
+        if position < x.numel():
+            x[position] = float(value)
+    wire = quantizer.encode(x, parts=parts)
+    assert torch.equal(wire, reference_encode(quantizer, x, parts))
+    decoded = quantizer.decode(wire, numel, parts=parts)
+    expected = reference_decode(quantizer, wire, numel, parts)
+    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+    into = torch.empty(parts * numel)
+    assert quantizer.decode(wire, numel, parts=parts, out=into).data_ptr() == into.data_ptr()
+    assert torch.equal(into.view(torch.int32), expected.view(torch.int32))
+    if parts == 1:
+        q = quantizer.quantize(x)
+        assert torch.equal(torch.cat([q.payload, q.scales.view(torch.uint8)]), wire)
+
+
 def test_bad_configurations_are_named() -> None:
     with pytest.raises(ValueError, match="bits=3"):
         BlockQuantizer(3, 8)
@@ -350,6 +438,57 @@ def test_quantized_reduce_scatter_is_the_documented_sum_within_the_bound(
         # Bytes as sent, twice (two calls), in the ring convention of each group.
         assert intra_bytes == 2 * Fraction((per_node - 1) * size * encoded, per_node)
         assert inter_bytes == 2 * (nodes - 1) * encoded
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=layouts(),
+    launches=st.integers(1, 4),
+    orders=st.lists(st.permutations(range(4)), min_size=8, max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_asynchronous_qgz_gives_the_same_bits_whatever_order_each_rank_waits_in(
+    layout: tuple[int, int], launches: int, orders: list[list[int]], seed: int
+) -> None:
+    """Each rank launches several reductions with ``async_op=True`` (each with its own
+    label, so the consistency check compares every collective's order across ranks) and
+    waits for them in an order of its own. A wait issues the inter-node stage, so without
+    the handles' issue order the ranks' inter-node all-to-alls would pair different
+    reductions: the check would raise, or the sums would mix."""
+    nodes, per_node = layout
+    size, chunk, quantizer = nodes * per_node, 24, BlockQuantizer(4, 8)
+    inputs = [
+        [rank_input(seed + k, r, size * chunk, torch.float32) for k in range(launches)]
+        for r in range(size)
+    ]
+
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        intra, inter = node_groups(comm, per_node)
+        outputs = [torch.full((chunk,), float("nan")) for _ in range(launches)]
+        handles = [
+            quantized_reduce_scatter(
+                intra,
+                inter,
+                outputs[k],
+                inputs[comm.rank][k],
+                quantizer,
+                world=comm,
+                async_op=True,
+                label=f"g{k}",
+            )
+            for k in range(launches)
+        ]
+        for k in (k for k in orders[comm.rank] if k < launches):
+            handles[k].wait()
+            assert handles[k].is_completed()
+        return outputs
+
+    for rank, outputs in enumerate(run_simulated(size, body)):
+        for k, output in enumerate(outputs):
+            launch_inputs = [inputs[r][k] for r in range(size)]
+            assert torch.equal(
+                output, reference_qgz(launch_inputs, quantizer, nodes, per_node, rank)
+            )
 
 
 def test_the_qgz_bound_is_not_vacuous() -> None:

@@ -26,7 +26,7 @@ from .hierarchy import HybridGroups
 from .launcher_env import LaunchEnv, detect_launch_env
 from .quantized import (
     QuantizationFallbackWarning,
-    QuantizedGatherHandle,
+    QuantizedHandle,
     quantized_all_gather,
     quantized_reduce_scatter,
 )
@@ -54,7 +54,7 @@ __all__ = [
     "PeerFailureError",
     "QuantizationFallbackWarning",
     "Quantized",
-    "QuantizedGatherHandle",
+    "QuantizedHandle",
     "ReduceOp",
     "Topology",
     "__version__",

@@ -19,9 +19,10 @@ Error bound. ``|x - x~| <= scale / 2`` in exact arithmetic; computed in float32 
 an ulp of the output dtype where the decoded values are cast to bfloat16 or float16. The
 bound is relative to the block's scale only while it is a normal float32, that is for
 blocks with absmax above ``qmax * 2^-126`` (about 1.5e-36); below, the scale loses bits.
-A block holding a NaN or an infinity has a non-finite scale and decodes to non-finite
-values throughout, so an overflow is never hidden by the codec (a loss scaler still sees
-it). An all-zero block has scale 0 and decodes to zeros.
+A block holding a NaN or an infinity has a non-finite scale (a NaN is always sent as the
+quiet NaN 0x7fc00000) and decodes to non-finite values throughout, so an overflow is never
+hidden by the codec (a loss scaler still sees it). An all-zero block has scale 0 and
+decodes to zeros.
 
 Wire format. One encoded *part* of ``n`` elements is one contiguous uint8 buffer, the
 payload then the scales, so that a single collective moves both::
@@ -110,8 +111,10 @@ class BlockQuantizer:
     def quantize(self, x: torch.Tensor) -> Quantized:
         """The codes and scales of ``x`` (any shape, flattened; float32, bfloat16, float16)."""
         self._check_input("quantize", x)
-        payload, scales = self._quantize_rows(x.reshape(1, x.numel()))
-        return Quantized(payload.view(-1), scales.view(-1), x.numel())
+        n = x.numel()
+        payload = torch.empty(1, self.payload_bytes(n), dtype=torch.uint8, device=x.device)
+        scales = self._encode_rows(x.reshape(1, n), payload)
+        return Quantized(payload.view(-1), scales.view(-1), n)
 
     def dequantize(self, q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``q.numel`` decoded values, flat, in ``dtype`` (computed in float32)."""
@@ -122,8 +125,9 @@ class BlockQuantizer:
             )
         self._check_sizes("dequantize", q.payload.numel(), self.payload_bytes(q.numel), "payload")
         self._check_sizes("dequantize", q.scales.numel(), self.num_blocks(q.numel), "scales")
-        values = self._dequantize_rows(
-            q.payload.view(1, q.payload.numel()), q.scales.view(1, q.scales.numel()), q.numel
+        values = torch.empty(1, q.numel, dtype=torch.float32, device=q.payload.device)
+        self._decode_rows(
+            q.payload.view(1, q.payload.numel()), q.scales.view(1, q.scales.numel()), values
         )
         return values.to(dtype).reshape(-1)
 
@@ -138,9 +142,12 @@ class BlockQuantizer:
                 f"encode: {x.numel()} elements do not split into parts={parts} equal chunks; "
                 "pad the input to a multiple of parts"
             )
-        payload, scales = self._quantize_rows(x.reshape(parts, x.numel() // parts))
-        scale_bytes = scales.view(torch.uint8).view(parts, scales.shape[1] * SCALE_BYTES)
-        return torch.cat([payload, scale_bytes], dim=1).view(-1)
+        n = x.numel() // parts
+        split = self.payload_bytes(n)
+        wire = torch.empty(parts, self.encoded_numel(n), dtype=torch.uint8, device=x.device)
+        scales = self._encode_rows(x.reshape(parts, n), wire[:, :split])
+        wire[:, split:].copy_(scales.view(torch.uint8).view(parts, -1))
+        return wire.view(-1)
 
     def decode(
         self,
@@ -148,9 +155,14 @@ class BlockQuantizer:
         numel: int,
         parts: int = 1,
         dtype: torch.dtype = torch.float32,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The inverse of :meth:`encode`: ``parts`` parts of ``numel`` elements each, as one
-        flat tensor of ``parts * numel`` values in ``dtype`` (computed in float32)."""
+        flat tensor of ``parts * numel`` values in ``dtype`` (computed in float32).
+
+        ``out``, a contiguous tensor of ``parts * numel`` elements of a quantizable dtype,
+        receives the values instead (cast to its dtype) and is returned, flattened: a
+        float32 ``out`` is decoded into with no temporary."""
         if wire.dtype != torch.uint8 or wire.dim() != 1:
             raise TypeError(
                 f"decode: the wire must be a flat uint8 tensor, got {wire.dtype} of shape "
@@ -158,14 +170,29 @@ class BlockQuantizer:
             )
         encoded = self.encoded_numel(numel)
         self._check_sizes("decode", wire.numel(), parts * encoded, f"wire of {parts} parts")
+        if out is not None:
+            self._check_input("decode", out)
+            self._check_sizes("decode", out.numel(), parts * numel, "out")
+            if not out.is_contiguous():
+                raise ValueError("decode: out must be contiguous; pass .contiguous()")
+            dtype = out.dtype
         if numel == 0:
-            return torch.empty(0, dtype=dtype, device=wire.device)
+            return torch.empty(0, dtype=dtype, device=wire.device) if out is None else out.view(-1)
         rows = wire.view(parts, encoded)
         split = self.payload_bytes(numel)
         # A copy: the scales of part i start at an arbitrary byte, too unaligned to view.
         scale_bytes = torch.empty(parts, encoded - split, dtype=torch.uint8, device=wire.device)
         scales = scale_bytes.copy_(rows[:, split:]).view(torch.float32)
-        return self._dequantize_rows(rows[:, :split], scales, numel).to(dtype).reshape(-1)
+        if out is not None and out.dtype == torch.float32:
+            values = out.view(parts, numel)
+        else:
+            values = torch.empty(parts, numel, dtype=torch.float32, device=wire.device)
+        self._decode_rows(rows[:, :split], scales, values)
+        if out is None:
+            return values.to(dtype).reshape(-1)
+        if values.data_ptr() != out.data_ptr():
+            out.view(parts, numel).copy_(values)
+        return out.view(-1)
 
     # ------------------------------------------------------------ internals
     def _check_input(self, what: str, x: torch.Tensor) -> None:
@@ -178,49 +205,68 @@ class BlockQuantizer:
         if got != expected:
             raise ValueError(f"{what}: the {name} holds {got} bytes or values, expected {expected}")
 
-    def _quantize_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes (parts, payload_bytes(n)) uint8 and scales (parts, num_blocks(n)) float32
-        of ``rows`` (parts, n): each row is one part."""
+    def _blocks(self, rows: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+        """``rows`` (parts, n), n contiguous, as views of whole blocks: (the block columns,
+        a view (parts, blocks, block_numel)) for the full blocks, then (the last column, a
+        view (parts, 1, n % block_numel)) for a short last block. No copy, no padding."""
         parts, n = rows.shape
-        blocks_per_row = self.num_blocks(n)
-        padded = blocks_per_row * self.block_numel
-        if padded == n:
-            values = rows.to(torch.float32)  # no copy of a float32 input: it is only read
-        else:
-            values = torch.zeros(parts, padded, dtype=torch.float32, device=rows.device)
-            values[:, :n] = rows  # zeros pad the last block: they change no absmax
-        blocks = values.reshape(parts * blocks_per_row, self.block_numel)
-        scales = blocks.abs().amax(dim=1).div_(self.qmax)  # NaN and inf propagate
+        full = n // self.block_numel
+        views = []
+        if full:
+            body = rows[:, : full * self.block_numel]
+            views.append((slice(0, full), body.view(parts, full, self.block_numel)))
+        if n % self.block_numel:
+            views.append((slice(full, full + 1), rows[:, full * self.block_numel :].unsqueeze(1)))
+        return views
+
+    def _encode_rows(self, rows: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
+        """Write the codes of ``rows`` (parts, n) into ``payload`` (parts, payload_bytes(n))
+        uint8, a view whose last dimension is contiguous; return the scales (parts,
+        num_blocks(n)) float32. The arithmetic of the module docstring, step for step."""
+        parts, n = rows.shape
+        values = rows.to(torch.float32)  # no copy of a float32 input: it is only read
+        if values.stride(1) != 1:
+            values = values.contiguous()
+        blocks = self._blocks(values)
+        scales = torch.empty(parts, self.num_blocks(n), dtype=torch.float32, device=rows.device)
+        for columns, block in blocks:
+            # absmax as max(max, -min): two reductions, no |x| temporary; NaN propagates
+            # through both and through maximum, and abs_ below makes a zero's sign +.
+            torch.maximum(block.amax(dim=2), block.amin(dim=2).neg_(), out=scales[:, columns])
+        scales.abs_().div_(self.qmax)
+        # One NaN on the wire, whichever NaN the block held or maximum() made of it.
+        scales.masked_fill_(scales.isnan(), float("nan"))
         # An all-zero block: any divisor gives codes 0; 1 avoids 0/0.
         divisor = torch.where(scales == 0, torch.ones_like(scales), scales)
-        codes = torch.div(blocks, divisor[:, None]).round_().clamp_(-self.qmax, self.qmax)
+        codes = torch.empty(parts, n, dtype=torch.float32, device=rows.device)
+        for (columns, block), (_, code) in zip(blocks, self._blocks(codes), strict=True):
+            torch.div(block, divisor[:, columns, None], out=code)
         # NaN would be undefined as an integer; its block decodes non-finite by its scale.
-        codes = codes.nan_to_num_(0.0).to(torch.int8).view(parts, padded)
+        codes.round_().clamp_(-self.qmax, self.qmax).nan_to_num_(0.0)
         if self.bits == 8:
-            payload = codes.view(torch.uint8)
-        else:
-            nibbles = (codes + 8).to(torch.uint8).view(parts, padded // 2, 2)
-            payload = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
-        return payload[:, : self.payload_bytes(n)], scales.view(parts, blocks_per_row)
+            payload.view(torch.int8).copy_(codes)
+            return scales
+        # int4: byte k = (code[2k+1] + 8) * 16 + (code[2k] + 8), formed exactly in float32
+        # (at most 255) in the even places of ``codes`` (written there, read from the odd
+        # ones: no element is both), then narrowed through int16, which the CPU converts
+        # fastest.
+        codes.add_(8)
+        pairs = n // 2
+        codes[:, 0 : 2 * pairs : 2].add_(codes[:, 1::2], alpha=16)
+        if n % 2:  # the padding nibble: code 0, stored 8
+            codes[:, n - 1].add_(8 * 16)
+        payload.copy_(codes[:, 0::2].to(torch.int16))
+        return scales
 
-    def _dequantize_rows(self, payload: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-        """Float32 values (parts, n) of codes ``payload`` (parts, payload_bytes(n)) and
-        ``scales`` (parts, num_blocks(n))."""
-        parts = payload.shape[0]
-        blocks_per_row = self.num_blocks(n)
-        padded = blocks_per_row * self.block_numel
+    def _decode_rows(self, payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the float32 values of codes ``payload`` (parts, payload_bytes(n)) and
+        ``scales`` (parts, num_blocks(n)) into ``out`` (parts, n) float32, contiguous."""
+        n = out.shape[1]
         if self.bits == 8:
-            stored = payload.view(torch.int8)  # (parts, n)
+            out.copy_(payload.view(torch.int8))
         else:
-            low_high = torch.stack([payload & 15, payload >> 4], dim=2)  # (parts, bytes, 2)
-            stored = low_high.view(parts, 2 * payload.shape[1])[:, :n]  # code + 8
-        if padded == n:
-            codes = stored.to(torch.float32).contiguous()
-        else:  # the padding decodes to something, and is cut off below
-            codes = torch.zeros(parts, padded, dtype=torch.float32, device=payload.device)
-            codes[:, :n] = stored
-        if self.bits == 4:
-            codes.sub_(8)
-        blocks = codes.view(parts * blocks_per_row, self.block_numel)
-        blocks.mul_(scales.reshape(parts * blocks_per_row, 1))
-        return codes[:, :n]
+            out[:, 0::2].copy_(payload & 15)  # ceil(n/2) low nibbles: one per byte
+            out[:, 1::2].copy_((payload >> 4)[:, : n // 2])  # an odd n's padding is cut
+            out.sub_(8)
+        for columns, block in self._blocks(out):
+            block.mul_(scales[:, columns, None])

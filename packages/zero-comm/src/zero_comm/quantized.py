@@ -30,6 +30,11 @@ M = 2, S = 2 (ranks 0 1 | 2 3) and rank g's chunk j written g.j::
     4. decode, sum in node order (float32) -> output, cast to output's dtype
            rank 0: output = P0 + P0'
 
+With ``async_op=True`` step 1 is issued at the call and steps 2-4 run in the handle's
+``wait()``, so the intra-node all-to-all overlaps what the caller does meanwhile (the
+engine's backward). qgZ handles complete in issue order (:class:`QuantizedHandle`), so
+every rank issues its inter-node all-to-alls in one order whatever order it waits in.
+
 A stage whose group has one rank (S = 1 or M = 1) is skipped: it would move nothing, so
 nothing is quantized there; with N = 1 the output is the input, exactly. At each stage that
 runs every contribution is quantized, the rank's own included. Across nodes qgZ moves
@@ -56,6 +61,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Literal, NoReturn, overload
 
@@ -74,18 +81,41 @@ _WARNED: set[str] = set()  # reasons warned about in this process (once each)
 _WARNED_LOCK = threading.Lock()  # simulated ranks are threads of one process
 
 
-class QuantizedGatherHandle:
-    """What ``quantized_all_gather(..., async_op=True)`` returns: ``wait()`` completes the
-    gather and decodes into the output. Waiting twice is harmless."""
+class QuantizedHandle:
+    """What a quantized collective with ``async_op=True`` returns: ``wait()`` completes the
+    collective and decodes into the output. Waiting twice is harmless.
 
-    def __init__(self, handle: Handle | None, finish: Callable[[], None]) -> None:
+    A qgZ handle's ``wait()`` issues its inter-node stage (an all-to-all on ``inter``).
+    So that every rank issues those in one order, whatever order it waits in, the qgZ
+    handles of one ``inter`` communicator complete in issue order: waiting for one first
+    completes those issued before it. As with any collective, every rank must wait at the
+    same point of its program relative to its other collectives on ``inter``.
+    """
+
+    def __init__(
+        self,
+        handle: Handle | None,
+        finish: Callable[[], None],
+        order: deque[QuantizedHandle] | None = None,
+    ) -> None:
         self._handle = handle
         self._finish = finish
         self._done = False
+        self._order = order
+        if order is not None:
+            order.append(self)
 
     def wait(self) -> None:
         if self._done:
             return
+        if self._order is not None:
+            while self._order and self._order[0] is not self:
+                self._order[0]._complete()
+        self._complete()
+
+    def _complete(self) -> None:
+        if self._order is not None and self._order and self._order[0] is self:
+            self._order.popleft()
         if self._handle is not None:
             self._handle.wait()
         self._finish()
@@ -93,6 +123,12 @@ class QuantizedGatherHandle:
 
     def is_completed(self) -> bool:
         return self._done
+
+
+# qgZ handles not yet waited for, per inter-node communicator, in issue order.
+_INTER_ORDER: weakref.WeakKeyDictionary[Communicator, deque[QuantizedHandle]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @overload
@@ -116,7 +152,7 @@ def quantized_all_gather(
     allow_fallback: bool = ...,
     async_op: Literal[True],
     label: str = ...,
-) -> QuantizedGatherHandle: ...
+) -> QuantizedHandle: ...
 def quantized_all_gather(
     comm: Communicator,
     output: torch.Tensor,
@@ -126,7 +162,7 @@ def quantized_all_gather(
     allow_fallback: bool = False,
     async_op: bool = False,
     label: str = "",
-) -> QuantizedGatherHandle | None:
+) -> QuantizedHandle | None:
     """qwZ: ``output`` = the decoded shards of every rank, in rank order, on every rank.
 
     ``shard``: n elements (float32, bfloat16 or float16) on every rank; ``output``: N * n
@@ -152,24 +188,50 @@ def quantized_all_gather(
             _refuse(comm, what, reason, "cast the shard to one of them")
         _warn_once(what, reason)
         plain = comm.all_gather(output, shard, async_op=async_op, label=label)
-        return QuantizedGatherHandle(plain, _nothing) if async_op else None
+        return QuantizedHandle(plain, _nothing) if async_op else None
     if size == 1:  # nothing moves, so nothing is quantized
         output.view(-1).copy_(shard.view(-1))
-        return QuantizedGatherHandle(None, _nothing) if async_op else None
+        return QuantizedHandle(None, _nothing) if async_op else None
     send = quantizer.encode(shard)
     received = torch.empty(size * send.numel(), dtype=torch.uint8, device=send.device)
 
     def decode() -> None:
-        output.view(-1).copy_(quantizer.decode(received, n, parts=size, dtype=output.dtype))
+        quantizer.decode(received, n, parts=size, out=output.view(-1))
 
     if async_op:
         handle = comm.all_gather(received, send, async_op=True, label=label)
-        return QuantizedGatherHandle(handle, decode)
+        return QuantizedHandle(handle, decode)
     comm.all_gather(received, send, label=label)
     decode()
     return None
 
 
+@overload
+def quantized_reduce_scatter(
+    intra: Communicator,
+    inter: Communicator,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    quantizer: BlockQuantizer,
+    *,
+    world: Communicator | None = ...,
+    allow_fallback: bool = ...,
+    async_op: Literal[False] = ...,
+    label: str = ...,
+) -> None: ...
+@overload
+def quantized_reduce_scatter(
+    intra: Communicator,
+    inter: Communicator,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    quantizer: BlockQuantizer,
+    *,
+    world: Communicator | None = ...,
+    allow_fallback: bool = ...,
+    async_op: Literal[True],
+    label: str = ...,
+) -> QuantizedHandle: ...
 def quantized_reduce_scatter(
     intra: Communicator,
     inter: Communicator,
@@ -179,8 +241,9 @@ def quantized_reduce_scatter(
     *,
     world: Communicator | None = None,
     allow_fallback: bool = False,
+    async_op: bool = False,
     label: str = "",
-) -> None:
+) -> QuantizedHandle | None:
     """qgZ: ``output`` = sum over all N ranks of their chunk g of ``input`` (g = this rank).
 
     ``intra``: this node's S ranks, ordered by global rank; ``inter``: the M ranks with this
@@ -191,6 +254,11 @@ def quantized_reduce_scatter(
     same dtype. Sums are in float32, in a fixed order (module docstring), so the result is
     deterministic and the same on every backend. ``intra.stats["all_to_all"]`` counts
     ``(S-1)/S * N * E`` bytes and ``inter``'s ``(M-1) * E``, E = ``encoded_numel(c)``.
+
+    With ``async_op=True`` the call encodes ``input`` and issues the intra-node all-to-all,
+    then returns; the handle's ``wait()`` sums within the node, runs the inter-node stage
+    and writes ``output`` (see :class:`QuantizedHandle` for the order of those waits).
+    ``input`` must stay unchanged until then, as for any asynchronous collective.
 
     ``world``, the communicator of all N ranks, is optional: given, the groups are checked
     against it (size, and this rank's place), and it runs the unquantized
@@ -228,8 +296,11 @@ def quantized_reduce_scatter(
                 )
             )
         _warn_once(what, reason)
+        if async_op:
+            plain = world.reduce_scatter(output, input, async_op=True, label=label)
+            return QuantizedHandle(plain, _nothing)
         world.reduce_scatter(output, input, label=label)
-        return
+        return None
     chunk = output.numel()
     if input.numel() != size * chunk:
         raise ValueError(
@@ -242,38 +313,55 @@ def quantized_reduce_scatter(
     flat = input.view(-1)
     if size == 1:
         output.view(-1).copy_(flat)
-        return
+        return QuantizedHandle(None, _nothing) if async_op else None
+    within: Handle | None = None
+    # One node's ranks only: chunk m of M, one per node, unquantized.
+    sum_within: Callable[[], torch.Tensor] = lambda: flat.to(torch.float32)  # noqa: E731
     if local_size > 1:
-        partials = _sum_within_node(intra, flat, quantizer, nodes, chunk, label)
-    else:
-        partials = flat.to(torch.float32)  # chunk m of M, one per node, unquantized
-    if nodes > 1:
-        partials = _sum_across_nodes(inter, partials, quantizer, chunk, label)
-    output.view(-1).copy_(partials)
+        within, sum_within = _start_within_node(intra, flat, quantizer, nodes, chunk, label)
+
+    def finish() -> None:
+        partials = sum_within()
+        if nodes > 1:
+            partials = _sum_across_nodes(inter, partials, quantizer, chunk, label)
+        output.view(-1).copy_(partials)
+
+    if async_op:
+        order = _INTER_ORDER.setdefault(inter, deque()) if nodes > 1 else None
+        return QuantizedHandle(within, finish, order)
+    if within is not None:
+        within.wait()
+    finish()
+    return None
 
 
-def _sum_within_node(
+def _start_within_node(
     intra: Communicator,
     flat: torch.Tensor,
     quantizer: BlockQuantizer,
     nodes: int,
     chunk: int,
     label: str,
-) -> torch.Tensor:
-    """Steps 1-2: float32 (M * c): the node's sum of the chunks of ranks {m*S + l}, m in
-    node order, l = this local rank, added in local-rank order."""
+) -> tuple[Handle, Callable[[], torch.Tensor]]:
+    """Steps 1-2: issue the intra-node all-to-all; return its handle and the step that,
+    once it has completed, gives float32 (M * c): the node's sum of the chunks of ranks
+    {m*S + l}, m in node order, l = this local rank, added in local-rank order."""
     local_size = intra.world_size
     encoded = quantizer.encoded_numel(chunk)
     # Part g = m*S + l goes to local rank l: order the parts (l, m), l-major.
     wire = quantizer.encode(flat, parts=nodes * local_size)
     send = wire.view(nodes, local_size, encoded).transpose(0, 1).contiguous().view(-1)
     received = torch.empty_like(send)
-    intra.all_to_all(received, send, label=label)
-    rows = received.view(local_size, nodes * encoded)  # row l: from local rank l
-    partials = quantizer.decode(rows[0], chunk, parts=nodes)
-    for row in rows[1:]:
-        partials.add_(quantizer.decode(row, chunk, parts=nodes))
-    return partials
+    handle = intra.all_to_all(received, send, async_op=True, label=label)
+
+    def sum_within() -> torch.Tensor:
+        rows = received.view(local_size, nodes * encoded)  # row l: from local rank l
+        partials = quantizer.decode(rows[0], chunk, parts=nodes)
+        for row in rows[1:]:
+            partials.add_(quantizer.decode(row, chunk, parts=nodes))
+        return partials
+
+    return handle, sum_within
 
 
 def _sum_across_nodes(

@@ -33,15 +33,13 @@ from typing import Literal, Protocol
 
 import torch
 
-from zero_comm import Communicator, Handle
+from zero_comm import Communicator
 
 from .backward_overlap import LaunchOrder
 from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
 from .shard_gradient import materialize
-
-Finish = tuple[int, Handle, torch.Tensor, torch.Tensor | None, Range]
 
 
 @dataclass
@@ -58,13 +56,22 @@ class BucketSlot:
     persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
 
 
+class Pending(Protocol):
+    """A launched reduction: zero_comm's Handle, or qgZ's QuantizedHandle."""
+
+    def wait(self) -> None: ...
+
+
 class ScatterReduction(Protocol):
-    """What reduces a bucket: a Communicator, or zero_comm.hierarchy.HybridGroups (the
-    shard group's reduce-scatter, then across the replicas)."""
+    """What reduces a bucket: a Communicator, zero_comm.hierarchy.HybridGroups (the shard
+    group's reduce-scatter, then across the replicas), or zeropp's qgZ reduction."""
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], label: str
-    ) -> Handle: ...
+    ) -> Pending: ...
+
+
+Finish = tuple[int, Pending, torch.Tensor, torch.Tensor | None, Range]
 
 
 class BucketReducer:

@@ -58,7 +58,7 @@ from zero_comm import (
     BlockQuantizer,
     Communicator,
     Handle,
-    QuantizedGatherHandle,
+    QuantizedHandle,
     quantized_all_gather,
 )
 from zero_comm.hierarchy import hierarchical_all_gather
@@ -102,7 +102,7 @@ class GatherUnit:
     state: UnitState = UnitState.RELEASED
     users: int = 0  # modules running now that need the unit
     grads_seen: int = 0  # gradients of its slots in this backward
-    handles: list[Handle | QuantizedGatherHandle] = field(default_factory=list)  # GATHERING
+    handles: list[Handle | QuantizedHandle] = field(default_factory=list)  # GATHERING
     secondary_parts: list[torch.Tensor] = field(default_factory=list)  # hpZ, forward to backward
     from_secondary: bool = False  # the gather in flight reads secondary_parts
     inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING

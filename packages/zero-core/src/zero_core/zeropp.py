@@ -23,11 +23,10 @@ import torch
 from zero_comm import (
     BlockQuantizer,
     Communicator,
-    Handle,
     QuantizationFallbackWarning,
+    QuantizedHandle,
     quantized_reduce_scatter,
 )
-from zero_comm.handle import CompletedWork
 
 from .config import ZeroConfig
 
@@ -43,8 +42,11 @@ def weight_quantizer(config: ZeroConfig) -> BlockQuantizer | None:
 class QuantizedGradientReduction:
     """qgZ as a gradient reduction (grad_reducer.ScatterReduction): the result on rank g
     is the quantized estimate of the sum over ranks of chunk g, as ``world``'s
-    reduce_scatter lays it out. The collectives run in the handle's ``wait()`` (every
-    rank waits at the same point of its program, so they stay in one order)."""
+    reduce_scatter lays it out. A launch encodes the bucket and issues the intra-node
+    all-to-all, which runs while backward goes on; the handle's ``wait()`` sums, runs the
+    inter-node stage and writes the slice. The bucket reducer waits in launch order, and
+    zero_comm completes qgZ handles in issue order anyway, so every rank issues the
+    inter-node stages in one order."""
 
     def __init__(self, world: Communicator, bits: int, allow_fallback: bool) -> None:
         self.world = world
@@ -60,14 +62,11 @@ class QuantizedGradientReduction:
         *,
         async_op: Literal[True] = True,
         label: str = "",
-    ) -> Handle:
-        def reduce() -> None:
-            quantized_reduce_scatter(
-                self.intra, self.inter, output, input, self.quantizer, world=self.world,
-                allow_fallback=self.allow_fallback, label=label,
-            )  # fmt: skip
-
-        return Handle(self.world, "reduce_scatter", CompletedWork(), reduce)
+    ) -> QuantizedHandle:
+        return quantized_reduce_scatter(
+            self.intra, self.inter, output, input, self.quantizer, world=self.world,
+            allow_fallback=self.allow_fallback, async_op=True, label=label,
+        )  # fmt: skip
 
 
 def gradient_quantization(
