@@ -483,12 +483,57 @@ def test_asynchronous_qgz_gives_the_same_bits_whatever_order_each_rank_waits_in(
             assert handles[k].is_completed()
         return outputs
 
-    for rank, outputs in enumerate(run_simulated(size, body)):
+    # defer_outputs: the intra-node all-to-all's bytes land only at its wait, so a wait()
+    # that summed before waiting for it would read garbage.
+    for rank, outputs in enumerate(run_simulated(size, body, defer_outputs=True)):
         for k, output in enumerate(outputs):
             launch_inputs = [inputs[r][k] for r in range(size)]
             assert torch.equal(
                 output, reference_qgz(launch_inputs, quantizer, nodes, per_node, rank)
             )
+
+
+def test_a_failed_wait_stays_failed_and_leaves_the_handles_after_it_in_order() -> None:
+    """A wait that raises (say out of memory while decoding) leaves its output undefined:
+    waiting again says so instead of re-running it after later handles, and the handles
+    issued after it still complete, in issue order."""
+    from collections import deque
+
+    from zero_comm.quantized import QuantizedHandle
+
+    done: list[str] = []
+    order: deque[QuantizedHandle] = deque()
+
+    def fails() -> None:
+        raise MemoryError("decode")
+
+    first = QuantizedHandle(None, fails, order)
+    second = QuantizedHandle(None, lambda: done.append("second"), order)
+    third = QuantizedHandle(None, lambda: done.append("third"), order)
+    with pytest.raises(MemoryError):
+        third.wait()  # completes first (raises) before it
+    with pytest.raises(RuntimeError, match=r"failed before .*MemoryError: decode"):
+        first.wait()
+    assert done == [] and list(order) == [second, third]
+    third.wait()
+    assert done == ["second", "third"] and not order
+    assert second.is_completed() and not first.is_completed()
+
+
+def test_encoding_takes_a_parameter_and_decoding_refuses_to_overwrite_its_wire() -> None:
+    quantizer = BlockQuantizer(4, 4)
+    weight = torch.nn.Parameter(torch.arange(8.0))
+    wire = quantizer.encode(weight)  # raised before: out= ops refuse autograd inputs
+    assert torch.equal(
+        quantizer.decode(wire, 8), quantizer.decode(quantizer.encode(weight.data), 8)
+    )
+    assert quantizer.quantize(weight).numel == 8
+    storage = torch.zeros(64, dtype=torch.uint8)
+    storage[: wire.numel()] = wire
+    with pytest.raises(ValueError, match="shares memory with the wire"):
+        quantizer.decode(storage[: wire.numel()], 8, out=storage[32:].view(torch.float32)[:8])
+    with pytest.raises(TypeError, match="decode: out must be"):
+        quantizer.decode(wire, 8, out=torch.zeros(8, dtype=torch.int32))
 
 
 def test_the_qgz_bound_is_not_vacuous() -> None:

@@ -171,10 +171,21 @@ class BlockQuantizer:
         encoded = self.encoded_numel(numel)
         self._check_sizes("decode", wire.numel(), parts * encoded, f"wire of {parts} parts")
         if out is not None:
-            self._check_input("decode", out)
+            if out.dtype not in QUANTIZABLE_DTYPES:
+                raise TypeError(
+                    f"decode: out must be float32, bfloat16 or float16, got {out.dtype}"
+                )
             self._check_sizes("decode", out.numel(), parts * numel, "out")
             if not out.is_contiguous():
                 raise ValueError("decode: out must be contiguous; pass .contiguous()")
+            if (
+                out.numel()
+                and out.untyped_storage().data_ptr() == wire.untyped_storage().data_ptr()
+            ):
+                raise ValueError(
+                    "decode: out shares memory with the wire, which decoding would overwrite "
+                    "before reading it all; decode into another tensor"
+                )
             dtype = out.dtype
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=wire.device) if out is None else out.view(-1)
@@ -224,7 +235,8 @@ class BlockQuantizer:
         uint8, a view whose last dimension is contiguous; return the scales (parts,
         num_blocks(n)) float32. The arithmetic of the module docstring, step for step."""
         parts, n = rows.shape
-        values = rows.to(torch.float32)  # no copy of a float32 input: it is only read
+        # Encoding is not differentiable; detached, a parameter (requires_grad) may go in.
+        values = rows.detach().to(torch.float32)  # no copy of a float32 input: only read
         if values.stride(1) != 1:
             values = values.contiguous()
         blocks = self._blocks(values)

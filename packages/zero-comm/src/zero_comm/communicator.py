@@ -110,6 +110,9 @@ class Communicator(CallCheck, NodeGroups):
         # step from there, so this communicator takes no other collective.
         self._failed: str | None = None
         self._pending: deque[Handle] = deque()
+        # zero_comm.quantized's qgZ handles not yet waited for, in issue order: their waits
+        # issue this communicator's collectives, which must keep one order on every rank.
+        self._quantized_waits: deque[Any] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
 

@@ -200,27 +200,29 @@ class MPICommunicator(Communicator):
         chunk_bytes = inp.numel() * inp.element_size() // self.world_size
         send = [self._bytes(inp)[0], chunk_bytes, self._MPI.BYTE]
         recv = [self._bytes(out)[0], chunk_bytes, self._MPI.BYTE]
-        return self.mpi_comm.Ialltoall(send, recv)  # type: ignore[no-any-return]
+        return PinnedRequest(self.mpi_comm.Ialltoall(send, recv), out, inp)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
         chunk_bytes = inp.numel() * inp.element_size()
         recv = [self._bytes(out)[0], chunk_bytes, self._MPI.BYTE]
-        return self.mpi_comm.Iallgather(self._bytes(inp), recv)  # type: ignore[no-any-return]
+        return PinnedRequest(self.mpi_comm.Iallgather(self._bytes(inp), recv), out, inp)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        return self.mpi_comm.Ibcast(self._bytes(tensor), root=src)  # type: ignore[no-any-return]
+        return PinnedRequest(self.mpi_comm.Ibcast(self._bytes(tensor), root=src), tensor)
 
     def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        return self.mpi_comm.Iallreduce(  # type: ignore[no-any-return]
+        request = self.mpi_comm.Iallreduce(
             self._MPI.IN_PLACE, self._typed_buffer(tensor), self._ops[op]
         )
+        return PinnedRequest(request, tensor)
 
     def _reduce_scatter_native(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
         # The send side is given without a count: mpi4py reads the block count from recv.
         send = self._typed_buffer(inp)
-        return self.mpi_comm.Ireduce_scatter_block(  # type: ignore[no-any-return]
+        request = self.mpi_comm.Ireduce_scatter_block(
             [send[0], send[2]], self._typed_buffer(out), self._ops[op]
         )
+        return PinnedRequest(request, out, inp)
 
     def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
         # MPI has no bfloat16, and its float16 SUM was 20x slower than the ordered fold.
@@ -253,6 +255,28 @@ class MPICommunicator(Communicator):
             self.mpi_comm.Free()
             self._calls_comm.Free()
             self.mpi_comm = None
+
+
+class PinnedRequest:
+    """An MPI request and the tensors its buffers point into. mpi4py's buffers here are raw
+    addresses (``buffer.fromaddress``) that own nothing, so a tensor the caller drops (a
+    temporary send buffer, say) would be freed while MPI still reads or writes it; the
+    request keeps them until it is waited for, as a gloo or nccl work does."""
+
+    __slots__ = ("request", "tensors")
+
+    def __init__(self, request: Any, *tensors: torch.Tensor) -> None:
+        self.request = request
+        self.tensors = tensors
+
+    def Test(self) -> bool:  # mpi4py's name, which _wait calls
+        done = bool(self.request.Test())
+        if done:
+            self.tensors = ()
+        return done
+
+    def wait(self) -> None:
+        self.request.Wait()
 
 
 def mpi_world_check(rank: int) -> None:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Literal, NoReturn, overload
@@ -83,7 +82,8 @@ _WARNED_LOCK = threading.Lock()  # simulated ranks are threads of one process
 
 class QuantizedHandle:
     """What a quantized collective with ``async_op=True`` returns: ``wait()`` completes the
-    collective and decodes into the output. Waiting twice is harmless.
+    collective and decodes into the output. Waiting twice is harmless; waiting again after
+    a wait raised raises again (the output is undefined).
 
     A qgZ handle's ``wait()`` issues its inter-node stage (an all-to-all on ``inter``).
     So that every rank issues those in one order, whatever order it waits in, the qgZ
@@ -101,6 +101,7 @@ class QuantizedHandle:
         self._handle = handle
         self._finish = finish
         self._done = False
+        self._failure = ""
         self._order = order
         if order is not None:
             order.append(self)
@@ -108,27 +109,31 @@ class QuantizedHandle:
     def wait(self) -> None:
         if self._done:
             return
-        if self._order is not None:
-            while self._order and self._order[0] is not self:
+        if self._failure:
+            raise RuntimeError(
+                f"wait(): this quantized collective failed before ({self._failure}); its "
+                "output is undefined and the collectives after it may be out of step "
+                "between ranks: restart from a checkpoint"
+            )
+        if self._order is not None and self in self._order:
+            while self._order[0] is not self:
                 self._order[0]._complete()
         self._complete()
 
     def _complete(self) -> None:
         if self._order is not None and self._order and self._order[0] is self:
             self._order.popleft()
-        if self._handle is not None:
-            self._handle.wait()
-        self._finish()
+        try:
+            if self._handle is not None:
+                self._handle.wait()
+            self._finish()
+        except BaseException as exc:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            raise
         self._done = True
 
     def is_completed(self) -> bool:
         return self._done
-
-
-# qgZ handles not yet waited for, per inter-node communicator, in issue order.
-_INTER_ORDER: weakref.WeakKeyDictionary[Communicator, deque[QuantizedHandle]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 @overload
@@ -327,7 +332,7 @@ def quantized_reduce_scatter(
         output.view(-1).copy_(partials)
 
     if async_op:
-        order = _INTER_ORDER.setdefault(inter, deque()) if nodes > 1 else None
+        order = inter._quantized_waits if nodes > 1 else None
         return QuantizedHandle(within, finish, order)
     if within is not None:
         within.wait()

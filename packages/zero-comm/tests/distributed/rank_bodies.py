@@ -96,13 +96,35 @@ def waits_in_any_order(comm: Communicator) -> list[float]:
     return [a[0].item(), b[0].item()]
 
 
+def dropped_inputs_arrive(comm: Communicator) -> bool:
+    """Async all-to-all and all-gather whose 6-8 MB inputs the caller drops before the wait,
+    reusing their memory at once: the data must still be what was sent. MPI's buffers are
+    raw addresses; before its requests kept their tensors, this read freed memory (qgZ
+    dropped its encoded send buffer so)."""
+    numel = comm.world_size << 19  # all_to_all: N equal chunks
+    ok = True
+    for name in ("all_to_all", "all_gather"):
+        out = torch.empty(numel * (comm.world_size if name == "all_gather" else 1))
+        inp = torch.full((numel,), float(comm.rank + 1))
+        handle = getattr(comm, name)(out, inp, async_op=True)
+        del inp
+        junk = torch.full((numel,), -1.0)  # likely the freed block, overwritten
+        handle.wait()
+        chunks = out.view(comm.world_size, -1)
+        ok &= all(bool((chunks[r] == r + 1).all()) for r in range(comm.world_size))
+        del junk
+    return ok
+
+
 def barriers_waits_and_stats(comm: Communicator, numel: int) -> dict[str, Any]:
-    """barriers_in_every_form, waits_in_any_order, then stats_of_one_step, in one start of
-    the ranks (each start costs seconds of the default run)."""
+    """barriers_in_every_form, waits_in_any_order, stats_of_one_step, then
+    dropped_inputs_arrive, in one start of the ranks (each start costs seconds of the
+    default run)."""
     return {
         "barriers": barriers_in_every_form(comm),
         "waits": waits_in_any_order(comm),
         "volume": stats_of_one_step(comm, numel),
+        "dropped_inputs_arrive": dropped_inputs_arrive(comm),
     }
 
 

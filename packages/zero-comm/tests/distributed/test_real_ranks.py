@@ -121,7 +121,8 @@ def test_a_rank_that_fails_to_initialise_fails_the_test(backend: str, launcher: 
 @pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
 def test_barriers_async_waits_and_ring_volume_on_one_start(backend: str, launcher: str) -> None:
     """Barriers in both forms; two async all-reduces waited in opposite orders on odd and
-    even ranks; the stats count one step's ring volume exactly (one start of the ranks)."""
+    even ranks; the stats count one step's ring volume exactly; inputs dropped before the
+    wait still arrive (one start of the ranks)."""
     numel, n = 1000, 3
     reports = run_on_ranks(rank_bodies.barriers_waits_and_stats, n, backend=backend,
                            launcher=launcher, kwargs={"numel": numel})  # fmt: skip
@@ -130,6 +131,7 @@ def test_barriers_async_waits_and_ring_volume_on_one_start(backend: str, launche
         value = report["value"]
         assert value["barriers"] == 2
         assert value["waits"] == [6.0, 303.0]
+        assert value["dropped_inputs_arrive"]
         volume = value["volume"]
         assert volume["all_reduce"] == float(Fraction(2 * (n - 1) * buffer, n))
         assert volume["reduce_scatter"] == float(Fraction((n - 1) * buffer, n))
