@@ -305,3 +305,11 @@ def test_the_step_in_backward_holds_one_bucket_slice_of_gradients_at_stage_3(
     assert fused["3"]["device"] == plain["3"]["device"] - 4 * 1e9 / 4 + slice_bytes
     for stage in ("0", "1", "2"):
         assert fused[stage] == plain[stage]
+    # The rule lives in tiered_state_bytes, which zero-train's out-of-memory line reads too.
+    fp32 = {"param_bytes": 4, "grad_bytes": 4}
+    assert tiered_state_bytes(1e9, 4, 3, optimizer_in_backward=True, **fp32).gradients == (
+        slice_bytes
+    )
+    assert tiered_state_bytes(1e9, 4, 2, optimizer_in_backward=True, **fp32) == (
+        tiered_state_bytes(1e9, 4, 2, **fp32)
+    )

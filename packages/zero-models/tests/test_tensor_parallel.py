@@ -151,3 +151,43 @@ def test_tp2_x_dp2_trains_like_tp1_x_dp4(stage: int) -> None:
     plain = run_simulated(4, lambda comm: train_on_mesh(comm, 1, stage))[0]
     split = run_simulated(4, lambda comm: train_on_mesh(comm, 2, stage))[0]
     torch.testing.assert_close(torch.tensor(split), torch.tensor(plain), rtol=1e-5, atol=1e-6)
+
+
+def nan_in_one_column(comm: Communicator) -> str:
+    """tp 2 x dp 2, stage 3 with the optimizer step in backward; a hook turns one
+    column-parallel weight's gradient into NaN on tensor-parallel rank 0 only, so only
+    that column's data-parallel group holds a NaN in its reduced slices."""
+    import zero_core
+    from zero_models.tp_plan import sharded_parameters
+
+    mesh = make_mesh(comm, 2)
+    model = tensor_parallel_gpt(GPT(CONFIG, seed=3), mesh.tp)
+    engine = zero_core.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        zero_core.ZeroConfig(stage=3, optimizer_in_backward=True, nonfinite="raise"),
+        mesh.dp,
+        model_parallel=zero_core.ModelParallel.of(mesh.tp, sharded_parameters(model)),
+    )
+    if mesh.tp.rank == 0:
+        weight = dict(model.named_parameters())["blocks.0.mlp.fc.weight"]
+        weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    x = TOKENS[mesh.dp.rank : mesh.dp.rank + 1]
+    y = TARGETS[mesh.dp.rank : mesh.dp.rank + 1]
+    with pytest.raises(FloatingPointError) as raised:
+        engine.backward(vocab_parallel_cross_entropy(engine(x), y, mesh.tp))
+    engine.close()
+    return f"tp{mesh.tp.rank} {raised.value}"
+
+
+def test_a_nan_in_one_tensor_parallel_column_stops_every_rank_of_the_step_in_backward() -> None:
+    """The step in backward checks its slices after backward; a NaN that only one
+    column's data-parallel group saw must still raise on the other column's ranks (they
+    hold the other half of the same layers), which name where it was."""
+    for message in run_simulated(4, nan_in_one_column):
+        assert "non-finite gradient at step 0" in message, message
+        if message.startswith("tp0"):
+            assert "in the reduced gradient slices held by data-parallel rank(s)" in message
+            assert "blocks.0.mlp.fc.weight" in message, message
+        else:
+            assert "on a rank of another data-parallel group (tensor parallelism)" in message

@@ -27,7 +27,6 @@ from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
     TIERS,
-    in_backward_gradient_bytes,
     model_state_bytes,
     state_bytes_per_param,
     tiered_state_bytes,
@@ -195,19 +194,15 @@ def _row(
         offload_fraction=args.offload_fraction, sub_group_numel=args.offload_sub_group_numel,
         buffer_count=args.offload_buffer_count, bucket_numel=args.bucket_numel,
         largest_param_numel=largest, prefetch_numel=args.prefetch_numel,
+        optimizer_in_backward=args.optimizer_in_backward,
     )  # fmt: skip
     plain = model_state_bytes(
         args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
         grad_bytes=width,
     )  # fmt: skip
     parameters = plain.parameters  # in whichever tier
-    optimizer_states = tiered.model_states - parameters - plain.gradients  # + separate masters
-    gradients = plain.gradients
-    if stage == 3 and args.optimizer_in_backward:
-        gradients = in_backward_gradient_bytes(
-            args.params, shards, width, args.bucket_numel, largest
-        )
-    saved = plain.gradients - gradients
+    gradients = tiered.gradients  # one bucket slice with optimizer_in_backward at stage 3
+    optimizer_states = tiered.model_states - parameters - gradients  # + separate masters
     asked = args.offload_optimizer != "none" or args.offload_params != "none"
     applies = optimizer != "none" or params != "none"
     na = asked and not applies
@@ -215,8 +210,8 @@ def _row(
         "parameters": parameters,
         "gradients": gradients,
         "optimizer_states": optimizer_states,
-        "total": tiered.model_states + secondary - saved,
-        "device": tiered.device + secondary - saved,
+        "total": tiered.model_states + secondary,
+        "device": tiered.device + secondary,
         "hpz_secondary": secondary,
         "host": None if na else tiered.host_resident,
         "disk": None if na else tiered.disk,

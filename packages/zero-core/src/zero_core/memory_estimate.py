@@ -150,6 +150,7 @@ def tiered_state_bytes(
     bucket_numel: int = 2**22,
     largest_param_numel: float = 0,
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL,
+    optimizer_in_backward: bool = False,
 ) -> TieredStateBytes:
     """Per-rank bytes of ``params`` parameters at ``stage`` on ``world_size`` ranks, placed
     in the tiers of ``offload_optimizer`` and ``offload_params`` (ZeroConfig's fields of
@@ -161,6 +162,8 @@ def tiered_state_bytes(
     size the disk tiers' staging buffers; ``largest_param_numel`` matters only where one
     parameter is larger than ``bucket_numel`` (it gets a bucket of its own, with larger
     slices and tiles).
+    ``optimizer_in_backward`` (ZeroConfig's field; stage 3 only, no offload tiers): the
+    gradients are one bucket slice, :func:`in_backward_gradient_bytes`, not g Psi / N.
     Without offload this is :func:`model_state_bytes` with the master apart."""
     plain = model_state_bytes(
         params, world_size, stage, optimizer_state_bytes=optimizer_state_bytes,
@@ -214,9 +217,14 @@ def tiered_state_bytes(
     if offload_params == "disk":
         ahead = max(slice_numel, 2 * prefetch_numel / world_size)
         read_ahead = param_bytes * min(shard, ahead)
+    gradients = plain.gradients
+    if optimizer_in_backward and stage == 3:
+        gradients = in_backward_gradient_bytes(
+            params, world_size, grad_bytes, bucket_numel, largest_param_numel
+        )
     return TieredStateBytes(
         parameters=parameters,
-        gradients=plain.gradients,
+        gradients=gradients,
         master_weights=master * resident if separate else 0.0,
         optimizer_states=states * resident,
         host=moved["cpu"],

@@ -56,7 +56,6 @@ import zero_comm
 from zero_core.activation_estimate import TransformerShape, activation_bytes
 from zero_core.config import ZeroConfig
 from zero_core.memory_estimate import (
-    in_backward_gradient_bytes,
     state_bytes_per_param,
     tiered_state_bytes,
 )
@@ -142,16 +141,11 @@ class Footprint(NamedTuple):
             offload_params=placement.offload_params, offload_fraction=zero.offload_fraction,
             sub_group_numel=zero.offload_sub_group_numel,
             buffer_count=zero.offload_buffer_count, bucket_numel=zero.bucket_numel,
+            largest_param_numel=self.shape.vocab_size * self.shape.width / self.tp,  # embedding
+            optimizer_in_backward=zero.optimizer_in_backward,
         )  # fmt: skip
         device = held.device + (held.host_resident if self.device == "cpu" else 0.0)
-        saved = 0.0
-        if zero.optimizer_in_backward and placement.stage == 3:  # one bucket slice held
-            whole = self.params * width / self.dp
-            largest = self.shape.vocab_size * self.shape.width / self.tp  # the embedding
-            saved = whole - in_backward_gradient_bytes(
-                self.params, self.dp, width, zero.bucket_numel, largest
-            )
-        return held.model_states - saved, device - saved
+        return held.model_states, device
 
     def activations(self, placement: Placement) -> float:
         """Peak activation bytes of one micro-step (zero_core.activation_estimate)."""
