@@ -245,7 +245,9 @@ class BlockQuantizer:
             # absmax as max(max, -min): two reductions, no |x| temporary; NaN propagates
             # through both and through maximum, and abs_ below makes a zero's sign +.
             torch.maximum(block.amax(dim=2), block.amin(dim=2).neg_(), out=scales[:, columns])
-        scales.abs_().div_(self.qmax)
+        # A tensor divisor: CUDA divides by a CPU scalar as a * (1 / b), which can differ
+        # by an ulp from the CPU's a / b, and the scales must be the same bytes everywhere.
+        scales.abs_().div_(torch.full((), float(self.qmax), device=scales.device))
         # One NaN on the wire, whichever NaN the block held or maximum() made of it.
         scales.masked_fill_(scales.isnan(), float("nan"))
         # An all-zero block: any divisor gives codes 0; 1 avoids 0/0.
