@@ -7,7 +7,9 @@ Checks, each an assertion:
   - stage 3 with optimizer states and parameters in host memory trains (finite, and within
     1e-2 of stage 0: its AdamW runs on the CPU, whose rounding the GPU's need not share);
   - a checkpoint saved after two steps, loaded into a new engine, continues bit for bit as
-    the engine that saved it does (its optimizer state lands on the GPU, not the host).
+    the engine that saved it does (its optimizer state lands on the GPU, not the host);
+  - ZeRO++'s codec sends the same bytes from the GPU as from the CPU, and decodes them to
+    the same bits (so qwZ and qgZ on NCCL equal gloo's).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from parity import ParityCase, assert_same_states, build_engine, normalised, run_steps
 
 import zero_comm
+from zero_comm.block_quantize import BlockQuantizer
 
 CASE = ParityCase(
     vocab=11,
@@ -32,7 +35,34 @@ CASE = ParityCase(
 )
 
 
+def codec_matches_the_cpu() -> None:
+    """Encode on the GPU and on the CPU: the same wire bytes; decode both ways: the same
+    bits (values spread over 2^-12..2^8, a zero block, a NaN and an infinity)."""
+    generator = torch.Generator().manual_seed(0)
+    for bits, block in ((8, 2048), (4, 128), (4, 6), (8, 5)):
+        quantizer = BlockQuantizer(bits, block)
+        for dtype in (torch.float32, torch.bfloat16):
+            for parts, numel in ((1, 10_000), (4, 40_001 if bits == 8 else 40_002)):
+                x = torch.randn(parts * numel, generator=generator, dtype=torch.float64)
+                x *= 2.0 ** torch.randint(-12, 9, x.shape, generator=generator).double()
+                x[:block] = 0
+                x[-(3 * block + 1)], x[-1] = float("nan"), float("inf")
+                x = x.to(dtype)
+                wire = quantizer.encode(x, parts=parts)
+                assert torch.equal(quantizer.encode(x.cuda(), parts=parts).cpu(), wire), (
+                    f"int{bits} block {block} {dtype}: the GPU sent other bytes"
+                )
+                here = quantizer.decode(wire, numel, parts=parts)
+                there = quantizer.decode(wire.cuda(), numel, parts=parts).cpu()
+                same = here.view(torch.int32) == there.view(torch.int32)
+                assert bool((same | (here.isnan() & there.isnan())).all()), (
+                    f"int{bits} block {block} {dtype}: the GPU decoded other bits"
+                )
+    print("ZeRO++'s codec: the same bytes and bits on the GPU as on the CPU")
+
+
 def main() -> int:
+    codec_matches_the_cpu()
     comm = zero_comm.init("nccl", deterministic=True)
     assert comm.device.type == "cuda", comm.device
     case = normalised(CASE)
