@@ -194,14 +194,17 @@ class BlockQuantizer:
         # A copy: the scales of part i start at an arbitrary byte, too unaligned to view.
         scale_bytes = torch.empty(parts, encoded - split, dtype=torch.uint8, device=wire.device)
         scales = scale_bytes.copy_(rows[:, split:]).view(torch.float32)
-        if out is not None and out.dtype == torch.float32:
-            values = out.view(parts, numel)
-        else:
-            values = torch.empty(parts, numel, dtype=torch.float32, device=wire.device)
+        # A float32 out is decoded into; any other gets the values cast from a temporary.
+        direct = out.view(parts, numel) if out is not None and out.dtype == torch.float32 else None
+        values = (
+            direct
+            if direct is not None
+            else torch.empty(parts, numel, dtype=torch.float32, device=wire.device)
+        )
         self._decode_rows(rows[:, :split], scales, values)
         if out is None:
             return values.to(dtype).reshape(-1)
-        if values.data_ptr() != out.data_ptr():
+        if direct is None:
             out.view(parts, numel).copy_(values)
         return out.view(-1)
 

@@ -140,6 +140,8 @@ class TorchCommunicator(Communicator):
         polling ``is_completed``: with more ranks than cores a polling waiter takes the CPU
         from the ranks and the gloo threads it waits for (ZeRO++'s step on 2 cores, 4 ranks:
         ~8% of it, docs/across-nodes.md), and wakes up to 100 us late."""
+        if work.is_completed():  # type: ignore[attr-defined]
+            return  # most waits in a step: no event, no callback
         finished = threading.Event()
         work.get_future().add_done_callback(lambda _: finished.set())  # type: ignore[attr-defined]
         start, next_look = time.monotonic(), FIRST_LOOK_S

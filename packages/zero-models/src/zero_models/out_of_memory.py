@@ -55,10 +55,7 @@ from torch import distributed as dist
 import zero_comm
 from zero_core.activation_estimate import TransformerShape, activation_bytes
 from zero_core.config import ZeroConfig
-from zero_core.memory_estimate import (
-    state_bytes_per_param,
-    tiered_state_bytes,
-)
+from zero_core.memory_estimate import state_bytes_per_param, tiered_state_bytes
 from zero_core.proc_status import process_status_kib
 
 from .train_options import EXIT_FAILED
