@@ -35,6 +35,9 @@ Per variant:
   is alive at a time, so the increase is this variant's alone. The largest rank and round.
 - bytes communicated per step per rank: ring convention (zero_comm.stats). Ours: the
   engine communicator's ``stats``; peers: the hooked torch.distributed calls (tools/peer_comm.py).
+- minor page faults per timed step (``getrusage``; the slowest-faulting rank, median over
+  steps, then over rounds): a variant whose timed steps fault far more than its later ones
+  is not measured in its steady state (WARMUP_STEPS).
 - loss after ``warmup + steps`` steps (every block starts from the initial values), the mean
   over ranks; the same for every round, so rank 0's last round is reported.
 - peak per phase: in the last timed step of each block, zero_core.MemoryTracker measures
@@ -57,6 +60,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -81,6 +85,14 @@ SIZES = {
     "100m": GPTConfig(context=128, layers=8, heads=16, width=1024),
 }
 MIB = 2**20
+# Untimed steps per block: the timed ones are the steady state of every variant. DDP
+# rebuilds its buckets after its first step and allocates them in its second; our engines
+# give the heap's free pages back after each of their first two steps
+# (zero_core.host_heap.StepHeapRelease), which the next step faults in again: at 19M on
+# 4 ranks, ~70 thousand minor faults a step at stage 0 and ~165 thousand at stage 3 in
+# steps 2-3 against 0.3-25 thousand from step 4 on (the per-launch tables print the
+# timed steps' faults, so a window that is not steady shows).
+WARMUP_STEPS = 3
 TOOLS = Path(__file__).resolve().parent
 
 
@@ -151,6 +163,7 @@ def run_block(
     trainer = make_trainer(variant, config, args.seed, Hyper(), comm, args.batch, args.checkpoint)
     build_s = time.perf_counter() - built
     times: list[float] = []
+    faults: list[int] = []  # minor page faults of this process per timed step
     losses: list[float] = []
     states = None
     last = len(batches) - 1
@@ -164,6 +177,7 @@ def run_block(
             peak_before_kib = status_kib("VmHWM")  # the tracker resets the high-water mark
         phase = tracker.phase if tracked else (lambda _name: contextlib.nullcontext())
         world.barrier()
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         with phase("forward"):
             loss = trainer.forward(inputs, targets)
@@ -178,8 +192,10 @@ def run_block(
         with phase("step"):
             trainer.optimizer_step()
         t3 = time.perf_counter()
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
         if step >= args.warmup:
             times.append((t1 - t0) + (t3 - t2))
+            faults.append(usage1.ru_minflt - usage0.ru_minflt)
     comm_bytes, calls = trainer.comm_bytes()
     peak_kib = status_kib("VmHWM")
     if tracker.peaks:
@@ -201,6 +217,7 @@ def run_block(
         "variant": variant,
         "build_s": build_s,
         "step_s": times,
+        "step_minor_faults": faults,
         "losses": losses,
         "state_bytes": {**states._asdict(), "model_states": states.model_states},
         "comm_bytes_per_step": comm_bytes / max(1, len(times)),
@@ -325,17 +342,18 @@ def summarize(
         for block in per_rank:
             rounds.setdefault((block["variant"], block["round"]), []).append(block)
 
-    def block_time(variant: str, r: int) -> float:
+    def block_median(variant: str, r: int, key: str = "step_s") -> float:
+        """The median over the block's timed steps of the largest rank's ``key``."""
         ranks = rounds[(variant, r)]
-        slowest = [max(column) for column in zip(*(b["step_s"] for b in ranks), strict=True)]
-        return float(statistics.median(slowest))
+        largest = [max(column) for column in zip(*(b[key] for b in ranks), strict=True)]
+        return float(statistics.median(largest))
 
     results = []
     for variant in variants:
         mine = sorted(r for v, r in rounds if v == variant)
-        times = [block_time(variant, r) for r in mine]
+        times = [block_median(variant, r) for r in mine]
         ratios = [
-            block_time(variant, r) / block_time("ddp", r) for r in mine if ("ddp", r) in rounds
+            block_median(variant, r) / block_median("ddp", r) for r in mine if ("ddp", r) in rounds
         ]
         blocks = [b for r in mine for b in rounds[(variant, r)]]
         last = rounds[(variant, mine[-1])]
@@ -366,6 +384,9 @@ def summarize(
                 "loss": statistics.fmean(b["losses"][-1] for b in last),
                 "losses_rank0": last[0]["losses"],
                 "build_s": statistics.median(b["build_s"] for b in blocks),
+                "minor_faults_per_step": statistics.median(
+                    block_median(variant, r, "step_minor_faults") for r in mine
+                ),
             }
         )
     return {
@@ -440,8 +461,6 @@ def versions() -> dict[str, str | None]:
 # ------------------------------------------------------------------- search probes
 def run_probe(args: argparse.Namespace) -> None:
     """Train ``--probe`` 2 steps under a per-rank address-space cap; exit 3 on out-of-memory."""
-    import resource
-
     from peer_trainers import Hyper, make_trainer
 
     peer_comm.install()
@@ -553,7 +572,7 @@ def parser() -> argparse.ArgumentParser:
         default="none",
         help="activation checkpointing of every block, every variant (peer_trainers)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="untimed steps per block")
     p.add_argument("--steps", type=int, default=3, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")

@@ -102,8 +102,8 @@ def launch_table(report: dict[str, Any]) -> str:
         head,
         "| variant | step s | / DDP: per round (of medians) | model states MiB (paper) "
         "| params / grads / optim / other MiB | peak RSS increase MiB | comm MiB/step (calls) "
-        "| loss |",
-        "|---|---:|---:|---:|---|---:|---|---:|",
+        "| minor faults/step | loss |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|",
     ]
     for r in report["results"]:
         s = r["state_bytes"]
@@ -116,7 +116,8 @@ def launch_table(report: dict[str, Any]) -> str:
             f"| {r['variant']} | {r['median_step_s']:.3f} | {ddp_ratios(r, report)} "
             f"| {s['model_states'] / MIB:.0f} ({_f(paper, '.0f')}) | {parts} "
             f"| {_f(r['rss_increase_mib'], '.0f')} "
-            f"| {r['comm_bytes_per_step'] / MIB:.1f} ({calls}) | {r['loss']:.4f} |"
+            f"| {r['comm_bytes_per_step'] / MIB:.1f} ({calls}) "
+            f"| {_f(r.get('minor_faults_per_step'), ',.0f')} | {r['loss']:.4f} |"
         )
     if report.get("deepspeed_error"):
         rows.append(f"\nDeepSpeed left out: `{report['deepspeed_error']}`")

@@ -44,6 +44,7 @@ from typing import Any
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
+from bench_peers import WARMUP_STEPS  # noqa: E402
 from bench_peers_report import paper_model_states_mib  # noqa: E402
 from bench_peers_search import MALLOC_ENV, peers_launch, run_launch  # noqa: E402
 
@@ -312,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-rank-batch", type=int, default=1, help="weak scaling: per rank")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS)  # steady-state steps timed
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--report-only", action="store_true", help="from scaling-json/ again")
     return p
