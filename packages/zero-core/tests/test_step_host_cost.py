@@ -25,7 +25,8 @@ from parity import DTYPES, ParityCase, build_engine, loss_of, micro_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_comm import Communicator, run_simulated
-from zero_core.gradient_checks import all_finite
+from zero_core import gradient_checks
+from zero_core.gradient_checks import divide_and_check_finite
 
 
 def calls_in_step(layers: int, stage: int) -> tuple[int, int]:
@@ -70,7 +71,7 @@ def test_step_host_work_grows_linearly_with_the_buckets(stage: int) -> None:
     )
 
 
-def test_all_finite_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_finite_check_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
     reads = 0
     original = torch.Tensor.__bool__
 
@@ -80,21 +81,25 @@ def test_all_finite_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> No
         return original(self)
 
     monkeypatch.setattr(torch.Tensor, "__bool__", counting)
+    monkeypatch.setattr(gradient_checks, "CACHE_PIECE_NUMEL", 4)  # several pieces a tensor
     tensors = [torch.ones(10) for _ in range(5)]
-    assert all_finite(tensors, chunk_numel=3)
+    assert divide_and_check_finite(tensors, 1.0, chunk_numel=3)
     assert reads == 1
     tensors[4][9] = float("nan")  # the last element of the last chunk
     reads = 0
-    assert not all_finite(tensors, chunk_numel=3)
+    assert not divide_and_check_finite(tensors, 1.0, chunk_numel=3)
     assert reads == 2  # the sums, then the exact check
     tensors[4][9] = 1.0
     tensors[0][0] = float("-inf")
-    assert not all_finite(tensors, chunk_numel=3)
-    assert all_finite([], chunk_numel=3)
+    assert not divide_and_check_finite(tensors, 1.0, chunk_numel=3)
+    assert divide_and_check_finite([], 1.0, chunk_numel=3)
 
 
 class _FullReads(TorchDispatchMode):
-    """Records the ATen operators that take a tensor of at least ``numel`` elements."""
+    """Records the ATen operators that take a tensor of at least ``numel`` elements and
+    compute (views, which read nothing, are left out)."""
+
+    VIEWS = frozenset({"view", "split", "_reshape_alias", "reshape", "alias"})
 
     def __init__(self, numel: int) -> None:
         super().__init__()
@@ -102,36 +107,64 @@ class _FullReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         leaves = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-        if any(a.numel() >= self.numel for a in leaves):
-            self.ops.append(func.overloadpacket.__name__)
+        name = func.overloadpacket.__name__
+        if name not in self.VIEWS and any(a.numel() >= self.numel for a in leaves):
+            self.ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
-def test_all_finite_reads_finite_data_once() -> None:
-    """Finite gradients, the case of every step, are read by one sum each, not by isfinite
-    (abs, ne, eq, mul: four passes and three temporaries, two thirds of stage 0's step)."""
+def test_finite_data_is_divided_and_read_once() -> None:
+    """Finite gradients, the case of every step, are divided and then read by one sum per
+    piece, not by isfinite (abs, ne, eq, mul: four passes and three temporaries, two thirds
+    of stage 0's step)."""
     tensors = [torch.randn(1000) for _ in range(3)]
     with _FullReads(1000) as mode:
-        assert all_finite(tensors, chunk_numel=4096)
-    assert mode.ops == ["sum", "sum", "sum"], mode.ops
+        assert divide_and_check_finite(tensors, 2.0, chunk_numel=4096)
+    assert mode.ops == ["div_", "sum"] * 3, mode.ops
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     values=st.lists(
         st.sampled_from(
-            [0.0, 1.0, -2.5, 3e38, -3e38, 6e4, float("inf"), float("-inf"), float("nan")]
+            [
+                0.0,
+                -0.0,
+                1.0,
+                -2.5,
+                3e38,
+                -3e38,
+                6e4,
+                1e-45,
+                float("inf"),
+                float("-inf"),
+                float("nan"),
+            ]
         ),
         min_size=1,
         max_size=40,
     ),
     cut=st.integers(1, 40),
     chunk=st.integers(1, 16),
+    piece=st.integers(1, 16),
+    denominator=st.sampled_from([1.0, 2.0, 3.0, 0.5, 1e-30, 4096.0]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
 )
-def test_all_finite_is_exact(values: list[float], cut: int, chunk: int, dtype: torch.dtype) -> None:
-    """The answer is isfinite's, also where finite values overflow the sum (3e38 + 3e38 in
-    float32, 6e4 + 6e4 in float16) and where +Inf and -Inf cancel to NaN."""
+def test_divide_and_check_finite_is_exact(
+    values: list[float], cut: int, chunk: int, piece: int, denominator: float, dtype: torch.dtype
+) -> None:
+    """The bits of dividing each tensor whole, and isfinite's answer on them, also where
+    finite values overflow the sum (3e38 + 3e38 in float32, 6e4 + 6e4 in float16), where
+    the division overflows (by 1e-30), and where +Inf and -Inf cancel to NaN; for any
+    split into pieces."""
     tensors = [torch.tensor(values[:cut], dtype=dtype), torch.tensor(values[cut:], dtype=dtype)]
-    expected = all(bool(torch.isfinite(t).all()) for t in tensors)
-    assert all_finite(tensors, chunk_numel=chunk) == expected
+    expected_values = [t / denominator for t in tensors]
+    expected = all(bool(torch.isfinite(t).all()) for t in expected_values)
+    saved = gradient_checks.CACHE_PIECE_NUMEL
+    gradient_checks.CACHE_PIECE_NUMEL = piece
+    try:
+        assert divide_and_check_finite(tensors, denominator, chunk_numel=chunk) == expected
+    finally:
+        gradient_checks.CACHE_PIECE_NUMEL = saved
+    for got, want in zip(tensors, expected_values, strict=True):
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))

@@ -55,8 +55,8 @@ from .config import ZeroConfig
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .gradient_checks import (
-    all_finite,
     any_model_parallel_rank,
+    divide_and_check_finite,
     first_nonfinite_message,
     model_parallel_rows,
 )
@@ -249,10 +249,10 @@ class Engine:
         denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
         denominator *= self.loss_scaler.scale
         gradients = self.gradients.float32_gradients()
-        for g in gradients:
-            g.div_(denominator)
-        finite = all_finite(
-            (piece for g in gradients for piece in pieces_of(g)), self.config.bucket_numel
+        finite = divide_and_check_finite(
+            (piece for g in gradients for piece in pieces_of(g)),
+            denominator,
+            self.config.bucket_numel,
         )
         overflow = self.gradients.any_rank(not finite)
         if self.model_parallel is not None:

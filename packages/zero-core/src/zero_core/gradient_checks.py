@@ -20,23 +20,51 @@ from .shard_gradient import GroupGradient
 RowSums = Callable[[list[GroupGradient]], torch.Tensor]
 
 
-def all_finite(tensors: Iterable[torch.Tensor], chunk_numel: int) -> bool:
-    """Whether every element of every tensor is finite.
+# Elements per piece that divide_and_check_finite divides and then sums: small enough
+# that the sum reads the piece from the cache the division left it in (512 KiB of float32,
+# within a core's L2), large enough that the per-piece calls cost little (19M elements:
+# 146 pieces; 2^16 ran as fast, 2^20 and the whole tensor about 30% slower).
+CACHE_PIECE_NUMEL = 1 << 17
 
-    Fast path: one sum per tensor. A sum is NaN or Inf whenever any element is (Inf + x is
-    Inf, Inf - Inf and NaN + x are NaN), so a finite sum proves every element finite, in
-    one read of the data (isfinite reads it four times and writes three temporaries: it was
-    two thirds of stage 0's step on the CPU). A non-finite sum is either a non-finite
-    element or an overflow of finite ones (|sum| > 3.4e38); the exact check, ``chunk_numel``
-    elements at a time so that its temporaries stay within a bucket, tells the two apart.
-    Half-precision tensors are summed in float32 (their range, 65504, is easily exceeded by
-    finite values). The answers stay on the device and are read once per path: a read per
-    chunk synchronised the host with a GPU hundreds of times per step."""
+
+def divide_and_check_finite(
+    tensors: Iterable[torch.Tensor], denominator: float, chunk_numel: int
+) -> bool:
+    """``t.div_(denominator)`` for every tensor; then whether every element of every
+    tensor is finite.
+
+    The same bits as dividing each tensor whole (division is elementwise), in one pass
+    over memory where dividing, then checking, took two: each piece of CACHE_PIECE_NUMEL
+    elements is summed right after it is divided, while it is still in the cache (19M
+    float32 gradients on one CPU thread: 5.4 ms, against 5.6 ms for the division and
+    2.8 ms for the sum apart).
+
+    The check: a sum is NaN or Inf whenever any element is (Inf + x is Inf, Inf - Inf and
+    NaN + x are NaN), so a finite sum proves every element finite, in one read of the data
+    (isfinite reads it four times and writes three temporaries: it was two thirds of stage
+    0's step on the CPU). A non-finite sum is either a non-finite element or an overflow of
+    finite ones (|sum| > 3.4e38); the exact check, ``chunk_numel`` elements at a time so
+    that its temporaries stay within a bucket, tells the two apart. Half-precision tensors
+    are summed in float32 (their range, 65504, is easily exceeded by finite values). The
+    answers stay on the device and are read once per path: a read per chunk synchronised
+    the host with a GPU hundreds of times per step."""
     tensors = list(tensors)
-    if not tensors:
+    sums = []
+    for tensor in tensors:
+        for piece in torch.split(tensor.reshape(-1), CACHE_PIECE_NUMEL):
+            piece.div_(denominator)
+            sums.append(_sum32(piece))
+    if not sums:
         return True
-    sums = torch.stack([_sum32(t) for t in tensors])
-    if bool(torch.isfinite(sums).all()):
+    return _finite_from_sums(sums, tensors, chunk_numel)
+
+
+def _finite_from_sums(
+    sums: list[torch.Tensor], tensors: list[torch.Tensor], chunk_numel: int
+) -> bool:
+    """Whether ``tensors`` are finite, given sums that cover them (see
+    divide_and_check_finite)."""
+    if bool(torch.isfinite(torch.stack(sums)).all()):
         return True
     flags = [
         torch.isfinite(part).all()

@@ -32,7 +32,7 @@ import torch
 
 from zero_comm import Communicator, ReduceOp
 
-from .allreduced_gradients import restore_grad_view
+from .allreduced_gradients import drop_grad_views, restore_grad_view
 from .backward_overlap import register_gradient_hooks
 from .config import ZeroConfig
 from .grad_norm import row_sums_of_squares
@@ -256,7 +256,9 @@ class ReduceScatteredGradients:
 
     def clear(self) -> None:
         if self.grads_are_views:
-            self._zero_full_buffers()
+            drop_grad_views(self.slots)
+            if self.accumulating:
+                self._zero_full_buffers()
         for shard in self.grad_shards:
             shard.release()
 
