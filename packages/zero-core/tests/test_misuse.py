@@ -68,12 +68,20 @@ def test_an_optimizer_not_known_to_be_elementwise_is_refused_unless_allowed() ->
     run_simulated(1, body)
 
 
-def test_loss_backward_instead_of_engine_backward_is_named() -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_loss_backward_instead_of_engine_backward_is_named(stage: int) -> None:
+    """Also at stages 0 and 1, whose gradients are views of the engine's buffers: there
+    loss.backward() used to add into the views unseen, and step() skipped silently."""
+
     def body(comm: Communicator) -> None:
-        engine = engine_for(torch.nn.Linear(3, 2), comm)
-        engine(torch.ones(1, 3)).sum().backward()
-        with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\)"):
-            engine.step()
+        engine = engine_for(torch.nn.Linear(3, 2), comm, stage=stage)
+        for _ in range(2):  # before the first step, and after one
+            with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\)"):
+                engine(torch.ones(1, 3)).sum().backward()
+                engine.step()
+            engine.zero_grad()
+            engine.backward(engine(torch.ones(1, 3)).sum())
+            assert engine.step()
 
     run_simulated(1, body)
 

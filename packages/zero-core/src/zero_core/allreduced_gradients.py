@@ -56,7 +56,6 @@ class AllReducedGradients:
         for slot in slots:
             flat = self.flats[slot.group]
             slot.grad_view = flat[slot.flat.start : slot.flat.stop]
-            slot.param.grad = slot.grad_view.view(slot.shape)
         accumulate = config.gradient_accumulation_steps > 1
         self._accumulated = [torch.zeros_like(g) for g in self.flats] if accumulate else None
         self._label = ""
@@ -203,6 +202,8 @@ def drop_grad_views(slots: ParamTable) -> None:
     the buffer for autograd to add into took two (the zeroing, then an add that reads
     the zeros; 9 of stage 0's 86 ms step at 19M parameters). The buffer's elements that
     no parameter covers (padding) are never written by a copy and stay zero: their
-    reduction sums zeros. Between the step and the next backward ``.grad`` reads None."""
+    reduction sums zeros. Between a step and the next backward (and before the first)
+    ``.grad`` reads None, so a gradient found there then came from a backward the engine
+    did not see (ZeroEngine.step names it)."""
     for slot in slots:
         slot.param.grad = None

@@ -232,11 +232,9 @@ class Engine:
         """Apply the update if this is an accumulation boundary; True if it was applied
         (False between boundaries, and when a NaN/Inf gradient on any rank skipped it)."""
         if not self.is_accumulation_boundary:
-            if (
-                self.micro_steps == 0
-                and not self.gradients.grads_are_views
-                and any(slot.param.grad is not None for slot in self.slots)
-            ):
+            # Every stage leaves .grad None outside engine.backward (stages 0 and 1:
+            # allreduced_gradients.drop_grad_views), so a gradient here is a misuse.
+            if self.micro_steps == 0 and any(slot.param.grad is not None for slot in self.slots):
                 raise RuntimeError(
                     f"[rank {self.comm.rank}] gradients are waiting in .grad but the engine "
                     "saw no backward: call engine.backward(loss), not loss.backward()"

@@ -122,7 +122,6 @@ class ReduceScatteredGradients:
         for slot in self.slots:
             full = self.grad_buckets[slot.group][slot.bucket]
             slot.grad_view = full[slot.flat.start : slot.flat.stop]
-            slot.param.grad = slot.grad_view.view(slot.shape)
         if not self.accumulating:
             # The reduced slice lands in this rank's own part of the full gradient buffer.
             return [
