@@ -1,7 +1,9 @@
 """Gradients replicated on every rank (stage 0), all-reduced during backward.
 
-As DDP does with ``gradient_as_bucket_view``, each group's gradients are views into one
-flat buffer that autograd fills in place (the group's layout: one bucket, no gaps):
+As DDP does with ``gradient_as_bucket_view``, each group's gradients live in one flat
+buffer (the group's layout: one bucket, no gaps): a parameter's gradient is copied in as
+autograd hands it over, and from then until the step ``.grad`` is a view of it (None
+outside, drop_grad_views):
 
     group g   | grad p0 | grad p1 | grad p2 |   p.grad = views; all-reduced in chunks of
               |  chunk 0     | chunk 1  |c2|   at most bucket_numel elements
@@ -37,7 +39,7 @@ from .shard_gradient import GroupGradient
 class AllReducedGradients:
     """Whole gradients on every rank, as views of one flat buffer per group."""
 
-    grads_are_views = True  # p.grad is the engine's storage between steps
+    grads_are_views = True  # from backward to step, p.grad views the engine's buffer
 
     def __init__(
         self,
