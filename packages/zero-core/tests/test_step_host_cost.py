@@ -123,6 +123,14 @@ def test_finite_data_is_divided_and_read_once() -> None:
     assert mode.ops == ["div_", "sum"] * 3, mode.ops
 
 
+def test_a_non_contiguous_tensor_is_refused_not_divided_as_a_copy() -> None:
+    """Dividing a flattened copy would leave the gradient undivided, silently."""
+    grid = torch.ones(4, 6)
+    with pytest.raises(RuntimeError):
+        divide_and_check_finite([grid.t()], 2.0, chunk_numel=4)
+    assert torch.equal(grid, torch.ones(4, 6))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     values=st.lists(

@@ -170,9 +170,10 @@ class AllReducedGradients:
         return flag  # every rank holds the same reduced gradients
 
     def clear(self) -> None:
+        # Nothing to zero: the next backward copies every gradient into its view (or zeros
+        # it, for a parameter without one), and its first micro-step copies into the
+        # accumulation.
         drop_grad_views(self.slots)
-        for flat in self._accumulated or []:
-            flat.zero_()
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.flats, *(self._accumulated or [])]

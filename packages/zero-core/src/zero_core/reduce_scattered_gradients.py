@@ -254,10 +254,8 @@ class ReduceScatteredGradients:
         return bool(token.item())
 
     def clear(self) -> None:
-        if self.grads_are_views:
+        if self.grads_are_views:  # the next backward rewrites every view: nothing to zero
             drop_grad_views(self.slots)
-            if self.accumulating:
-                self._zero_full_buffers()
         for shard in self.grad_shards:
             shard.release()
 
