@@ -7,8 +7,12 @@ units in reverse registration order), so every rank issues the same sequence of
 collectives whatever order its hooks fire in. Buckets some parameter got no gradient for
 complete in ``finish``. With ``overlap`` off nothing is launched before ``finish``. At
 most ``max_in_flight`` reduce-scatters are outstanding; each one's result (this rank's
-slice of the bucket) is added into that bucket's *target*, a view of the rank's gradient
-shard.
+slice of the bucket) goes to that bucket's *target*, a view of the rank's gradient shard:
+reduced straight into it in the first micro-step, added into it in later ones.
+
+Staging is pooled and not zeroed whole: the padding between parameters is zeroed when a
+bucket's staging is taken, each parameter's region is written by its gradient's copy, and
+a parameter with no gradient in the micro-step gets zeros just before the launch.
 
 Constant buffers (ZeRO-R's C_B): a bucket holds at most ``chunk_numel`` elements unless a
 single parameter is larger. Such an *oversized* bucket is never copied whole into a staging
@@ -71,7 +75,9 @@ class ScatterReduction(Protocol):
     ) -> Pending: ...
 
 
-Finish = tuple[int, Pending, torch.Tensor, torch.Tensor | None, Range]
+# A launched reduction: bucket index, handle, the slice's buffer (None: it lands in the
+# target itself), the pooled send buffer of a piece (or None), the target's range.
+Finish = tuple[int, Pending, torch.Tensor | None, torch.Tensor | None, Range]
 
 
 class BucketReducer:
@@ -113,6 +119,10 @@ class BucketReducer:
             member.index: index for index, slot in enumerate(slots) for member in slot.params
         }
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
+        # Per bucket, the elements no parameter covers (alignment padding): zeroed when the
+        # staging is taken. A parameter's own region is written by its gradient's copy, or
+        # zeroed if it has none, so the staging is never zeroed whole.
+        self._padding = [_uncovered(slot.numel, [m.flat for m in slot.params]) for slot in slots]
         self._in_flight: deque[Finish] = deque()
         self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
         self._pieces_left = [0] * len(slots)
@@ -136,7 +146,8 @@ class BucketReducer:
                 staging = slot.persistent
             else:
                 staging = self.comm.buffers.take(slot.numel, self.dtype)
-                staging.zero_()
+                for gap in self._padding[index]:
+                    staging[gap.start : gap.stop].zero_()
             self._staging[index] = staging
         return staging
 
@@ -159,6 +170,8 @@ class BucketReducer:
             else:
                 region.copy_(param.grad.reshape(-1))
             param.grad = None
+        elif not again and not self._oversized(index):
+            self._stage(index)[flat.start : flat.stop].zero_()  # arrived without a gradient
         if self.overlap:
             self._launch_ready()
 
@@ -199,12 +212,24 @@ class BucketReducer:
             return
         slot = self.slots[index]
         self._make_room()
-        out = self.comm.buffers.take(slot.slice_numel, self.dtype)
+        staging = self._stage(index)
+        for member in slot.params:
+            if not self.order.has_arrived(member):  # no gradient this micro-step: zeros
+                staging[member.flat.start : member.flat.stop].zero_()
+        # The first micro-step's slice is reduced straight into the target, which it would
+        # only be copied into. Not for stage 1's persistent bucket (the input, which holds
+        # the target: a collective must not write where it reads), nor where each slice is
+        # stepped and freed as it lands (on_reduced): there a slice held from launch would
+        # make max_in_flight slices of the shard live at once instead of one.
+        direct = self._first and slot.persistent is None and self.on_reduced is None
+        if direct:
+            materialize(slot.target)
+        out = slot.target if direct else self.comm.buffers.take(slot.slice_numel, self.dtype)
         handle = self.reduction.reduce_scatter(
-            out, self._stage(index), async_op=True, label=self.labels[index] + self._tag
+            out, staging, async_op=True, label=self.labels[index] + self._tag
         )
         self._pieces_left[index] = 1
-        self._track((index, handle, out, None, Range(0, slot.slice_numel)))
+        self._track((index, handle, None if direct else out, None, Range(0, slot.slice_numel)))
 
     def _launch_in_pieces(self, index: int) -> None:
         """Reduce-scatter an oversized bucket in pieces of ``chunk_numel // N`` columns."""
@@ -243,14 +268,15 @@ class BucketReducer:
         index, handle, out, send, piece = self._in_flight.popleft()
         handle.wait()
         slot = self.slots[index]
-        if self._first:
-            materialize(slot.target)  # a ShardGradient piece has storage from its first slice
-        target = slot.target[piece.start : piece.stop]
-        if self._first:
-            target.copy_(out)
-        else:
-            target.add_(out)
-        self.comm.buffers.give_back(out)
+        if out is not None:
+            if self._first:
+                materialize(slot.target)  # a ShardGradient piece has storage from its first slice
+            target = slot.target[piece.start : piece.stop]
+            if self._first:
+                target.copy_(out)
+            else:
+                target.add_(out)
+            self.comm.buffers.give_back(out)
         if send is not None:
             self.comm.buffers.give_back(send)
         self._pieces_left[index] -= 1
@@ -271,6 +297,18 @@ class BucketReducer:
         self._launch_ready()
         while self._in_flight:
             self._finish_oldest()
+
+
+def _uncovered(numel: int, covered: list[Range]) -> list[Range]:
+    """The ranges of [0, numel) that none of ``covered`` (ranges within it) holds."""
+    gaps, position = [], 0
+    for r in sorted(covered, key=lambda r: r.start):
+        if r.start > position:
+            gaps.append(Range(position, r.start))
+        position = max(position, r.stop)
+    if position < numel:
+        gaps.append(Range(position, numel))
+    return gaps
 
 
 def _copy_bucket_range(row: torch.Tensor, source: torch.Tensor, offset: int, start: int) -> None:
