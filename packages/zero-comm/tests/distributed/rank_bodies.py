@@ -36,14 +36,19 @@ def mesh_subgroups(comm: Communicator, tp: int) -> list[int]:
             check_case(group, CollectiveCase("all_reduce", 101, dtype, seed=seed))
             check_case(group, CollectiveCase("reduce_scatter", 13, dtype, "AVG", seed=seed))
             check_case(group, CollectiveCase("all_gather", 7, dtype, seed=seed))
+            check_case(group, CollectiveCase("all_gather", 70001, dtype, seed=seed))  # > 256 KiB
     return [row.rank, row.world_size, column.rank, column.world_size]
 
 
-def rank_one_dies(comm: Communicator) -> None:
-    """Rank 1 exits abruptly before a collective the others enter."""
+def rank_one_dies(comm: Communicator, collective: str = "all_reduce") -> None:
+    """Rank 1 exits abruptly before a collective the others enter (an all-reduce, or an
+    all-gather large enough that gloo runs it as broadcasts)."""
     if comm.rank == 1:
         os._exit(3)
-    comm.all_reduce(torch.ones(1000))
+    if collective == "all_gather":
+        comm.all_gather(torch.empty(comm.world_size << 17), torch.ones(1 << 17))
+    else:
+        comm.all_reduce(torch.ones(1000))
 
 
 def rank_one_is_late(comm: Communicator, late_s: float) -> float:

@@ -75,11 +75,12 @@ def test_mesh_subgroups(backend: str, launcher: str) -> None:
 
 
 @pytest.mark.parametrize(("backend", "launcher"), FAILURE_WORLDS)
-def test_a_dead_rank_is_named_not_waited_for(backend: str, launcher: str) -> None:
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_a_dead_rank_is_named_not_waited_for(backend: str, launcher: str, collective: str) -> None:
     start = time.monotonic()
     with pytest.raises(RanksFailed, match="rank 1") as info:
         run_on_ranks(rank_bodies.rank_one_dies, 3, backend=backend, launcher=launcher,
-                     comm_timeout=60, timeout=120)  # fmt: skip
+                     comm_timeout=60, timeout=120, kwargs={"collective": collective})  # fmt: skip
     assert time.monotonic() - start < 45, "took as long as a timeout: the death was not noticed"
     if launcher == "spawn":
         assert "zero-launch: rank 1 exited with code 3" in str(info.value)

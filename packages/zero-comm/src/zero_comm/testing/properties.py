@@ -135,7 +135,11 @@ def collective_cases() -> Any:
     """A hypothesis strategy of :class:`CollectiveCase` (hypothesis is a test dependency)."""
     from hypothesis import strategies as st
 
-    sizes = st.one_of(st.sampled_from([0, 1, 2, 3, 5, 7, 11, 13, 97, 1031]), st.integers(0, 400))
+    # 131075 elements are over 256 KiB in every dtype: gloo's all-gather then runs as one
+    # broadcast per rank (torch_backend.GLOO_GATHER_BY_BROADCAST_BYTES).
+    sizes = st.one_of(
+        st.sampled_from([0, 1, 2, 3, 5, 7, 11, 13, 97, 1031, 131075]), st.integers(0, 400)
+    )
 
     @st.composite
     def cases(draw: Any) -> CollectiveCase:
@@ -222,7 +226,15 @@ def run_property_in_step(
 
 
 def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int:
-    """:func:`check_case` over :func:`collective_cases` on real ranks, all in step."""
-    return run_property_in_step(
+    """:func:`check_case` over :func:`collective_cases` on real ranks, all in step; then,
+    whatever was drawn, an all-gather over 256 KiB per rank in every dtype, blocking and
+    asynchronous (gloo runs those as broadcasts, a path of their own)."""
+    ran = run_property_in_step(
         comm, collective_cases(), lambda case: check_case(comm, case), max_examples
     )
+    for seed, dtype in enumerate(sorted(DTYPES)):
+        for async_op in (False, True):
+            check_case(
+                comm, CollectiveCase("all_gather", 131075, dtype, seed=seed, async_op=async_op)
+            )
+    return ran
