@@ -229,13 +229,16 @@ class TorchCommunicator(Communicator):
             self.backend != "gloo"
             or inp.numel() * inp.element_size() < GLOO_GATHER_BY_BROADCAST_BYTES
             or not out.is_contiguous()
+            or self.topology.num_nodes > 1
         ):
             return self._issued(dist.all_gather_single(out, inp, group=self.group, async_op=True))
         # gloo's all-gather receives into a temporary as large as the output, freshly
         # allocated on every call, and copies out of it; a broadcast writes in place. One
         # broadcast per rank into its chunk of ``out`` moves the same bytes and measured
         # 1.0-2.4x less wall time and CPU time (2 and 4 ranks, 256K-4M floats per rank,
-        # docs/zero-comm-performance.md). The bits are the input's either way.
+        # docs/zero-comm-performance.md). The bits are the input's either way. Within one
+        # node only: across nodes the ring puts the fewest bytes on the slow link, and the
+        # stats count inter-node bytes in the ring convention.
         n = inp.numel()
         chunks = out.view(self.world_size, n)
         chunks[self.rank].copy_(inp)
