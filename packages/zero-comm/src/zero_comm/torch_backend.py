@@ -242,17 +242,17 @@ class TorchCommunicator(Communicator):
         n = inp.numel()
         chunks = out.view(self.world_size, n)
         chunks[self.rank].copy_(inp)
-        broadcasts = [
-            dist.broadcast(
-                chunks[src], dist.get_global_rank(self.group, src), group=self.group, async_op=True
-            )
-            for src in range(self.world_size)
-        ]
+        broadcasts = [self._broadcast_untracked(chunks[src], src) for src in range(self.world_size)]
         return self._issued(_AllOf(broadcasts))
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        return self._issued(self._broadcast_untracked(tensor, src))
+
+    def _broadcast_untracked(self, tensor: torch.Tensor, src: int) -> Any:
+        """torch's asynchronous broadcast from this group's rank ``src``, not yet held in
+        _InFlight (the caller issues it, alone or as part of an _AllOf)."""
         global_src = dist.get_global_rank(self.group, src)
-        return self._issued(dist.broadcast(tensor, global_src, group=self.group, async_op=True))
+        return dist.broadcast(tensor, global_src, group=self.group, async_op=True)
 
     def _all_reduce_native(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         return self._issued(dist.all_reduce(tensor, _TORCH_OP[op], group=self.group, async_op=True))

@@ -119,9 +119,10 @@ class BucketReducer:
             member.index: index for index, slot in enumerate(slots) for member in slot.params
         }
         self._staging: list[torch.Tensor | None] = [None] * len(slots)
-        # Per bucket, the elements no parameter covers (alignment padding): zeroed when the
-        # staging is taken. A parameter's own region is written by its gradient's copy, or
-        # zeroed if it has none, so the staging is never zeroed whole.
+        # Per bucket, the elements no parameter slot covers (alignment padding, and any
+        # parameter the table does not hold): zeroed when the staging is taken. A slot's
+        # own region is written by its gradient's copy, or zeroed if it has none, so the
+        # staging is never zeroed whole.
         self._padding = [_uncovered(slot.numel, [m.flat for m in slot.params]) for slot in slots]
         self._in_flight: deque[Finish] = deque()
         self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient

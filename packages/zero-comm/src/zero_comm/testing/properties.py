@@ -131,14 +131,17 @@ def check_case(comm: Communicator, case: CollectiveCase) -> None:
         raise ValueError(f"unknown collective {case.collective!r}")
 
 
+# Over 256 KiB per rank in every dtype: gloo's all-gather then runs as one broadcast per
+# rank (torch_backend.GLOO_GATHER_BY_BROADCAST_BYTES), a path of its own.
+LARGE_NUMEL = 131075
+
+
 def collective_cases() -> Any:
     """A hypothesis strategy of :class:`CollectiveCase` (hypothesis is a test dependency)."""
     from hypothesis import strategies as st
 
-    # 131075 elements are over 256 KiB in every dtype: gloo's all-gather then runs as one
-    # broadcast per rank (torch_backend.GLOO_GATHER_BY_BROADCAST_BYTES).
     sizes = st.one_of(
-        st.sampled_from([0, 1, 2, 3, 5, 7, 11, 13, 97, 1031, 131075]), st.integers(0, 400)
+        st.sampled_from([0, 1, 2, 3, 5, 7, 11, 13, 97, 1031, LARGE_NUMEL]), st.integers(0, 400)
     )
 
     @st.composite
@@ -235,6 +238,6 @@ def run_collective_properties(comm: Communicator, max_examples: int = 60) -> int
     for seed, dtype in enumerate(sorted(DTYPES)):
         for async_op in (False, True):
             check_case(
-                comm, CollectiveCase("all_gather", 131075, dtype, seed=seed, async_op=async_op)
+                comm, CollectiveCase("all_gather", LARGE_NUMEL, dtype, seed=seed, async_op=async_op)
             )
     return ran
