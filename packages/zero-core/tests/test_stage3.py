@@ -3,6 +3,8 @@ working set, user access to partitioned parameters, activation checkpointing."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
@@ -172,6 +174,67 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
     assert run_simulated(2, lambda comm: peak(comm, 1 << 30, 3 * unit))[0] <= 3 * unit + unit
     everything = run_simulated(2, lambda comm: peak(comm, 1 << 30, 1 << 30))[0]
     assert everything == (len(widths) - 1) * unit  # the bound above is what limited it
+
+
+def steps_with_head(comm: Communicator, keep: bool) -> tuple[list[Any], list[int], int, list[int]]:
+    """Three steps of six 64-wide layers, a prefetch window of two layers: each step's
+    state and all-gathered elements, the gatherer's peak, and the backward head."""
+    case = ParityCase(widths=(64,) * 7, persistence_threshold=0, prefetch_numel=2 * 4352)
+    engine = build_engine(case, comm, 3, {"keep_backward_head": keep})
+    states, gathered = [], []
+    for step in range(3):
+        comm.stats.reset()
+        x, target = micro_batch(case, step * comm.world_size + comm.rank)
+        engine.backward(loss_of(case, engine(x), target))
+        engine.step()
+        gathered.append(comm.stats["all_gather"].buffer_elements)
+        states.append(engine.full_state_dict())
+    gatherer = engine.parameters.gatherer  # type: ignore[attr-defined]
+    return states, gathered, gatherer.peak_live_numel, gatherer.backward_head_numels()
+
+
+def test_forward_keeps_the_backward_head_for_backward_with_the_same_bits_and_peak() -> None:
+    """From the second step on (the first records backward's order), the last layer and
+    the two the window holds after it stay gathered from forward to backward: each step
+    gathers them once, not twice; the updates are bit for bit those of releasing them,
+    and the gathered peak is the same (backward's start gathers exactly those)."""
+    on = run_simulated(2, lambda comm: steps_with_head(comm, True))[0]
+    off = run_simulated(2, lambda comm: steps_with_head(comm, False))[0]
+    assert_equal_states(on[0], off[0])
+    head = on[3]
+    assert len(head) == 3 and off[3] == []  # one layer's bucket each
+    assert on[1][0] == off[1][0]  # no backward record yet
+    assert off[1][1:] == [off[1][0]] * 2
+    assert on[1][1:] == [off[1][0] - sum(head)] * 2
+    assert on[2] == off[2]
+
+
+def test_a_shard_write_releases_the_units_kept_for_backward() -> None:
+    """A forward keeps the head; a checkpoint load between it and backward writes the
+    shards, so what the user then reads gathered is the loaded values, not forward's."""
+
+    def body(comm: Communicator, folder: str) -> None:
+        case = ParityCase(widths=(16,) * 4, persistence_threshold=0)
+        engine = build_engine(case, comm, 3)
+        for step in range(2):
+            x, target = micro_batch(case, step * comm.world_size + comm.rank)
+            engine.backward(loss_of(case, engine(x), target))
+            engine.step()
+            if step == 0:
+                engine.save(folder)
+                saved = engine.full_state_dict()
+        engine(micro_batch(case, comm.rank)[0])  # keeps the head, no backward follows
+        assert engine.parameters.gatherer.backward_head_numels()  # type: ignore[attr-defined]
+        engine.load(folder)
+        with engine.gathered_parameters():
+            for name, param in engine.module.named_parameters():
+                assert torch.equal(param.detach(), saved[name]), name
+
+    folder = tempfile.mkdtemp()
+    try:
+        run_simulated(2, lambda comm: body(comm, folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_partitioned_parameters_keep_their_logical_shape() -> None:

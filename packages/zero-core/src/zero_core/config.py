@@ -93,6 +93,11 @@ class ZeroConfig:
         on the first step); 0 turns prefetching off.
     max_live_numel: stage 3: prefetching never makes more parameter elements gathered at
         once than this (the modules running now are always gathered, whatever their size).
+    keep_backward_head: stage 3: a forward with gradients enabled keeps gathered the units
+        backward starts with (its first unit and the prefetch window after it), instead of
+        releasing them for backward to gather again: the same peak, the head's elements
+        gathered once fewer per micro-step (param_gatherer). False releases every unit after
+        its forward, for 3Ψ(N-1)/N exactly.
     persistence_threshold: stage 3: parameters of at most this many elements (biases, norm
         weights) stay gathered on every rank; their gradients and optimizer states are
         still partitioned. 0 partitions every parameter.
@@ -170,6 +175,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL
     max_live_numel: int = 2**28
+    keep_backward_head: bool = True
     persistence_threshold: int = 2**12
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"

@@ -20,7 +20,9 @@ ranks:
                 + one int32 all_reduce (the non-finite flag) in each shard group
     parameters  stages 1-2: all_gather(b) in each shard group after the step
                 stage 3: forward all_gather(b) in each shard group (qwZ: S coded parts);
-                         backward the same, or with hpZ all_gather(b) in each hpZ group
+                         backward the same, or with hpZ all_gather(b) in each hpZ group,
+                         except for the buckets of the units forward kept gathered for
+                         backward's start (param_gatherer: the backward head)
 
 Gradients and stage 3's gathers count A times (every micro-step), the rest once.
 
@@ -94,9 +96,12 @@ def step_link_bytes(
     quantize_gradients: str | None = None,
     accumulation_steps: int = 1,
     deterministic: bool = True,
+    kept_bucket_numels: Sequence[int] = (),
 ) -> LinkBytes:
     """One step's bytes by link class (see the module docstring); ``bucket_numels``:
-    each bucket's padded elements (a multiple of the shard group's size)."""
+    each bucket's padded elements (a multiple of the shard group's size);
+    ``kept_bucket_numels``: stage 3, those of the buckets whose units stay gathered from
+    forward to backward (none on the first step, which has no backward record yet)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0-3")
     if accumulation_steps < 1:
@@ -114,7 +119,13 @@ def step_link_bytes(
     across = [list(range(local, n, ranks_per_node)) for local in range(ranks_per_node)]
     hpz = [list(range(a, a + p)) for a in range(0, n, p)]
     a = accumulation_steps
-    for b, times in sorted(Counter(bucket_numels).items()):  # equal buckets count alike
+    kept, held = Counter(kept_bucket_numels), Counter(bucket_numels)
+    if (stage != 3 and kept) or any(kept[b] > held[b] for b in kept):
+        raise ValueError(
+            f"kept_bucket_numels={list(kept_bucket_numels)}: only stage 3 keeps buckets, "
+            "and each must be one of bucket_numels"
+        )
+    for b, times in sorted(held.items()):  # equal buckets count alike
         tally.times = times * a  # per micro-step
         if stage == 0:  # replicas reduce alike: no flag to agree on
             tally.add(shard, "all_reduce", b, dtype_bytes)
@@ -144,6 +155,7 @@ def step_link_bytes(
             tally.add(shard, "all_gather", s * weights.encoded_numel(b // s), 1)
         else:
             tally.add(shard, "all_gather", b, dtype_bytes)
+        tally.times = (times - kept[b]) * a  # backward gathers what forward did not keep
         if p > 1:
             tally.add(hpz, "all_gather", b, dtype_bytes)
         elif quantize_weights:

@@ -32,6 +32,21 @@ ranks that run the same modules in the same order issue the same collectives; ea
 all_gather is labelled with its unit, so ranks that do not get a CollectiveMismatchError
 naming the modules (with the communicator's consistency check on, its default).
 
+Kept for backward. Backward first demands the units forward used last; its first demand
+gathers the first unit of the backward record and prefetches the next ones within
+``prefetch_numel``. A forward run with gradients enabled does not release those units (the
+*backward head*): they stay gathered from their forward to backward, with the values
+forward used, and backward starts without gathering them again. So the gathered set at
+backward's start is the one backward would gather there anyway, and the peak does not
+grow; each step moves the head's elements once fewer (as DeepSpeed's
+``stage3_max_reuse_distance`` keeps a parameter used again soon):
+
+    all-gather per step = (2P - head) (N-1)/N     (P: padded elements of the units)
+
+The head is kept only until backward begins. Anything that writes the compute shards
+(``drop_kept``: the optimizer step, a checkpoint load) and a forward that starts instead
+release it first, so no gathered unit ever outlives the shard values it came from.
+
 hpZ (ZeRO++'s secondary partition). With a ``secondary`` communicator (P consecutive
 ranks, one node), each forward gather of a unit also keeps this rank's 1/P of every
 full buffer; a gather during backward then all-gathers those parts inside the group
@@ -146,12 +161,14 @@ class ParameterGatherer:
         *,
         prefetch_numel: int,
         max_live_numel: int,
+        keep_backward_head: bool = True,
         secondary: Communicator | None = None,
         weight_codec: BlockQuantizer | None = None,
         allow_fallback: bool = False,
         hierarchical: bool = False,
     ) -> None:
-        """``secondary``: hpZ's group (see the module docstring), or None;
+        """``keep_backward_head``: a forward with gradients keeps the backward head
+        gathered (module docstring); ``secondary``: hpZ's group (see the module docstring), or None;
         ``weight_codec``: qwZ, the gathers of non-persistent units move int8 blocks
         (zero_comm.quantized_all_gather), or None; ``hierarchical``: gather across nodes
         first, then inside them (zero_comm.hierarchy.hierarchical_all_gather)."""
@@ -164,7 +181,9 @@ class ParameterGatherer:
         self.source = source
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.keep_backward_head = keep_backward_head
         self._ahead: set[int] = set()  # prefetched, not yet demanded in this pass
+        self._kept: set[int] = set()  # gathered in forward, held for backward's start
         self.traces: dict[Pass, list[int]] = {}
         self.phase: Pass | None = None
         self._recording: list[int] = []
@@ -184,8 +203,12 @@ class ParameterGatherer:
     # ------------------------------------------------------------------ passes
     def begin_pass(self, phase: Pass) -> None:
         """Start a forward or backward pass: demands are recorded and, when a record of
-        the previous pass of this kind exists, prefetched along it."""
-        self.end_pass()
+        the previous pass of this kind exists, prefetched along it. A backward pass takes
+        over the units forward kept for it as gathered ahead; a forward releases them."""
+        kept = self._kept if phase is Pass.BACKWARD else set()
+        self._kept = set()
+        self.end_pass(keep=kept)
+        self._ahead = {i for i in kept if self.units[i].state is UnitState.GATHERED}
         self.phase = phase
         self._recording = []
         self._position = 0
@@ -194,14 +217,19 @@ class ParameterGatherer:
             unit.grads_seen = 0
             unit.users = 0
 
-    def end_pass(self) -> None:
-        """Wait for every prefetch, release every non-persistent unit, keep the record."""
+    def end_pass(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Wait for every prefetch, release every non-persistent unit but ``keep`` (and
+        a forward's backward head, see the module docstring), keep the record."""
+        if self.phase is Pass.FORWARD and torch.is_grad_enabled():
+            self._kept = self._backward_head()
+            keep = set(keep) | self._kept
         for unit in self.units:
             if unit.state is UnitState.GATHERING:
                 self._wait(unit)
-        for unit in self.units:
-            if unit.state is UnitState.GATHERED:
+        for index, unit in enumerate(self.units):
+            if unit.state is UnitState.GATHERED and index not in keep:
                 self._release(unit)
+        self._kept &= {i for i, u in enumerate(self.units) if u.state is UnitState.GATHERED}
         if self.phase is not None:
             self.traces[self.phase] = self._recording
         if self.phase is Pass.BACKWARD:
@@ -233,12 +261,53 @@ class ParameterGatherer:
             self.units[index].users += 1
 
     def leave(self, indices: Iterable[int], *, free: bool) -> None:
-        """That module finished; with ``free``, release the units nobody else holds."""
+        """That module finished; with ``free``, release the units nobody else holds
+        (in a forward with gradients enabled, not those of the backward head)."""
+        head = (
+            self._backward_head()
+            if free and self.phase is Pass.FORWARD and torch.is_grad_enabled()
+            else set()
+        )
         for index in indices:
             unit = self.units[index]
             unit.users = max(0, unit.users - 1)
-            if free:
+            if free and index not in head:
                 self.release_if_unused(index)
+
+    def drop_kept(self) -> None:
+        """Release the units kept for backward (the compute shards are about to change,
+        so their gathered values would be stale)."""
+        kept, self._kept = self._kept, set()
+        for index in sorted(kept):
+            if self.units[index].state is UnitState.GATHERED and self.units[index].users == 0:
+                self._release(self.units[index])
+
+    def backward_head_numels(self) -> list[int]:
+        """The full-buffer elements (padded buckets) of the units a forward with
+        gradients keeps for backward now: what a step's backward does not gather again."""
+        return [full.numel() for i in sorted(self._backward_head()) for full in self.units[i].fulls]
+
+    def _backward_head(self) -> set[int]:
+        """The units backward's start gathers by the last backward record: its first
+        unit and the ones after it that the prefetch window holds (all within
+        ``max_live_numel``). Empty before the first backward."""
+        trace = self.traces.get(Pass.BACKWARD)
+        head: set[int] = set()
+        if not trace or not self.keep_backward_head:
+            return head
+        ahead = total = 0
+        for position, index in enumerate(trace):
+            unit = self.units[index]
+            if index in head or unit.persistent:
+                continue
+            if position > 0 and ahead + unit.numel > self.prefetch_numel:
+                break
+            if total + unit.numel > self.max_live_numel:
+                break
+            head.add(index)
+            total += unit.numel
+            ahead += unit.numel if position > 0 else 0
+        return head
 
     def release_if_unused(self, index: int) -> None:
         """Release unit ``index`` if no running module holds it and it holds storage

@@ -92,6 +92,7 @@ class ShardedParameters:
             self.store,
             prefetch_numel=self.config.prefetch_numel,
             max_live_numel=self.config.max_live_numel,
+            keep_backward_head=self.config.keep_backward_head,
             secondary=self.secondary,
             weight_codec=self.weight_codec,
             allow_fallback=self.config.allow_quantize_fallback,
@@ -150,6 +151,7 @@ class ShardedParameters:
     def take_master_values(self, group: int, start: int, values: torch.Tensor) -> None:
         """Elements [start, start + len(values)) of this rank's master of ``group``
         (float32, updated) into the compute shard, cast to the compute dtype."""
+        self.gatherer.drop_kept()  # units gathered from the old values
         self.store.write(group, start, values)
 
     def publish(self) -> None:

@@ -20,7 +20,9 @@ plus the persistent parameters (whole), plus the gathered working set: the units
 modules running now and the prefetched ones, at most ``max_live_numel`` elements beyond
 what the running modules need.
 Communication per step: all-gather Ψ in forward, again in backward, reduce-scatter Ψ:
-3Ψ (N-1)/N (the persistent unit instead: reduce-scatter, then all-gather after the step).
+3Ψ (N-1)/N (the persistent unit instead: reduce-scatter, then all-gather after the step),
+less the units forward keeps gathered for backward's start (``keep_backward_head``: they
+are gathered once, not twice).
 A tied weight used by two modules is gathered for each of them.
 
 Frozen parameters stay whole on every rank.

@@ -48,7 +48,9 @@ def report(
     if not lead:
         return
     print_memory(reports, stage0_model_state_bytes(psi, args.dtype))
-    print_communication(args, moved, psi, engine.comm.world_size)
+    gatherer = getattr(engine.parameters, "gatherer", None)  # stage 3's
+    kept = sum(gatherer.backward_head_numels()) if gatherer is not None else 0
+    print_communication(args, moved, psi, engine.comm.world_size, kept)
     if args.tp > 1:
         print(f"tensor-parallel layers moved {tp_volume:,.0f} elements per rank per step "
               "(forward and backward all-reduces, loss reductions, sampling)")  # fmt: skip
@@ -90,15 +92,23 @@ def print_memory(reports: list[dict[str, Any]], stage0: float) -> None:
         )
 
 
-def print_communication(args: argparse.Namespace, moved: Fraction, psi: int, n: int) -> None:
+def print_communication(
+    args: argparse.Namespace, moved: Fraction, psi: int, n: int, kept: int = 0
+) -> None:
     """The last step's elements per rank (``moved``) next to the paper's volume for ``psi``
-    parameters on ``n`` data-parallel ranks, with why the two differ."""
+    parameters on ``n`` data-parallel ranks, with why the two differ (``kept``: stage 3's
+    elements held gathered from forward to backward, gathered once a step, not twice)."""
     factor = 3 if args.stage == 3 else 2
     paper = Fraction(factor * (n - 1) * psi, n)
     ratio = float(moved / paper) if paper else 0.0
     why = "bucket padding"
     if args.stage == 3:
         why += "; parameters kept whole (persistence threshold) move 2Ψ, not 3Ψ"
+    if kept:
+        why += (
+            f"; {kept:,} elements kept gathered from forward for backward's start are "
+            "gathered once, not twice"
+        )
     print(f"\ncommunication in the last step: {float(moved):,.0f} elements per rank; the paper's "
           f"{factor}Ψ(N-1)/N = {float(paper):,.0f} (Ψ = {psi:,}; ratio {ratio:.3f}: "
           f"{why})")  # fmt: skip
