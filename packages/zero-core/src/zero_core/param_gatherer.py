@@ -184,6 +184,7 @@ class ParameterGatherer:
         self.keep_backward_head = keep_backward_head
         self._ahead: set[int] = set()  # prefetched, not yet demanded in this pass
         self._kept: set[int] = set()  # gathered in forward, held for backward's start
+        self._head: set[int] = set()  # in a forward: the backward head it keeps
         self.traces: dict[Pass, list[int]] = {}
         self.phase: Pass | None = None
         self._recording: list[int] = []
@@ -209,6 +210,7 @@ class ParameterGatherer:
         self._kept = set()
         self.end_pass(keep=kept)
         self._ahead = {i for i in kept if self.units[i].state is UnitState.GATHERED}
+        self._head = self._backward_head() if phase is Pass.FORWARD else set()
         self.phase = phase
         self._recording = []
         self._position = 0
@@ -221,7 +223,7 @@ class ParameterGatherer:
         """Wait for every prefetch, release every non-persistent unit but ``keep`` (and
         a forward's backward head, see the module docstring), keep the record."""
         if self.phase is Pass.FORWARD and torch.is_grad_enabled():
-            self._kept = self._backward_head()
+            self._kept = set(self._head)
             keep = set(keep) | self._kept
         for unit in self.units:
             if unit.state is UnitState.GATHERING:
@@ -263,11 +265,7 @@ class ParameterGatherer:
     def leave(self, indices: Iterable[int], *, free: bool) -> None:
         """That module finished; with ``free``, release the units nobody else holds
         (in a forward with gradients enabled, not those of the backward head)."""
-        head = (
-            self._backward_head()
-            if free and self.phase is Pass.FORWARD and torch.is_grad_enabled()
-            else set()
-        )
+        head = self._head if self.phase is Pass.FORWARD and torch.is_grad_enabled() else set()
         for index in indices:
             unit = self.units[index]
             unit.users = max(0, unit.users - 1)
