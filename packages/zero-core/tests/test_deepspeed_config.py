@@ -111,6 +111,23 @@ def test_hugging_face_examples_resolve_with_the_trainers_settings(config: dict[s
     assert setup.zero.overlap_comm is True
     assert any("contiguous_gradients" in note for note in setup.no_effect)
     assert any("steps_per_print" in note for note in setup.no_effect)
+    if config is HF_ZERO3:
+        assert setup.zero.keep_backward_head is True
+        assert any("stage3_max_reuse_distance=1e+09" in note for note in setup.no_effect)
+
+
+@pytest.mark.parametrize(("distance", "keep"), [(0, False), (0.0, False), (1, True), (1e9, True)])
+def test_reuse_distance_zero_releases_forwards_units(distance: float, keep: bool) -> None:
+    config = {**HF_ZERO3, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": distance}}
+    setup = zero_core.read_deepspeed(config, world_size=4, auto=TRAINER)
+    assert setup.zero.keep_backward_head is keep
+
+
+@pytest.mark.parametrize("distance", [-1, "far", True, None])
+def test_reuse_distance_that_is_not_a_distance_is_an_error(distance: object) -> None:
+    config = {**HF_ZERO3, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": distance}}
+    with pytest.raises(ValueError, match=r"stage3_max_reuse_distance=.* must be a number >= 0"):
+        zero_core.read_deepspeed(config, world_size=4, auto=TRAINER)
 
 
 def test_a_json_file_reads_like_the_dict(tmp_path: Path) -> None:

@@ -97,7 +97,8 @@ class ZeroConfig:
         backward starts with (its first unit and the prefetch window after it), instead of
         releasing them for backward to gather again: the same peak, the head's elements
         gathered once fewer per micro-step (param_gatherer). False releases every unit after
-        its forward, for 3Ψ(N-1)/N exactly.
+        its forward, for 3Ψ(N-1)/N exactly. DeepSpeed's ``stage3_max_reuse_distance``
+        (0: False, any other distance: True).
     persistence_threshold: stage 3: parameters of at most this many elements (biases, norm
         weights) stay gathered on every rank; their gradients and optimizer states are
         still partitioned. 0 partitions every parameter.
@@ -383,7 +384,7 @@ NO_EFFECT_KEYS = (
 )  # fmt: skip
 NO_EFFECT_ZERO_KEYS = (
     "contiguous_gradients", "allgather_partitions", "reduce_scatter",
-    "allgather_bucket_size", "stage3_max_reuse_distance",
+    "allgather_bucket_size",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "round_robin_gradients",
 )  # fmt: skip
@@ -444,6 +445,9 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
                 _offload_section(sub, sub_value, out, notes)
                 continue
             if _no_effect(key, sub, sub_value, notes):
+                continue
+            if key == "zero_optimization" and sub == "stage3_max_reuse_distance":
+                _reuse_distance(sub_value, out, notes)
                 continue
             if sub not in target:
                 raise ValueError(
@@ -519,6 +523,30 @@ def _offload_section(key: str, section: Any, out: dict[str, Any], notes: list[st
                 "in one folder; give both the same path"
             )
         out[name] = value
+
+
+def _reuse_distance(value: Any, out: dict[str, Any], notes: list[str]) -> None:
+    """DeepSpeed's ``stage3_max_reuse_distance`` keeps a gathered parameter that is used
+    again within that many elements; the use it matters for is backward's start, which
+    reuses what forward gathered last. zero_core keeps exactly those units
+    (``keep_backward_head``), so 0 turns that off and any other distance turns it on."""
+    if value == "auto":
+        notes.append(
+            "zero_optimization.stage3_max_reuse_distance: 'auto' means zero_core's default"
+        )
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(
+            f"zero_optimization.stage3_max_reuse_distance={value!r} must be a number >= 0 "
+            "(0 releases every unit after its forward; any other value keeps backward's "
+            "first units gathered from forward)"
+        )
+    out["keep_backward_head"] = value > 0
+    notes.append(
+        f"zero_optimization.stage3_max_reuse_distance={value:g}: keep_backward_head="
+        f"{value > 0} (zero_core keeps backward's first units, the prefetch window, "
+        "whatever the distance)"
+    )
 
 
 def _enabled(config: Mapping[str, Any], section: str) -> bool:
