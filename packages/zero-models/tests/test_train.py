@@ -55,6 +55,17 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     assert records[-1]["loss"] < records[0]["loss"]
     for expected in ("memory per rank", "communication in the last step", "sample:"):
         assert expected in result.stdout
+    # Stage 3 keeps backward's first units from forward: the volume to compare with is the
+    # paper's less those units' second gather (this model's many small parameters are kept
+    # whole, so it moves less still).
+    line = re.search(
+        r"3Ψ\(N-1\)/N = ([\d,]+) .* less \(N-1\)/N of the ([\d,]+) elements kept .*: "
+        r"([\d,]+); ratio",
+        result.stdout,
+    )
+    assert line is not None, result.stdout
+    paper, kept, less = (int(group.replace(",", "")) for group in line.groups())
+    assert kept > 0 and less == paper - kept // 2, result.stdout
 
 
 def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:

@@ -100,18 +100,22 @@ def print_communication(
     elements held gathered from forward to backward, gathered once a step, not twice)."""
     factor = 3 if args.stage == 3 else 2
     paper = Fraction(factor * (n - 1) * psi, n)
+    line = (
+        f"\ncommunication in the last step: {float(moved):,.0f} elements per rank; the paper's "
+        f"{factor}Ψ(N-1)/N = {float(paper):,.0f} (Ψ = {psi:,})"
+    )
+    if kept:
+        # Those padded buckets are gathered in forward only: (N-1)/N of them fewer per rank.
+        paper -= Fraction(kept * (n - 1), n)
+        line += (
+            f", less (N-1)/N of the {kept:,} elements kept gathered from forward for "
+            f"backward's start (gathered once, not twice): {float(paper):,.0f}"
+        )
     ratio = float(moved / paper) if paper else 0.0
     why = "bucket padding"
     if args.stage == 3:
         why += "; parameters kept whole (persistence threshold) move 2Ψ, not 3Ψ"
-    if kept:
-        why += (
-            f"; {kept:,} elements kept gathered from forward for backward's start are "
-            "gathered once, not twice"
-        )
-    print(f"\ncommunication in the last step: {float(moved):,.0f} elements per rank; the paper's "
-          f"{factor}Ψ(N-1)/N = {float(paper):,.0f} (Ψ = {psi:,}; ratio {ratio:.3f}: "
-          f"{why})")  # fmt: skip
+    print(f"{line}; ratio {ratio:.3f} ({why})")
 
 
 def print_loss_and_plot(args: argparse.Namespace, history: list[tuple[int, float]]) -> None:
