@@ -113,14 +113,20 @@ def test_hugging_face_examples_resolve_with_the_trainers_settings(config: dict[s
     assert any("steps_per_print" in note for note in setup.no_effect)
     if config is HF_ZERO3:
         assert setup.zero.keep_backward_head is True
-        assert any("stage3_max_reuse_distance=1e+09" in note for note in setup.no_effect)
+        assert setup.zero.backward_head_numel == 10**9
 
 
-@pytest.mark.parametrize(("distance", "keep"), [(0, False), (0.0, False), (1, True), (1e9, True)])
-def test_reuse_distance_zero_releases_forwards_units(distance: float, keep: bool) -> None:
+@pytest.mark.parametrize(
+    ("distance", "keep", "head"),
+    [(0, False, zero_core.ZeroConfig.backward_head_numel), (0.0, False, 2**24), (1, True, 1),
+     (5e8, True, 5 * 10**8), ("auto", True, 2**24)],
+)  # fmt: skip
+def test_reuse_distance_bounds_the_units_kept_for_backward(
+    distance: float | str, keep: bool, head: int
+) -> None:
     config = {**HF_ZERO3, "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": distance}}
     setup = zero_core.read_deepspeed(config, world_size=4, auto=TRAINER)
-    assert setup.zero.keep_backward_head is keep
+    assert (setup.zero.keep_backward_head, setup.zero.backward_head_numel) == (keep, head)
 
 
 @pytest.mark.parametrize("distance", [-1, "far", True, None])
@@ -308,7 +314,7 @@ def test_initialize_builds_the_optimizer_and_scheduler_from_the_config(tmp_path:
     assert lrs == pytest.approx([3e-4 * math.log(k + 1) / math.log(10) for k in (1, 2, 3, 4)])
     assert again == [lrs[1]] and epoch == 2
     notes = [str(w.message) for w in caught if "without effect" in str(w.message)]
-    assert len(notes) == 2 and "stage3_max_reuse_distance" in notes[0]  # one per initialize
+    assert len(notes) == 2 and "contiguous_gradients" in notes[0]  # one per initialize
 
 
 def test_an_optimizer_in_both_places_is_refused() -> None:

@@ -153,9 +153,10 @@ def test_prefetch_gathers_the_next_modules_ahead_after_the_first_step() -> None:
 
 
 def test_the_working_set_is_bounded_by_the_configuration() -> None:
-    """Without prefetching at most two layers are gathered at once (backward reaches the
-    next layer before the previous one's gradients are all in); with prefetching, at most
-    max_live_numel elements beyond the running modules."""
+    """Without prefetching (and no unit kept for backward past its first) at most two
+    layers are gathered at once (backward reaches the next layer before the previous
+    one's gradients are all in); with prefetching, at most max_live_numel elements beyond
+    the running modules. The head kept for backward has the prefetch window's size."""
     widths = (64, 64, 64, 64, 64, 64)
     unit = 4352  # weight 4096 + bias 64 -> 128 (BLOCK), bucket padded to 2 x 128 x 17
 
@@ -164,6 +165,7 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
         engine = build_engine(case, comm, 3)
         engine.parameters.gatherer.prefetch_numel = prefetch  # type: ignore[attr-defined]
         engine.parameters.gatherer.max_live_numel = max_live  # type: ignore[attr-defined]
+        engine.parameters.gatherer.backward_head_numel = prefetch  # type: ignore[attr-defined]
         for step in range(3):
             x, target = micro_batch(case, step * 2 + comm.rank)
             engine.backward(loss_of(case, engine(x), target))
@@ -176,11 +178,17 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
     assert everything == (len(widths) - 1) * unit  # the bound above is what limited it
 
 
-def steps_with_head(comm: Communicator, keep: bool) -> tuple[list[Any], list[int], int, list[int]]:
+UNIT = 4352  # one 64-wide layer's bucket (weight and bias, padded)
+
+
+def steps_with_head(
+    comm: Communicator, keep: bool, head_numel: int = 2 * UNIT
+) -> tuple[list[Any], list[int], int, list[int]]:
     """Three steps of six 64-wide layers, a prefetch window of two layers: each step's
     state and all-gathered elements, the gatherer's peak, and the backward head."""
-    case = ParityCase(widths=(64,) * 7, persistence_threshold=0, prefetch_numel=2 * 4352)
-    engine = build_engine(case, comm, 3, {"keep_backward_head": keep})
+    case = ParityCase(widths=(64,) * 7, persistence_threshold=0, prefetch_numel=2 * UNIT)
+    settings = {"keep_backward_head": keep, "backward_head_numel": head_numel}
+    engine = build_engine(case, comm, 3, settings)
     states, gathered = [], []
     for step in range(3):
         comm.stats.reset()
@@ -202,11 +210,26 @@ def test_forward_keeps_the_backward_head_for_backward_with_the_same_bits_and_pea
     off = run_simulated(2, lambda comm: steps_with_head(comm, False))[0]
     assert_equal_states(on[0], off[0])
     head = on[3]
-    assert len(head) == 3 and off[3] == []  # one layer's bucket each
+    assert head == [UNIT] * 3 and off[3] == []
     assert on[1][0] == off[1][0]  # no backward record yet
     assert off[1][1:] == [off[1][0]] * 2
     assert on[1][1:] == [off[1][0] - sum(head)] * 2
     assert on[2] == off[2]
+
+
+@pytest.mark.parametrize("layers", [0, 1, 4, 6])
+def test_the_head_is_bounded_by_its_own_window_not_the_prefetch_window(layers: int) -> None:
+    """backward_head_numel of 0-6 layers (the prefetch window is 2): the head is the
+    first unit and that many more (5 of the 6 layers at most); the same bits, each step
+    gathers the head's elements fewer, and the gathered peak grows by what the head holds
+    beyond backward's own start (first unit and 2 ahead), no more."""
+    on = run_simulated(2, lambda comm: steps_with_head(comm, True, layers * UNIT))[0]
+    off = run_simulated(2, lambda comm: steps_with_head(comm, False))[0]
+    assert_equal_states(on[0], off[0])
+    head = on[3]
+    assert head == [UNIT] * min(1 + layers, 6)
+    assert on[1][1:] == [off[1][0] - sum(head)] * 2
+    assert on[2] == off[2] + max(0, len(head) - 3) * UNIT
 
 
 def test_a_shard_write_releases_the_units_kept_for_backward() -> None:

@@ -61,6 +61,10 @@ def _dtype(value: torch.dtype | str) -> torch.dtype:
 # Stage 3's prefetch window: docs/stage3-memory.md measured 2**21..2**24 against the
 # step's memory peak; 2**22 keeps the gathered peak at a third of 2**24's.
 DEFAULT_PREFETCH_NUMEL = 2**22
+# Stage 3's units kept from forward for backward's start: docs/step-profile.md measured
+# 2**24 against the prefetch window (2**22) on the 19M GPT (step / DDP 1.19 -> 1.06-1.12 at
+# N = 4) and in the largest-model search (the same largest models).
+DEFAULT_BACKWARD_HEAD_NUMEL = 2**24
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,20 @@ class ZeroConfig:
         reduce during backward (use ``use_reentrant=False`` there). DeepSpeed's
         ``zero_optimization.overlap_comm``.
     prefetch_numel: stage 3: parameter elements gathered ahead of use (in the order recorded
-        on the first step); 0 turns prefetching off.
+        on the first step); 0 turns prefetching off. (What forward keeps for backward's
+        start is bounded by ``backward_head_numel`` instead.)
     max_live_numel: stage 3: prefetching never makes more parameter elements gathered at
         once than this (the modules running now are always gathered, whatever their size).
     keep_backward_head: stage 3: a forward with gradients enabled keeps gathered the units
-        backward starts with (its first unit and the prefetch window after it), instead of
-        releasing them for backward to gather again: the same peak, the head's elements
-        gathered once fewer per micro-step (param_gatherer). False releases every unit after
-        its forward, for 3Ψ(N-1)/N exactly. DeepSpeed's ``stage3_max_reuse_distance``
-        (0: False, any other distance: True).
+        backward starts with (its first unit and up to ``backward_head_numel`` elements of
+        the units after it), instead of releasing them for backward to gather again: the
+        head's elements are gathered once fewer per micro-step (param_gatherer). False
+        releases every unit after its forward, for 3Ψ(N-1)/N exactly.
+    backward_head_numel: stage 3, with ``keep_backward_head``: parameter elements past
+        backward's first unit that forward keeps gathered for it (whole units, in
+        backward's order, all within ``max_live_numel``). Up to this many elements more are
+        gathered at backward's start than ``prefetch_numel`` alone would gather there.
+        DeepSpeed's ``stage3_max_reuse_distance`` (0: ``keep_backward_head=False``).
     persistence_threshold: stage 3: parameters of at most this many elements (biases, norm
         weights) stay gathered on every rank; their gradients and optimizer states are
         still partitioned. 0 partitions every parameter.
@@ -177,6 +186,7 @@ class ZeroConfig:
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL
     max_live_numel: int = 2**28
     keep_backward_head: bool = True
+    backward_head_numel: int = DEFAULT_BACKWARD_HEAD_NUMEL
     persistence_threshold: int = 2**12
     allow_untested_optimizer: bool = False
     nonfinite: str = "skip"
@@ -215,7 +225,9 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
                 raise ValueError(f"{name}={value!r} must be a number")
-        for name in ("prefetch_numel", "max_live_numel", "persistence_threshold"):
+        for name in (
+            "prefetch_numel", "max_live_numel", "backward_head_numel", "persistence_threshold",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0")
@@ -225,7 +237,7 @@ class ZeroConfig:
             raise ValueError(f"nonfinite={self.nonfinite!r} must be 'skip' or 'raise'")
         for name in (
             "allow_untested_optimizer", "cast_forward_inputs", "overlap_comm", "release_host_heap",
-            "optimizer_in_backward",
+            "optimizer_in_backward", "keep_backward_head",
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -527,9 +539,10 @@ def _offload_section(key: str, section: Any, out: dict[str, Any], notes: list[st
 
 def _reuse_distance(value: Any, out: dict[str, Any], notes: list[str]) -> None:
     """DeepSpeed's ``stage3_max_reuse_distance`` keeps a gathered parameter that is used
-    again within that many elements; the use it matters for is backward's start, which
-    reuses what forward gathered last. zero_core keeps exactly those units
-    (``keep_backward_head``), so 0 turns that off and any other distance turns it on."""
+    again within that many parameter elements. The reuse it matters for is backward's
+    start, which uses first what forward used last: zero_core keeps those units for
+    backward up to ``backward_head_numel`` elements, so the distance is that bound, and 0
+    turns the keeping off (``keep_backward_head=False``)."""
     if value == "auto":
         notes.append(
             "zero_optimization.stage3_max_reuse_distance: 'auto' means zero_core's default"
@@ -538,15 +551,12 @@ def _reuse_distance(value: Any, out: dict[str, Any], notes: list[str]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(
             f"zero_optimization.stage3_max_reuse_distance={value!r} must be a number >= 0 "
-            "(0 releases every unit after its forward; any other value keeps backward's "
-            "first units gathered from forward)"
+            "(parameter elements: 0 releases every unit after its forward; a distance keeps "
+            "that many elements of backward's first units gathered from forward)"
         )
     out["keep_backward_head"] = value > 0
-    notes.append(
-        f"zero_optimization.stage3_max_reuse_distance={value:g}: keep_backward_head="
-        f"{value > 0} (zero_core keeps backward's first units, the prefetch window, "
-        "whatever the distance)"
-    )
+    if value > 0:
+        out["backward_head_numel"] = int(value)
 
 
 def _enabled(config: Mapping[str, Any], section: str) -> bool:

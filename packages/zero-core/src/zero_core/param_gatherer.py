@@ -32,14 +32,15 @@ ranks that run the same modules in the same order issue the same collectives; ea
 all_gather is labelled with its unit, so ranks that do not get a CollectiveMismatchError
 naming the modules (with the communicator's consistency check on, its default).
 
-Kept for backward. Backward first demands the units forward used last; its first demand
-gathers the first unit of the backward record and prefetches the next ones within
-``prefetch_numel``. A forward run with gradients enabled does not release those units (the
-*backward head*): they stay gathered from their forward to backward, with the values
-forward used, and backward starts without gathering them again. So the gathered set at
-backward's start is the one backward would gather there anyway, and the peak does not
-grow; each step moves the head's elements once fewer (as DeepSpeed's
-``stage3_max_reuse_distance`` keeps a parameter used again soon):
+Kept for backward. Backward first demands the units forward used last. A forward run with
+gradients enabled does not release the first unit of the backward record and the units
+after it within ``backward_head_numel`` elements (the *backward head*): they stay gathered
+from their forward to backward, with the values forward used, and backward starts without
+gathering them again; it takes them as gathered ahead, so its prefetching resumes once
+it has used them. With ``backward_head_numel <= prefetch_numel`` the gathered set at
+backward's start is the one backward would gather there anyway; a larger head holds up
+to the difference more there, and each step moves the head's elements once fewer (as
+DeepSpeed's ``stage3_max_reuse_distance`` keeps a parameter used again soon):
 
     all-gather per step = (2P - head) (N-1)/N     (P: padded elements of the units)
 
@@ -162,13 +163,16 @@ class ParameterGatherer:
         prefetch_numel: int,
         max_live_numel: int,
         keep_backward_head: bool = True,
+        backward_head_numel: int | None = None,
         secondary: Communicator | None = None,
         weight_codec: BlockQuantizer | None = None,
         allow_fallback: bool = False,
         hierarchical: bool = False,
     ) -> None:
         """``keep_backward_head``: a forward with gradients keeps the backward head
-        gathered (module docstring); ``secondary``: hpZ's group (see the module docstring), or None;
+        gathered, up to ``backward_head_numel`` elements past its first unit (None:
+        ``prefetch_numel``; module docstring); ``secondary``: hpZ's group (see the module
+        docstring), or None;
         ``weight_codec``: qwZ, the gathers of non-persistent units move int8 blocks
         (zero_comm.quantized_all_gather), or None; ``hierarchical``: gather across nodes
         first, then inside them (zero_comm.hierarchy.hierarchical_all_gather)."""
@@ -182,6 +186,9 @@ class ParameterGatherer:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.keep_backward_head = keep_backward_head
+        self.backward_head_numel = (
+            prefetch_numel if backward_head_numel is None else backward_head_numel
+        )
         self._ahead: set[int] = set()  # prefetched, not yet demanded in this pass
         self._kept: set[int] = set()  # gathered in forward, held for backward's start
         self._head: set[int] = set()  # in a forward: the backward head it keeps
@@ -275,6 +282,8 @@ class ParameterGatherer:
     def drop_kept(self) -> None:
         """Release the units kept for backward (the compute shards are about to change,
         so their gathered values would be stale)."""
+        if not self._kept:
+            return
         kept, self._kept = self._kept, set()
         for index in sorted(kept):
             if self.units[index].state is UnitState.GATHERED and self.units[index].users == 0:
@@ -286,9 +295,9 @@ class ParameterGatherer:
         return [full.numel() for i in sorted(self._backward_head()) for full in self.units[i].fulls]
 
     def _backward_head(self) -> set[int]:
-        """The units backward's start gathers by the last backward record: its first
-        unit and the ones after it that the prefetch window holds (all within
-        ``max_live_numel``). Empty before the first backward."""
+        """The units a forward keeps for backward's start, by the last backward record:
+        its first unit and the ones after it within ``backward_head_numel`` elements (all
+        within ``max_live_numel``). Empty before the first backward."""
         trace = self.traces.get(Pass.BACKWARD)
         head: set[int] = set()
         if not trace or not self.keep_backward_head:
@@ -298,7 +307,7 @@ class ParameterGatherer:
             unit = self.units[index]
             if index in head or unit.persistent:
                 continue
-            if position > 0 and ahead + unit.numel > self.prefetch_numel:
+            if position > 0 and ahead + unit.numel > self.backward_head_numel:
                 break
             if total + unit.numel > self.max_live_numel:
                 break

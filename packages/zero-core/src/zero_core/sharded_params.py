@@ -93,6 +93,7 @@ class ShardedParameters:
             prefetch_numel=self.config.prefetch_numel,
             max_live_numel=self.config.max_live_numel,
             keep_backward_head=self.config.keep_backward_head,
+            backward_head_numel=self.config.backward_head_numel,
             secondary=self.secondary,
             weight_codec=self.weight_codec,
             allow_fallback=self.config.allow_quantize_fallback,

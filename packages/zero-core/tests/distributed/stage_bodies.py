@@ -61,7 +61,11 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
     )
     engine = zero_core.initialize(
         model, torch.optim.Adam(model.parameters(), lr=1e-3),
-        zero_core.ZeroConfig(stage=3, persistence_threshold=0, prefetch_numel=0), comm,
+        # Nothing gathered ahead, and nothing kept from forward but backward's first layer.
+        zero_core.ZeroConfig(
+            stage=3, persistence_threshold=0, prefetch_numel=0, backward_head_numel=0
+        ),
+        comm,
         init_values=values,
     )  # fmt: skip
     built = _rss_kib("VmHWM") * 1024  # the peak so far: set-up included

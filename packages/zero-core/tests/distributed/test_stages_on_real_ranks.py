@@ -58,7 +58,8 @@ def test_stage_3_peak_memory_of_a_step_is_model_states_plus_the_working_set(
 
         (2 + 2 + K)Ψ/N model states (shards: parameters, gradients, master, Adam)
           + communication buffers
-          + the working set the configuration allows: with prefetch off, two layers
+          + the working set the configuration allows: with prefetch off and no units
+            kept for backward past its first, two layers
             (backward reaches a layer before the previous one's gradients are all in)
           + 2 x bucket_numel float32 elements (the finite check's chunk and its masks)
           + 24 MiB (autograd, gloo, allocator)
