@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
-from zero_core.link_traffic import even_buckets, step_link_bytes
+from zero_core.link_traffic import backward_head_buckets, even_buckets, step_link_bytes
 
 CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
                   bucket_numel=60_000, persistence_threshold=0)  # fmt: skip
@@ -135,9 +137,10 @@ def test_zero_estimate_reports_bytes_per_link_class(capsys: pytest.CaptureFixtur
     flat_over_group = estimate("--world-size", "4")
     for stage in "123":
         assert hybrid[stage]["device"] == flat_over_group[stage]["device"]
+    buckets = even_buckets(1e8, 2**22, 4)
     expected = step_link_bytes(
-        even_buckets(1e8, 2**22, 4), world_size=16, ranks_per_node=4, stage=3, dtype_bytes=2,
-        shard_group_size=4,
+        buckets, world_size=16, ranks_per_node=4, stage=3, dtype_bytes=2, shard_group_size=4,
+        kept_bucket_numels=backward_head_buckets(buckets, 2**24),
     )  # fmt: skip
     assert (hybrid["3"]["intra_node_bytes"], hybrid["3"]["inter_node_bytes"]) == pytest.approx(
         expected.per_rank()
@@ -148,12 +151,63 @@ def test_zero_estimate_reports_bytes_per_link_class(capsys: pytest.CaptureFixtur
     assert hpz["3"]["inter_node_bytes"] < plain_link(16, 4)["inter_node_bytes"]
 
 
-def plain_link(n: int, per_node: int) -> dict[str, float]:
+def plain_link(n: int, per_node: int, head_numel: int | None = None) -> dict[str, float]:
+    """Flat stage 3 of 1e8 bf16 parameters; ``head_numel`` None: no backward head."""
+    buckets = even_buckets(1e8, 2**22, n)
+    kept = [] if head_numel is None else backward_head_buckets(buckets, head_numel)
     flat = step_link_bytes(
-        even_buckets(1e8, 2**22, n), world_size=n, ranks_per_node=per_node, stage=3, dtype_bytes=2
-    )
+        buckets, world_size=n, ranks_per_node=per_node, stage=3, dtype_bytes=2,
+        kept_bucket_numels=kept,
+    )  # fmt: skip
     intra, inter = flat.per_rank()
     return {"intra_node_bytes": intra, "inter_node_bytes": inter}
+
+
+def test_zero_estimate_counts_the_backward_head_at_stage_3(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """By default (the engine's 2^24-element head: the last, short bucket and four of 2^22
+    before it) stage 3 sends less
+    than the paper's 3Ψ(N-1)/N, which --no-backward-head reports; a head of 0 still keeps
+    backward's first bucket."""
+    import json
+
+    from zero_core.estimate_cli import main
+
+    def stage3(*extra: str) -> dict[str, Any]:
+        main(["--params", "1e8", "--json", "--world-size", "16", "--ranks-per-node", "4",
+              *extra])  # fmt: skip
+        return dict(json.loads(capsys.readouterr().out)["3"])
+
+    default, paper = stage3(), stage3("--no-backward-head")
+    buckets = even_buckets(1e8, 2**22, 16)
+    kept = buckets[-1] + 2**24
+    assert default["backward_head_numel"] == kept == sum(backward_head_buckets(buckets, 2**24))
+    for row, head in ((default, 2**24), (paper, None)):
+        expected = plain_link(16, 4, head)
+        assert (row["intra_node_bytes"], row["inter_node_bytes"]) == pytest.approx(
+            (expected["intra_node_bytes"], expected["inter_node_bytes"])
+        )
+    total = paper["intra_node_bytes"] + paper["inter_node_bytes"]
+    assert total == pytest.approx(3 * 2 * sum(buckets) * 15 / 16 + 2 * 4 * 15 / 16)  # + the flag
+    saved = total - default["intra_node_bytes"] - default["inter_node_bytes"]
+    assert saved == pytest.approx(2 * kept * 15 / 16)  # one gather of the head fewer
+    assert stage3("--backward-head-numel", "0")["backward_head_numel"] == buckets[-1]
+
+
+@given(
+    buckets=st.lists(st.integers(1, 1000), max_size=12),
+    head_numel=st.integers(0, 5000),
+)
+def test_the_estimated_head_is_backward_first_bucket_and_what_fits_after_it(
+    buckets: list[int], head_numel: int
+) -> None:
+    kept = backward_head_buckets(buckets, head_numel)
+    assert kept == list(reversed(buckets))[: len(kept)]
+    assert bool(kept) == bool(buckets)
+    assert sum(kept[1:]) <= head_numel
+    if len(kept) < len(buckets):
+        assert sum(kept[1:]) + buckets[-1 - len(kept)] > head_numel
 
 
 def test_zero_estimate_counts_micro_steps_and_native_sums(

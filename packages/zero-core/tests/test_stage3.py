@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import zero_core
 from zero_comm import CollectiveMismatchError, Communicator, run_simulated
 from zero_comm.simulated import SimulatedRankError
+from zero_core.link_traffic import backward_head_buckets
 
 
 class Branchy(nn.Module):
@@ -228,6 +229,7 @@ def test_the_head_is_bounded_by_its_own_window_not_the_prefetch_window(layers: i
     assert_equal_states(on[0], off[0])
     head = on[3]
     assert head == [UNIT] * min(1 + layers, 6)
+    assert head == backward_head_buckets([UNIT] * 6, layers * UNIT)  # zero-estimate's model
     assert on[1][1:] == [off[1][0] - sum(head)] * 2
     assert on[2] == off[2] + max(0, len(head) - 3) * UNIT
 

@@ -10,7 +10,10 @@ zero-estimate --params 7.5e9 --world-size 64 --ranks-per-node 8 --hpz 8 --quanti
     --quantize-gradients int4
 
 With --ranks-per-node, every stage's row also gives the bytes one step sends per rank over
-intra-node and inter-node links (zero_core.link_traffic; zero_comm's ring convention).
+intra-node and inter-node links (zero_core.link_traffic; zero_comm's ring convention). At
+stage 3 forward keeps backward's first buckets gathered (--backward-head-numel, as the
+engine's default): backward does not gather those again, so the figure is under the
+paper's 3Ψ(N-1)/N unless --no-backward-head.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
-from .config import DEFAULT_PREFETCH_NUMEL
-from .link_traffic import even_buckets, step_link_bytes
+from .config import DEFAULT_BACKWARD_HEAD_NUMEL, DEFAULT_PREFETCH_NUMEL
+from .link_traffic import backward_head_buckets, even_buckets, step_link_bytes
 from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
@@ -117,6 +120,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--quantize-gradients", choices=("int4", "int8"), help="stages 2-3: qgZ gradients"
     )
     links.add_argument(
+        "--backward-head-numel", type=int, default=DEFAULT_BACKWARD_HEAD_NUMEL,
+        help="stage 3: elements past backward's first bucket that forward keeps gathered "
+        "for backward, which then does not gather them again (ZeroConfig."
+        "backward_head_numel; default 2**24)",
+    )  # fmt: skip
+    links.add_argument(
+        "--no-backward-head", action="store_true",
+        help="stage 3: release every unit after its forward (keep_backward_head=False): the "
+        "paper's 3Ψ(N-1)/N, every bucket gathered twice",
+    )  # fmt: skip
+    links.add_argument(
         "--accumulation", type=int, default=1,
         help="micro-steps per step: gradients (and stage 3's gathers) go once per micro-step",
     )  # fmt: skip
@@ -139,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--offload-sub-group-numel, --offload-buffer-count, --bucket-numel: >= 1")
     if args.prefetch_numel < 0:
         parser.error(f"--prefetch-numel must be >= 0, got {args.prefetch_numel}")
+    if args.backward_head_numel < 0:
+        parser.error(f"--backward-head-numel must be >= 0, got {args.backward_head_numel}")
     sizes = [args.layers, args.width, args.heads, args.vocab_size, args.tokens]
     activations: ActivationBytes | None = None
     if any(v is not None for v in sizes):
@@ -239,9 +255,13 @@ def _link_options_error(args: argparse.Namespace) -> str:
 
 def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any]:
     """Per rank and step, the bytes sent within and across nodes at ``stage``, with the
-    options that apply to it (hybrid sharding 1-3, qgZ 2-3, hpZ and qwZ 3)."""
+    options that apply to it (hybrid sharding 1-3, qgZ 2-3, hpZ, qwZ and the backward
+    head 3), and at stage 3 the elements of the backward head."""
     group = args.shard_group if stage >= 1 else None
     buckets = even_buckets(args.params, args.bucket_numel, group or args.world_size)
+    kept: list[int] = []
+    if stage == 3 and not args.no_backward_head:
+        kept = backward_head_buckets(buckets, args.backward_head_numel)
     traffic = step_link_bytes(
         buckets, world_size=args.world_size, ranks_per_node=args.ranks_per_node, stage=stage,
         dtype_bytes=width, shard_group_size=group,
@@ -249,9 +269,10 @@ def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any
         quantize_weights=args.quantize_weights and stage == 3,
         quantize_gradients=args.quantize_gradients if stage >= 2 and not group else None,
         accumulation_steps=args.accumulation, deterministic=not args.native_sums,
+        kept_bucket_numels=kept,
     )  # fmt: skip
     intra, inter = traffic.per_rank()
-    return {"intra_node_bytes": intra, "inter_node_bytes": inter}
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter, "backward_head_numel": sum(kept)}
 
 
 def _gb(value: float | None, digits: int) -> str:
@@ -294,6 +315,11 @@ def _print_table(
                 f"{row['inter_node_bytes'] / 1e9:.3f} GB inter-node"
             )
         print(line)
+    head = rows[3].get("backward_head_numel", 0)
+    if head:
+        print(f"stage 3's link bytes: backward does not gather again the {head:,} elements of "
+              "the buckets forward keeps for it (--backward-head-numel; --no-backward-head "
+              "for the paper's 3Ψ(N-1)/N)")  # fmt: skip
     if activations is not None:
         print(f"activations ({args.checkpoint} checkpointing, TP {args.tp}): "
               f"{activations.kept / 1e9:.3f} GB kept through forward, "

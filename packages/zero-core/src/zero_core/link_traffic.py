@@ -174,3 +174,28 @@ def even_buckets(numel: int, bucket_numel: int, shard_size: int) -> list[int]:
     full, rest = divmod(int(numel), bucket_numel)
     sizes = [bucket_numel] * full + ([rest] if rest else [])
     return [-(-b // shard_size) * shard_size for b in sizes]
+
+
+def backward_head_buckets(bucket_numels: Sequence[int], head_numel: int) -> list[int]:
+    """An estimate's stage-3 backward head: the buckets a forward keeps gathered for
+    backward's start, with each bucket one gather unit, gathered in forward in the given
+    order and in backward in the reverse one (a stack of blocks).
+
+    As param_gatherer keeps them: backward's first unit (forward's last bucket) always,
+    then the ones before it while they total at most ``head_numel`` elements
+    (``ZeroConfig.backward_head_numel``)::
+
+        forward  ->  [b0][b1][b2][b3][b4]
+                              <---- head_numel ----|first|
+        kept:                 b2  b3               b4       (if b2 + b3 <= head_numel)
+    """
+    if head_numel < 0:
+        raise ValueError(f"head_numel={head_numel}: at least 0")
+    kept: list[int] = []
+    ahead = 0
+    for position, numel in enumerate(reversed(bucket_numels)):
+        if position > 0 and ahead + numel > head_numel:
+            break
+        kept.append(numel)
+        ahead += numel if position > 0 else 0
+    return kept
