@@ -70,6 +70,7 @@ from bench_cluster_report import (
     summarize,
     summary_dict,
 )
+from provenance import cpu_model
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
@@ -374,6 +375,7 @@ def report_context(
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         **made,
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "wall_s": wall_s,

@@ -367,7 +367,8 @@ sources {context.get("sources", "?")}); the whole run took
 
 Cluster: tools/emulated_cluster.py, 2 hosts (network namespaces) x 2 ranks, torchrun
 `--nnodes 2`, gloo, one torch thread per rank, on a machine of {context.get("cpus", "?")} CPU
-cores shared by the 4 ranks (and by other work). Link per rate:
+cores ({context.get("cpu_model", "model not recorded")}) shared by the 4 ranks (and by other
+work). Link per rate:
 {links}
 
 Training: {context.get("training", "")}

@@ -84,7 +84,7 @@ import time
 from typing import Any
 
 import torch
-from provenance import git_head
+from provenance import cpu_model, git_head
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -99,16 +99,6 @@ IMPL_OPTIONS: dict[str, dict[str, bool]] = {
 
 
 # ------------------------------------------------------------------ machine
-def cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine() -> dict[str, Any]:
     return {
         "cpu_model": cpu_model(),

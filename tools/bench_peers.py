@@ -70,7 +70,7 @@ from typing import Any
 
 import peer_comm
 import torch
-from provenance import git_head, sources_digest
+from provenance import cpu_model, git_head, sources_digest
 
 import zero_comm
 import zero_core
@@ -411,17 +411,11 @@ def summarize(
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     mem_kib = 0
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
         "system": platform.platform(),

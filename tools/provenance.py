@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import platform
 import subprocess
 from types import ModuleType
 
@@ -33,3 +34,15 @@ def git_head() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): these machines are Intel Xeon or AMD EPYC,
+    and timings compare only on one kind."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
