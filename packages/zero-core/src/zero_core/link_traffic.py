@@ -38,6 +38,7 @@ from fractions import Fraction
 
 from zero_comm import BlockQuantizer, CommStats, Topology
 
+from .param_gatherer import backward_head_length
 from .zeropp import GRADIENT_BLOCK_NUMEL, WEIGHT_BLOCK_NUMEL
 
 
@@ -181,9 +182,9 @@ def backward_head_buckets(bucket_numels: Sequence[int], head_numel: int) -> list
     backward's start, with each bucket one gather unit, gathered in forward in the given
     order and in backward in the reverse one (a stack of blocks).
 
-    As param_gatherer keeps them: backward's first unit (forward's last bucket) always,
-    then the ones before it while they total at most ``head_numel`` elements
-    (``ZeroConfig.backward_head_numel``)::
+    By param_gatherer's own rule (backward_head_length): backward's first unit
+    (forward's last bucket) always, then the ones before it while they total at most
+    ``head_numel`` elements (``ZeroConfig.backward_head_numel``)::
 
         forward  ->  [b0][b1][b2][b3][b4]
                               <---- head_numel ----|first|
@@ -191,11 +192,5 @@ def backward_head_buckets(bucket_numels: Sequence[int], head_numel: int) -> list
     """
     if head_numel < 0:
         raise ValueError(f"head_numel={head_numel}: at least 0")
-    kept: list[int] = []
-    ahead = 0
-    for position, numel in enumerate(reversed(bucket_numels)):
-        if position > 0 and ahead + numel > head_numel:
-            break
-        kept.append(numel)
-        ahead += numel if position > 0 else 0
-    return kept
+    backward = list(reversed(bucket_numels))
+    return backward[: backward_head_length(backward, head_numel)]

@@ -63,7 +63,7 @@ dropped when the backward pass ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -80,6 +80,25 @@ from zero_comm import (
 from zero_comm.hierarchy import hierarchical_all_gather
 
 from .param_table import ParamSlot
+
+
+def backward_head_length(
+    numels: Sequence[int], head_numel: int, max_live_numel: float = float("inf")
+) -> int:
+    """How many of the units ``numels`` (their elements, in backward's order) a forward
+    keeps gathered for backward's start: the first one, then the next ones while those
+    after the first total at most ``head_numel`` elements, and all of them at most
+    ``max_live_numel``. The one rule of the engine (ParameterGatherer) and of
+    zero-estimate's link bytes (link_traffic.backward_head_buckets)."""
+    ahead = total = 0
+    for position, numel in enumerate(numels):
+        if position > 0 and ahead + numel > head_numel:
+            return position
+        if total + numel > max_live_numel:
+            return position
+        total += numel
+        ahead += numel if position > 0 else 0
+    return len(numels)
 
 
 class ShardSource(Protocol):
@@ -299,22 +318,14 @@ class ParameterGatherer:
         its first unit and the ones after it within ``backward_head_numel`` elements (all
         within ``max_live_numel``). Empty before the first backward."""
         trace = self.traces.get(Pass.BACKWARD)
-        head: set[int] = set()
         if not trace or not self.keep_backward_head:
-            return head
-        ahead = total = 0
-        for position, index in enumerate(trace):
-            unit = self.units[index]
-            if index in head or unit.persistent:
-                continue
-            if position > 0 and ahead + unit.numel > self.backward_head_numel:
-                break
-            if total + unit.numel > self.max_live_numel:
-                break
-            head.add(index)
-            total += unit.numel
-            ahead += unit.numel if position > 0 else 0
-        return head
+            return set()
+        # Each unit once, at its first demand; persistent ones are gathered for good.
+        order = [i for i in dict.fromkeys(trace) if not self.units[i].persistent]
+        kept = backward_head_length(
+            [self.units[i].numel for i in order], self.backward_head_numel, self.max_live_numel
+        )
+        return set(order[:kept])
 
     def release_if_unused(self, index: int) -> None:
         """Release unit ``index`` if no running module holds it and it holds storage
