@@ -234,6 +234,24 @@ def test_the_head_is_bounded_by_its_own_window_not_the_prefetch_window(layers: i
     assert on[2] == off[2] + max(0, len(head) - 3) * UNIT
 
 
+def test_the_head_starts_at_backwards_first_unit_that_is_not_persistent() -> None:
+    """The last layer (64 -> 2, 130 elements) stays whole under the persistence threshold,
+    so backward's record starts with it; with backward_head_numel 0 the head is the next
+    layer, the first that backward gathers (it was empty while the rule counted the
+    persistent one as backward's first)."""
+
+    def head(comm: Communicator) -> list[int]:
+        case = ParityCase(widths=(64,) * 5 + (2,), persistence_threshold=200)
+        engine = build_engine(case, comm, 3, {"backward_head_numel": 0})
+        for step in range(2):
+            x, target = micro_batch(case, step * comm.world_size + comm.rank)
+            engine.backward(loss_of(case, engine(x), target))
+            engine.step()
+        return engine.parameters.gatherer.backward_head_numels()  # type: ignore[attr-defined,no-any-return]
+
+    assert run_simulated(2, head)[0] == [64 * 64]  # a weight; biases are whole (persistent)
+
+
 def test_a_shard_write_releases_the_units_kept_for_backward() -> None:
     """A forward keeps the head; a checkpoint load between it and backward writes the
     shards, so what the user then reads gathered is the loaded values, not forward's."""
