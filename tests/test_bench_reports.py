@@ -193,6 +193,32 @@ def test_the_step_table_shows_the_spread_of_the_rounds(tmp_path: Path) -> None:
     assert all("ddp" in part for part in bench_peers_search.launch_variants("100m", 4))
 
 
+def test_each_launch_runs_its_own_rounds_unless_rounds_is_given(tmp_path: Path) -> None:
+    """--all gives each launch the rounds of its LAUNCHES row (more where steps are short);
+    --rounds sets every launch's; a single launch without it runs 3."""
+    import bench_peers
+
+    def rounds_of(argv: list[str]) -> list[int]:
+        args = bench_peers.parser().parse_args(argv)
+        commands = [
+            bench_peers_search.launch_command(s, n, b, r, tmp_path / "x.json", args, ("ddp",))
+            for s, n, b, r in bench_peers_search.LAUNCHES
+        ]
+        return [int(c[c.index("--rounds") + 1]) for c in commands]
+
+    assert rounds_of(["--all"]) == [r for *_, r in bench_peers_search.LAUNCHES]
+    assert rounds_of(["--all", "--rounds", "2"]) == [2] * len(bench_peers_search.LAUNCHES)
+    assert bench_peers.parser().parse_args([]).rounds is None  # main() makes it 3
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2) | {"rounds": 7}))
+    (raw / "peers-smoke-n4.json").write_text(json.dumps(launch_report(n=4) | {"rounds": 3}))
+    bench_peers_report.write_docs(tmp_path, raw)
+    text = (tmp_path / "peers.md").read_text()
+    assert "every other round): 7 at 0M N=2, 3 at 0M N=4" in text
+    assert "7 rounds of 1 + 2 steps" in text and "3 rounds of 1 + 2 steps" in text
+
+
 @pytest.mark.parametrize("answer", [3, 11, 14, 40])
 def test_search_with_the_finer_growth_brackets_and_finds_the_answer(answer: int) -> None:
     def fake_probe(layers: int) -> dict[str, Any]:

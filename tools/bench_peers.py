@@ -568,7 +568,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="untimed steps per block")
     p.add_argument("--steps", type=int, default=3, help="timed steps per block")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds (default 3; --all: per launch, bench_peers_search.LAUNCHES)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="where rank 0 writes the results")
@@ -620,6 +624,7 @@ def main() -> None:
     elif args.probe:
         run_probe(args)
     else:
+        args.rounds = 3 if args.rounds is None else args.rounds
         run_rank(args)
 
 

@@ -408,8 +408,12 @@ def write_docs(out: Path, raw: Path) -> None:
             )
         )
         + f"; each block = build + "
-        f"{first['warmup']} untimed + {first['steps']} timed steps, {first['rounds']} "
-        f"interleaved rounds (order reversed every other round)",
+        f"{first['warmup']} untimed + {first['steps']} timed steps; interleaved rounds "
+        "(order reversed every other round): "
+        + ", ".join(
+            f"{r['rounds']} at {r['model']['parameters'] / 1e6:.0f}M N={r['world_size']}"
+            for r in launches
+        ),
         "- sizes: "
         + "; ".join(
             sorted(

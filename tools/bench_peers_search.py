@@ -54,8 +54,13 @@ from zero_models.gpt import GPTConfig
 
 TOOL = Path(__file__).resolve().parent / "bench_peers.py"
 LAUNCHER = (sys.executable, "-m", "zero_comm.launch")  # zero-launch
-# (size, N, sequences per rank): one sequence at 100M keeps the whole run under ~45 minutes
-LAUNCHES = (("20m", 2, 2), ("100m", 2, 1), ("20m", 4, 2), ("100m", 4, 1))
+# (size, N, sequences per rank, rounds): one sequence at 100M keeps the launches near an
+# hour. Rounds by step length: a 19M step is 0.5-0.8 s, so 3 rounds of 3 steps timed 1.5 s
+# per variant and round, and one disturbed round moved a median ratio by 0.05-0.10 (the
+# 3-round cells of c5678fa against 9-round A/Bs of the same code: 1.10 -> 0.97, 1.15 ->
+# 1.10); 101M N=2 steps are ~1.7 s and its cells spread 0.10 over 3 rounds; 101M N=4 steps
+# are ~3 s and its cells spread under 0.05. `--rounds` overrides all four.
+LAUNCHES = (("20m", 2, 2, 7), ("100m", 2, 1, 5), ("20m", 4, 2, 7), ("100m", 4, 1, 3))
 SEARCH_VARIANTS = (
     "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3",
     "ours-3-in-bwd", "fsdp2-in-bwd",
@@ -127,10 +132,12 @@ def launch_variants(size: str, n: int) -> tuple[tuple[str, ...], ...]:
 
 
 def launch_command(
-    size: str, n: int, batch: int, json_path: Path, args: argparse.Namespace,
+    size: str, n: int, batch: int, rounds: int, json_path: Path, args: argparse.Namespace,
     variants: tuple[str, ...],
 ) -> list[str]:  # fmt: skip
-    options = ["--size", size, "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    """The launch (size, N) with ``rounds`` rounds unless ``--rounds`` was given."""
+    rounds = rounds if args.rounds is None else args.rounds
+    options = ["--size", size, "--steps", str(args.steps), "--rounds", str(rounds)]
     options += ["--warmup", str(args.warmup), "--batch", str(batch), "--variants", *variants]
     return peers_launch(n, [*options, "--json", str(json_path)])
 
@@ -156,18 +163,22 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def run_peer_launch(size: str, n: int, batch: int, path: Path, args: argparse.Namespace) -> int:
+def run_peer_launch(
+    size: str, n: int, batch: int, rounds: int, path: Path, args: argparse.Namespace
+) -> int:
     """Run the launch (size, N) in its parts and write its report to ``path``; the exit
     status of the first part that failed (``path`` is then left as it was), else 0."""
     parts = launch_variants(size, n)
     if len(parts) == 1:
-        return run_launch(launch_command(size, n, batch, path, args, parts[0]), f"{size} N={n}")
+        command = launch_command(size, n, batch, rounds, path, args, parts[0])
+        return run_launch(command, f"{size} N={n}")
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         for k, variants in enumerate(parts, 1):
             part_path = Path(tmp) / f"part-{k}.json"
             label = f"{size} N={n}, part {k} of {len(parts)}"
-            code = run_launch(launch_command(size, n, batch, part_path, args, variants), label)
+            command = launch_command(size, n, batch, rounds, part_path, args, variants)
+            code = run_launch(command, label)
             if code:
                 return code
             reports.append(json.loads(part_path.read_text()))
@@ -440,10 +451,10 @@ def run_all(args: argparse.Namespace) -> None:
         return
     failed = []
     if not args.report_only:
-        for size, n, batch in LAUNCHES if not args.search_only else ():
+        for size, n, batch, rounds in LAUNCHES if not args.search_only else ():
             path = raw / f"peers-{size}-n{n}.json"
             label = f"{size} N={n}"
-            code = run_peer_launch(size, n, batch, path, args)
+            code = run_peer_launch(size, n, batch, rounds, path, args)
             if code:
                 failed.append({"label": label, "exit": code})
         if not args.skip_search:
