@@ -219,6 +219,38 @@ def test_each_launch_runs_its_own_rounds_unless_rounds_is_given(tmp_path: Path) 
     assert "7 rounds of 1 + 2 steps" in text and "3 rounds of 1 + 2 steps" in text
 
 
+def test_step_goals_are_judged_from_the_goal_row_launch_where_there_is_one(
+    tmp_path: Path,
+) -> None:
+    """A (size, N) with a goal-row launch takes its step-time goal rows from it (here ours-0
+    1.00, met, where the full launch says 1.10, missed); one without keeps the full
+    launch's; the goal-row launch's table is in the report, and the full step table
+    still shows the full launch's figure."""
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2)))
+    (raw / "peers-smoke-n4.json").write_text(json.dumps(launch_report(n=4)))
+    ddp = result_row("ddp", 0.5, 900.0, (1.0, 2.0, 3.0)) | {"ratio_to_ddp": 1.0}
+    ours = result_row("ours-0", 0.5, 300.0, (1.0, 2.0, 3.0)) | {"ratio_to_ddp": 1.0}
+    goal = launch_report(n=2, rows=[ddp, ours]) | {"rounds": 15}
+    (raw / f"{bench_peers_report.GOAL_PREFIX}smoke-n2.json").write_text(json.dumps(goal))
+    bench_peers_report.write_docs(tmp_path, raw)
+    text = (tmp_path / "peers.md").read_text()
+    assert (
+        "| ours-0 step time <= 1.05x DDP | 0M N=2, goal-row launch (15 rounds) | 1.00x | yes |"
+        in text
+    )
+    assert "| ours-0 step time <= 1.05x DDP | 0M N=4 | 1.10x | NO |" in text
+    assert "| ours-0 step time <= 1.05x DDP | 0M N=2 | 1.10x | NO |" not in text
+    assert "| ours-0 | 1.00 (1.00); full launch (1 rounds) 1.10 |" in text
+    # a variant the goal-row launch lacks (it failed there) keeps the full launch's row
+    assert "| ours-3 step time <= 1.15x DDP | 0M N=2 | 2.00x | NO |" in text
+    assert "## Per goal-row launch" in text and "15 rounds of 1 + 2 steps" in text
+    launches = {tuple(x[:2]) for x in bench_peers_search.GOAL_LAUNCHES}
+    assert launches <= {tuple(x[:2]) for x in bench_peers_search.LAUNCHES}
+    assert set(bench_peers_search.GOAL_VARIANTS) == {"ddp", *bench_peers_report.TARGETS}
+
+
 @pytest.mark.parametrize("answer", [3, 11, 14, 40])
 def test_search_with_the_finer_growth_brackets_and_finds_the_answer(answer: int) -> None:
     def fake_probe(layers: int) -> dict[str, Any]:

@@ -20,6 +20,9 @@ from zero_core.memory_estimate import model_state_bytes, state_bytes_per_param
 MIB = 2**20
 # Step time over DDP: issue 8 for stages 1-3, issue 17 added stage 0 (real data parallelism).
 TARGETS = {"ours-0": 1.05, "ours-1": 1.05, "ours-2": 1.05, "ours-3": 1.15, "ours-3-in-bwd": 1.15}
+# Launches of DDP and the TARGETS variants only (bench_peers_search.GOAL_LAUNCHES): where one
+# exists for a (size, N), its step-time goal rows are judged from it.
+GOAL_PREFIX = "goal-rows-"
 # Largest-model goals of issue 17, in both checkpoint settings: (ours, peer, parameters of
 # ours >= factor x the peer's)
 LARGEST_GOALS = (
@@ -172,6 +175,19 @@ def _load(raw: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[s
     return launches, searches, run
 
 
+def _load_goal_launches(raw: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """The goal-row launches by (parameters, N)."""
+    reports = [json.loads(p.read_text()) for p in sorted(raw.glob(f"{GOAL_PREFIX}*.json"))]
+    return {(r["model"]["parameters"], r["world_size"]): r for r in reports}
+
+
+def goal_launch_of(
+    report: dict[str, Any], goal_launches: dict[tuple[int, int], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The goal-row launch of ``report``'s model and N, if there is one."""
+    return goal_launches.get((report["model"]["parameters"], report["world_size"]))
+
+
 def provenance_warnings(launches: list[dict[str, Any]], run: dict[str, Any]) -> list[str]:
     """A line for each launch of this run that failed (run.json's ``failed_launches``) and
     for each column whose figures come from another run than the first column's (a failed
@@ -313,19 +329,28 @@ def phase_peak_cell(row: dict[str, Any], _report: dict[str, Any]) -> str:
     return " / ".join(f"{peaks[p]['increase_mib']:.0f}" for p in PHASES)
 
 
-def targets(launches: list[dict[str, Any]], searches: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets, each met or missed, figure by figure."""
+def targets(
+    launches: list[dict[str, Any]],
+    searches: list[dict[str, Any]],
+    goal_launches: dict[tuple[int, int], dict[str, Any]] | None = None,
+) -> list[str]:
+    """The issue's targets, each met or missed, figure by figure; a step-time goal from
+    the goal-row launch of its (size, N) where there is one, else from the full launch."""
     out = ["\n## Targets (issues 8 and 17)\n", "| target | run | figure | met |"]
     out.append("|---|---|---|---|")
     for report in launches:
+        goal = goal_launch_of(report, goal_launches or {})
         for variant, bound in TARGETS.items():
-            r = _result(report, variant)
+            timed, run = report, _label(report)
+            if goal is not None and _result(goal, variant) is not None:
+                timed, run = goal, f"{_label(goal)}, goal-row launch ({goal['rounds']} rounds)"
+            r = _result(timed, variant)
             if r and r["ratio_to_ddp"] is not None:
                 ok = r["ratio_to_ddp"] <= bound
-                ddp = _result(report, "ddp")
+                ddp = _result(timed, "ddp")
                 spread = "" if ddp is None else round_spread(r, ddp)
                 out.append(
-                    f"| {variant} step time <= {bound}x DDP | {_label(report)} "
+                    f"| {variant} step time <= {bound}x DDP | {run} "
                     f"| {r['ratio_to_ddp']:.2f}x{spread} | {'yes' if ok else 'NO'} |"
                 )
         for stage, peers in (
@@ -360,6 +385,39 @@ def targets(launches: list[dict[str, Any]], searches: list[dict[str, Any]]) -> l
                 )
     for search in searches:
         out += largest_goals(search)
+    return out
+
+
+def goal_rows_section(
+    launches: list[dict[str, Any]], goal_launches: dict[tuple[int, int], dict[str, Any]]
+) -> list[str]:
+    """The step-time goal rows from their own launches, beside the full launch's figure."""
+    pairs = [(rep, goal_launch_of(rep, goal_launches)) for rep in launches]
+    pairs = [(rep, goal) for rep, goal in pairs if goal is not None]
+    if not pairs:
+        return []
+    out = [
+        "\n### Step time of the goal rows, from launches of DDP and these variants only\n",
+        "Each cell: ratio to DDP as in the step table, from the goal-row launch (its rounds "
+        "in the header), then the full launch's median ratio (its rounds) for comparison. "
+        "A goal-row launch interleaves six variants, so a variant's block and its DDP's are "
+        "seconds apart, not minutes: the targets below are judged from it. "
+        + "; ".join(
+            f"{_label(goal)}: {goal['date']}, git commit {goal['git_head']}" for _, goal in pairs
+        ),
+        "",
+        "| variant | " + " | ".join(f"{_label(g)} ({g['rounds']} rounds)" for _, g in pairs) + " |",
+        "|---|" + "---:|" * len(pairs),
+    ]
+    for variant in TARGETS:
+        cells = []
+        for rep, goal in pairs:
+            mine, full = _result(goal, variant), _result(rep, variant)
+            cell = "-" if mine is None else ddp_ratios(mine, goal)
+            if full is not None and full["ratio_to_ddp"] is not None:
+                cell += f"; full launch ({rep['rounds']} rounds) {full['ratio_to_ddp']:.2f}"
+            cells.append(cell)
+        out.append(f"| {variant} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -500,9 +558,14 @@ def write_docs(out: Path, raw: Path) -> None:
             "repeated gather/free of our stage 3 kept up to twice the resident memory "
             "(the bench launches above ran with glibc's defaults for every variant).",
         ]
-    lines += targets(launches, searches)
+    goal_launches = _load_goal_launches(raw)
+    lines += goal_rows_section(launches, goal_launches)
+    lines += targets(launches, searches, goal_launches)
     lines += READING
     lines += ["\n## Per launch\n"] + [launch_table(rep) + "\n" for rep in launches]
+    if goal_launches:
+        lines += ["\n## Per goal-row launch\n"]
+        lines += [launch_table(rep) + "\n" for rep in goal_launches.values()]
     charts = draw_charts(out, launches, searches)
     if charts:
         lines += ["\n## Charts\n"] + [f"![{c}]({c})" for c in charts]

@@ -47,20 +47,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_peers_report import SEARCH_FILES, paper_model_states_mib, write_docs
+from bench_peers_report import GOAL_PREFIX, SEARCH_FILES, paper_model_states_mib, write_docs
 from provenance import git_head
 
 from zero_models.gpt import GPTConfig
 
 TOOL = Path(__file__).resolve().parent / "bench_peers.py"
 LAUNCHER = (sys.executable, "-m", "zero_comm.launch")  # zero-launch
-# (size, N, sequences per rank, rounds): one sequence at 100M keeps the launches near an
-# hour. Rounds by step length: a 19M step is 0.5-0.8 s, so 3 rounds of 3 steps timed 1.5 s
-# per variant and round, and one disturbed round moved a median ratio by 0.05-0.10 (the
-# 3-round cells of c5678fa against 9-round A/Bs of the same code: 1.10 -> 0.97, 1.15 ->
-# 1.10); 101M N=2 steps are ~1.7 s and its cells spread 0.10 over 3 rounds; 101M N=4 steps
-# are ~3 s and its cells spread under 0.05. `--rounds` overrides all four.
-LAUNCHES = (("20m", 2, 2, 7), ("100m", 2, 1, 5), ("20m", 4, 2, 7), ("100m", 4, 1, 3))
+# (size, N, sequences per rank, rounds): one sequence at 100M keeps the launches under ~45
+# minutes. `--rounds` overrides every launch's, the goal launches' too.
+LAUNCHES = (("20m", 2, 2, 3), ("100m", 2, 1, 3), ("20m", 4, 2, 3), ("100m", 4, 1, 3))
+# The goal rows (bench_peers_report.TARGETS: ours-0..3 and ours-3-in-bwd against DDP) again,
+# in launches of their own, where the full launch cannot tell a goal: a 19M step is 0.5-0.8
+# s, and in the 16-variant launch a variant's block and its round's DDP block are up to two
+# minutes apart. There, at c5678fa, one round moved a median ratio by 0.05-0.10, the goals'
+# whole margin (3-round cells against 9-round A/Bs of the same code: 1.10 -> 0.97, 1.15 ->
+# 1.10), and 7 rounds at 3f1eb96 (AMD) still spread 0.70-1.44 per round. With six variants
+# a round is ~40 s, so 15 rounds cost what 5 of the full launch do. 101M N=2 blocks are ~20
+# s: 4 rounds. The report judges these goals from these launches (peers-json/goal-rows-*).
+GOAL_LAUNCHES = (("20m", 2, 2, 15), ("100m", 2, 1, 4), ("20m", 4, 2, 15))
+GOAL_VARIANTS = ("ddp", "ours-0", "ours-1", "ours-2", "ours-3", "ours-3-in-bwd")
 SEARCH_VARIANTS = (
     "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3",
     "ours-3-in-bwd", "fsdp2-in-bwd",
@@ -164,11 +170,13 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_peer_launch(
-    size: str, n: int, batch: int, rounds: int, path: Path, args: argparse.Namespace
-) -> int:
-    """Run the launch (size, N) in its parts and write its report to ``path``; the exit
-    status of the first part that failed (``path`` is then left as it was), else 0."""
-    parts = launch_variants(size, n)
+    size: str, n: int, batch: int, rounds: int, path: Path, args: argparse.Namespace,
+    variants: tuple[str, ...] | None = None,
+) -> int:  # fmt: skip
+    """Run the launch (size, N) in its parts (of ``variants`` in one part, if given) and
+    write its report to ``path``; the exit status of the first part that failed (``path``
+    is then left as it was), else 0."""
+    parts = launch_variants(size, n) if variants is None else (variants,)
     if len(parts) == 1:
         command = launch_command(size, n, batch, rounds, path, args, parts[0])
         return run_launch(command, f"{size} N={n}")
@@ -455,6 +463,12 @@ def run_all(args: argparse.Namespace) -> None:
             path = raw / f"peers-{size}-n{n}.json"
             label = f"{size} N={n}"
             code = run_peer_launch(size, n, batch, rounds, path, args)
+            if code:
+                failed.append({"label": label, "exit": code})
+        for size, n, batch, rounds in GOAL_LAUNCHES if not args.search_only else ():
+            path = raw / f"{GOAL_PREFIX}{size}-n{n}.json"
+            label = f"{size} N={n}, goal rows"
+            code = run_peer_launch(size, n, batch, rounds, path, args, GOAL_VARIANTS)
             if code:
                 failed.append({"label": label, "exit": code})
         if not args.skip_search:
