@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -249,6 +252,32 @@ def test_step_goals_are_judged_from_the_goal_row_launch_where_there_is_one(
     launches = {tuple(x[:2]) for x in bench_peers_search.GOAL_LAUNCHES}
     assert launches <= {tuple(x[:2]) for x in bench_peers_search.LAUNCHES}
     assert set(bench_peers_search.GOAL_VARIANTS) == {"ddp", *bench_peers_report.TARGETS}
+
+
+@given(
+    st.lists(st.floats(0.5, 2.0, allow_nan=False), min_size=1, max_size=40, unique=True),
+    st.sampled_from([0.9, 0.95, 0.99]),
+)
+def test_the_median_interval_is_the_narrowest_order_statistics_with_the_coverage(
+    values: list[float], confidence: float
+) -> None:
+    """[x(k), x(n-k+1)] covers the median with 1 - 2 P(Binomial(n, 1/2) < k): the
+    interval returned has at least ``confidence``, the next narrower one has less, and
+    none is given where even the whole range has less."""
+    n, ordered = len(values), sorted(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    found = bench_peers_report.median_interval(values, confidence)
+    if coverage(1) < confidence:
+        assert found is None
+        return
+    assert found is not None
+    k = next(k for k in range(1, n + 1) if found == (ordered[k - 1], ordered[n - k]))
+    assert coverage(k) >= confidence
+    assert k + 1 > n // 2 or coverage(k + 1) < confidence
+    assert bench_peers_report.median_interval(list(range(15))) == (3, 11)  # 96.5%
 
 
 @pytest.mark.parametrize("answer", [3, 11, 14, 40])

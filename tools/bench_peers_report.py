@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -90,6 +91,21 @@ def round_spread(row: dict[str, Any], ddp: dict[str, Any]) -> str:
     if not ratios or len(ratios) < 2:
         return ""
     return f" [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of what ``values`` sample: the k-th
+    lowest and k-th highest value, k the largest with P(the median lies between) >=
+    ``confidence`` (the number of values below the median is Binomial(n, 1/2)); None where
+    even the lowest and the highest do not reach it (n <= 5 at 0.95)."""
+    ordered, n = sorted(values), len(values)
+    best = None
+    for k in range(1, n // 2 + 1):
+        outside = 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        if 1 - outside < confidence:
+            break
+        best = (ordered[k - 1], ordered[n - k])
+    return best
 
 
 def launch_table(report: dict[str, Any]) -> str:
@@ -399,7 +415,9 @@ def goal_rows_section(
     out = [
         "\n### Step time of the goal rows, from launches of DDP and these variants only\n",
         "Each cell: ratio to DDP as in the step table, from the goal-row launch (its rounds "
-        "in the header), then the full launch's median ratio (its rounds) for comparison. "
+        "in the header), with an interval that holds the median of such round ratios with "
+        "95% confidence (order statistics: the k-th lowest and highest round, distribution-"
+        "free), then the full launch's median ratio (its rounds) for comparison. "
         "A goal-row launch interleaves six variants, so a variant's block and its DDP's are "
         "seconds apart, not minutes: the targets below are judged from it. "
         + "; ".join(
@@ -414,6 +432,9 @@ def goal_rows_section(
         for rep, goal in pairs:
             mine, full = _result(goal, variant), _result(rep, variant)
             cell = "-" if mine is None else ddp_ratios(mine, goal)
+            interval = median_interval((mine or {}).get("round_ratios_to_ddp") or [])
+            if interval is not None:
+                cell += f", median within {interval[0]:.2f}-{interval[1]:.2f} (95%)"
             if full is not None and full["ratio_to_ddp"] is not None:
                 cell += f"; full launch ({rep['rounds']} rounds) {full['ratio_to_ddp']:.2f}"
             cells.append(cell)
