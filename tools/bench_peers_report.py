@@ -408,8 +408,9 @@ def goal_rows_section(
     launches: list[dict[str, Any]], goal_launches: dict[tuple[int, int], dict[str, Any]]
 ) -> list[str]:
     """The step-time goal rows from their own launches, beside the full launch's figure."""
-    pairs = [(rep, goal_launch_of(rep, goal_launches)) for rep in launches]
-    pairs = [(rep, goal) for rep, goal in pairs if goal is not None]
+    pairs = [
+        (rep, goal) for rep in launches if (goal := goal_launch_of(rep, goal_launches)) is not None
+    ]
     if not pairs:
         return []
     out = [
