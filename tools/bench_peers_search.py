@@ -47,7 +47,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_peers_report import GOAL_PREFIX, SEARCH_FILES, paper_model_states_mib, write_docs
+from bench_peers_report import (
+    GOAL_PREFIX,
+    SEARCH_FILES,
+    TARGETS,
+    paper_model_states_mib,
+    write_docs,
+)
 from provenance import git_head
 
 from zero_models.gpt import GPTConfig
@@ -66,7 +72,7 @@ LAUNCHES = (("20m", 2, 2, 3), ("100m", 2, 1, 3), ("20m", 4, 2, 3), ("100m", 4, 1
 # a round is ~40 s, so 15 rounds cost what 5 of the full launch do. 101M N=2 blocks are ~20
 # s: 4 rounds. The report judges these goals from these launches (peers-json/goal-rows-*).
 GOAL_LAUNCHES = (("20m", 2, 2, 15), ("100m", 2, 1, 4), ("20m", 4, 2, 15))
-GOAL_VARIANTS = ("ddp", "ours-0", "ours-1", "ours-2", "ours-3", "ours-3-in-bwd")
+GOAL_VARIANTS = ("ddp", *TARGETS)
 SEARCH_VARIANTS = (
     "ddp", "ours-1", "ours-2", "ours-3", "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3",
     "ours-3-in-bwd", "fsdp2-in-bwd",
@@ -459,18 +465,16 @@ def run_all(args: argparse.Namespace) -> None:
         return
     failed = []
     if not args.report_only:
-        for size, n, batch, rounds in LAUNCHES if not args.search_only else ():
-            path = raw / f"peers-{size}-n{n}.json"
-            label = f"{size} N={n}"
-            code = run_peer_launch(size, n, batch, rounds, path, args)
-            if code:
-                failed.append({"label": label, "exit": code})
-        for size, n, batch, rounds in GOAL_LAUNCHES if not args.search_only else ():
-            path = raw / f"{GOAL_PREFIX}{size}-n{n}.json"
-            label = f"{size} N={n}, goal rows"
-            code = run_peer_launch(size, n, batch, rounds, path, args, GOAL_VARIANTS)
-            if code:
-                failed.append({"label": label, "exit": code})
+        kinds = (
+            ("peers-", "", LAUNCHES, None),
+            (GOAL_PREFIX, ", goal rows", GOAL_LAUNCHES, GOAL_VARIANTS),
+        )
+        for prefix, suffix, launches, variants in kinds if not args.search_only else ():
+            for size, n, batch, rounds in launches:
+                path = raw / f"{prefix}{size}-n{n}.json"
+                code = run_peer_launch(size, n, batch, rounds, path, args, variants)
+                if code:
+                    failed.append({"label": f"{size} N={n}{suffix}", "exit": code})
         if not args.skip_search:
             run_search(args, raw)
         if not (args.skip_scaling or args.search_only):
