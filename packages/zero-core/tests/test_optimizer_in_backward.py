@@ -263,3 +263,64 @@ def test_a_step_hook_added_after_initialize_is_refused_at_the_next_backward() ->
         assert engine.step()
 
     run_simulated(1, body)
+
+
+def reduction_events(case: ParityCase) -> list[tuple[str, int]]:
+    """Rank 0's sequence, over one fused step of 2 ranks, of ("launch", bucket),
+    ("wait", bucket) (the last of its reduce-scatters landed) and ("step", bucket) (its
+    on_reduced callback: the bucket's optimizer step)."""
+
+    def body(comm: Communicator) -> list[tuple[str, int]]:
+        engine = build_engine(case, comm, 3, FUSED)
+        reducer = engine.gradients.reducer
+        events: list[tuple[str, int]] = []
+        stepper, launch, finish = reducer.on_reduced, reducer._launch, reducer._finish_oldest
+        assert stepper is not None
+
+        def logged_step(index: int) -> None:
+            events.append(("step", index))
+            stepper(index)
+
+        def logged_launch(index: int) -> None:
+            launch(index)
+            events.append(("launch", index))
+
+        def logged_finish() -> None:
+            index = reducer._in_flight[0][0]
+            finish()
+            if reducer._pieces_left[index] == 0:
+                events.append(("wait", index))
+
+        reducer.on_reduced, reducer._launch = logged_step, logged_launch  # type: ignore[method-assign]
+        reducer._finish_oldest = logged_finish  # type: ignore[method-assign]
+        x, target = micro_batch(case, comm.rank)
+        engine.backward(loss_of(case, engine(x), target))
+        assert engine.step()
+        engine.close()
+        return events
+
+    return run_simulated(2, body)[0]
+
+
+def test_a_bucket_steps_after_the_launch_its_landing_made_room_for() -> None:
+    """A bucket that landed to make room for the next reduce-scatter is stepped after
+    that launch, not between its landing and the launch: stepped there, the optimizer
+    kept the link idle (grad_reducer._hand_over). Every bucket is stepped once."""
+    case = normalised(ParityCase(widths=(32,) * 9, bucket_numel=2048, seed=2))
+    events = reduction_events(case)
+    launched = [b for kind, b in events if kind == "launch"]
+    assert sorted(b for kind, b in events if kind == "step") == sorted(launched)
+    made_room = 0
+    for i, (kind, bucket) in enumerate(events):
+        if kind != "wait":
+            continue
+        after = events[i + 1 :]
+        next_wait = next((j for j, e in enumerate(after) if e[0] == "wait"), len(after))
+        launch = next((j for j, e in enumerate(after[:next_wait]) if e[0] == "launch"), None)
+        if launch is None:
+            continue  # no launch waited for it (the end of backward)
+        made_room += 1
+        # -1: stepped inside its own landing (logged before the "wait", as it returned)
+        stepped = after.index(("step", bucket)) if ("step", bucket) in after else -1
+        assert stepped > launch, f"bucket {bucket} was stepped before the launch: {events}"
+    assert made_room >= 2, f"the case must make room during backward: {events}"

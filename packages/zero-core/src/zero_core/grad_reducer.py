@@ -130,13 +130,16 @@ class BucketReducer:
         self._first = True
         self._tag = ""
         # Called with a bucket's index once its slice of this micro-step is in its target
-        # (optimizer_in_backward steps and frees it there).
+        # (optimizer_in_backward steps and frees it there); run by _hand_over, after the
+        # launch that needed the bucket's room, so the link works while the callback does.
         self.on_reduced: Callable[[int], None] | None = None
+        self._reduced: int | None = None  # the bucket whose callback is due
 
     def begin(self, first_micro_step: bool, tag: str = "") -> None:
         """Start a micro-step; ``tag`` is appended to every label (the micro-step)."""
         self._first = first_micro_step
         self._tag = tag
+        self._reduced = None  # a backward that raised may have left one due
         self.order.begin()
 
     def _stage(self, index: int) -> torch.Tensor:
@@ -191,6 +194,24 @@ class BucketReducer:
     def _launch_ready(self) -> None:
         for index in self.order.take_ready():
             self._launch(index)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Run ``on_reduced`` for the bucket that finished last, if it has not run yet.
+
+        Deferred from ``_finish_oldest``, which finishes a bucket to make room for a launch:
+        run there, the callback (a bucket's optimizer step) kept the next reduce-scatter
+        from starting until it returned, so the link idled while the CPU stepped. Now it
+        runs after the launches (``_launch_ready``), or at the start of the next
+        ``_finish_oldest``, before its wait, so that at most one reduced slice is live,
+        as before::
+
+            before  finish b3 | step b3 | launch b1 |          ...
+            now     finish b3 | launch b1 | step b3 |          ... (b1, b2 on the wire)
+        """
+        index, self._reduced = self._reduced, None
+        if index is not None and self.on_reduced is not None:
+            self.on_reduced(index)
 
     def _oversized(self, index: int) -> bool:
         if self.chunk_numel is None:
@@ -266,6 +287,7 @@ class BucketReducer:
         self._in_flight.append(launched)
 
     def _finish_oldest(self) -> None:
+        self._hand_over()
         index, handle, out, send, piece = self._in_flight.popleft()
         handle.wait()
         slot = self.slots[index]
@@ -289,7 +311,7 @@ class BucketReducer:
             self.comm.buffers.give_back(staging)
         self._staging[index] = None
         if self.on_reduced is not None:
-            self.on_reduced(index)
+            self._reduced = index
 
     def finish(self) -> None:
         """After backward: complete every bucket (missing gradients are zeros), launch the
@@ -298,6 +320,7 @@ class BucketReducer:
         self._launch_ready()
         while self._in_flight:
             self._finish_oldest()
+        self._hand_over()
 
 
 def _uncovered(numel: int, covered: list[Range]) -> list[Range]:

@@ -6,7 +6,8 @@ Plain stage 3 holds this rank's whole gradient shard from the end of backward to
     grad shard     | b3 | b2 b3 | b1 b2 b3 | b0 b1 b2 b3 |   AdamW over every tile
     peak           16 bytes per parameter / N (fp32: param 4, grad 4, Adam's m and v 8)
 
-Fused, each bucket's slice is stepped the moment its reduce-scatter lands, then freed:
+Fused, each bucket's slice is stepped once its reduce-scatter has landed and the next
+bucket's is launched (grad_reducer's _hand_over), then freed:
 
     backward ---------------------------------------------> step()
     grad shard     | b3 |  b2 |  b1 |  b0 |                  (only counts it)
