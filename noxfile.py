@@ -307,12 +307,12 @@ def bench(session: nox.Session) -> None:
     the scaling of our stage 3 and FSDP2 over N = 1, 2, 4 (tools/bench_peers.py --all, which
     runs tools/bench_scaling.py); writes docs/benchmarks/peers.md, scaling.md and charts.
 
-    About 2.5 hours on a 2-core machine: the launches ~45 min and the goal-row launches
-    ~30 min (bench_peers_search.LAUNCHES, GOAL_LAUNCHES), the two searches up to
+    About 3 hours on a 2-core machine: the launches ~45-70 min and the goal-row launches
+    ~45-65 min (bench_peers_search.LAUNCHES, GOAL_LAUNCHES), the two searches up to
     --search-minutes (65; each bisects to one layer, and a variant's search ends at its
     share of what is left, in proportion to its first guess), the scaling ~10 min. Parts:
-    --search-only, --scaling-only, --skip-scaling, --skip-search, --search-checkpoint
-    none|full|both, --report-only (rebuild peers.md from the JSON).
+    --search-only, --goal-rows-only, --scaling-only, --skip-scaling, --skip-search,
+    --search-checkpoint none|full|both, --report-only (rebuild peers.md from the JSON).
 
     DeepSpeed and matplotlib are installed here only, never as dependencies of our packages,
     with torch held at TORCH (a constraints file), DeepSpeed without pre-built ops. Where

@@ -254,6 +254,47 @@ def test_step_goals_are_judged_from_the_goal_row_launch_where_there_is_one(
     assert set(bench_peers_search.GOAL_VARIANTS) == {"ddp", *bench_peers_report.TARGETS}
 
 
+def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--all --goal-rows-only`` runs each GOAL_LAUNCHES row with GOAL_VARIANTS and
+    nothing else (no full launch, search or scaling); run.json keeps the full run's
+    command and gains the goal-row command, which peers.md names, with a failed launch."""
+    import bench_peers
+
+    raw = tmp_path / "peers-json"
+    raw.mkdir()
+    (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2)))
+    (raw / "run.json").write_text(json.dumps({"command": "bench_peers.py --all", "wall_s": 60}))
+    ran: list[tuple[Any, ...]] = []
+
+    def fake_launch(size: str, n: int, batch: int, rounds: int, path: Path, args: Any,
+                    variants: Any = None) -> int:  # fmt: skip
+        ran.append((size, n, batch, rounds, path.name, variants))
+        return 3 if size == "100m" else 0
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("--goal-rows-only ran the search or the scaling")
+
+    monkeypatch.setattr(bench_peers_search, "run_peer_launch", fake_launch)
+    monkeypatch.setattr(bench_peers_search, "run_search", refuse)
+    monkeypatch.setattr(bench_peers_search, "run_scaling", refuse)
+    argv = ["bench_peers.py", "--all", "--goal-rows-only", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    bench_peers_search.run_all(bench_peers.parser().parse_args(argv[1:]))
+    goal = bench_peers_report.GOAL_PREFIX
+    assert ran == [
+        (s, n, b, r, f"{goal}{s}-n{n}.json", bench_peers_search.GOAL_VARIANTS)
+        for s, n, b, r in bench_peers_search.GOAL_LAUNCHES
+    ]
+    run = json.loads((raw / "run.json").read_text())
+    assert run["command"] == "bench_peers.py --all" and run["wall_s"] == 60
+    assert run["goal_rows_command"] == " ".join(argv)
+    text = (tmp_path / "peers.md").read_text()
+    assert "- goal-row launches, run again on their own: `" in text
+    assert "--goal-rows-only" in text and "; failed: 100m N=2, goal rows (exit 3)" in text
+
+
 @given(
     st.lists(st.floats(0.5, 2.0, allow_nan=False), min_size=1, max_size=40, unique=True),
     st.sampled_from([0.9, 0.95, 0.99]),

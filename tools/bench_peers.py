@@ -548,6 +548,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--search-only", action="store_true", help="with --all: the largest-model search only"
     )
+    p.add_argument(
+        "--goal-rows-only",
+        action="store_true",
+        help="with --all: the goal-row launches only (bench_peers_search.GOAL_LAUNCHES); the "
+        "other tables keep the JSON of the last full run",
+    )
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny GPT, seconds")
     p.add_argument("--size", choices=sorted(SIZES), default="20m")

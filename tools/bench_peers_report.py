@@ -257,6 +257,20 @@ def search_provenance(run: dict[str, Any], searches: list[dict[str, Any]]) -> st
     return f"{skipped}: its tables are {origin}"
 
 
+def goal_rows_provenance(run: dict[str, Any]) -> list[str]:
+    """A line naming the goal-row launches' own run (``--goal-rows-only``), if they had one
+    after the command above; their dates and commits are in their section."""
+    if "goal_rows_command" not in run:
+        return []
+    failed = run.get("goal_rows_failed_launches", [])
+    lost = (
+        "; failed: " + ", ".join(f"{f['label']} (exit {f['exit']})" for f in failed)
+        if failed
+        else ""
+    )
+    return [f"- goal-row launches, run again on their own: `{run['goal_rows_command']}`{lost}"]
+
+
 def _label(report: dict[str, Any]) -> str:
     return f"{report['model']['parameters'] / 1e6:.0f}M N={report['world_size']}"
 
@@ -471,6 +485,7 @@ def write_docs(out: Path, raw: Path) -> None:
         f"- one launch: `{first['command']}`",
         *provenance_warnings(launches, run),
         search_provenance(run, searches),
+        *goal_rows_provenance(run),
         f"- machine: {first['machine']['cpu']}, {first['machine']['cpu_count']} cores, "
         f"{first['machine']['memory_gib']} GiB, {first['machine']['system']}, Python "
         f"{first['machine']['python']}; shared with other work (timings are medians)",
