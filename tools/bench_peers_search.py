@@ -407,13 +407,13 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
             answers[variant] = found["layers"]
         results[mode].append(found)
     stamp = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_head": git_head(),
     }
     for mode in modes:
-        found = [{**result, **stamp} for result in results[mode]]
+        rows = [{**result, **stamp} for result in results[mode]]
         if args.search_variants:
-            found = kept_results(raw / SEARCH_FILES[mode], found, args.search_budget_mib)
+            rows = kept_results(raw / SEARCH_FILES[mode], rows, args.search_budget_mib)
         search = {
             "world_size": SEARCH_N,
             "width": SEARCH_WIDTH,
@@ -425,7 +425,7 @@ def run_search(args: argparse.Namespace, raw: Path) -> None:
             "limit": "RLIMIT_AS = address space after zero_comm.init + budget, per rank, over "
             "the build and the 2 steps; " + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
             **stamp,
-            "results": found,
+            "results": rows,
         }
         (raw / SEARCH_FILES[mode]).write_text(json.dumps(search, indent=1))
 
@@ -444,7 +444,8 @@ def kept_results(path: Path, found: list[dict[str, Any]], budget_mib: int) -> li
     stamp = {key: previous[key] for key in ("date", "git_head") if key in previous}
     fresh = {result["variant"]: result for result in found}
     merged = [
-        fresh.pop(result["variant"], None) or {**stamp, **result} for result in previous["results"]
+        fresh.pop(result["variant"]) if result["variant"] in fresh else {**stamp, **result}
+        for result in previous["results"]
     ]
     return merged + list(fresh.values())
 
@@ -467,7 +468,8 @@ def run_all(args: argparse.Namespace) -> None:
         return
     failed = []
     if not args.report_only:
-        kinds = (
+        Kind = tuple[str, str, tuple[tuple[str, int, int, int], ...], tuple[str, ...] | None]
+        kinds: tuple[Kind, ...] = (
             ("peers-", "", LAUNCHES, None),
             (GOAL_PREFIX, ", goal rows", GOAL_LAUNCHES, GOAL_VARIANTS),
         )
