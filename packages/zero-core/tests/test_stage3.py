@@ -38,7 +38,10 @@ class Branchy(nn.Module):
         for name in self.order:
             layer = getattr(self, name)
             if self.use_checkpoint and name == "b":
-                x = torch.tanh(checkpoint(layer, x, use_reentrant=False))
+                # No RNG to preserve here; preserving it makes every simulated rank (a
+                # thread) save and fork the process-wide generator at once: one run of the
+                # suite at OMP_NUM_THREADS=1 hung with two ranks in torch.get_rng_state.
+                x = torch.tanh(checkpoint(layer, x, use_reentrant=False, preserve_rng_state=False))
             else:
                 x = torch.tanh(layer(x))
         return self.b(x) * self.scale  # b is used twice; scale belongs to the root
