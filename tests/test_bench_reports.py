@@ -267,11 +267,12 @@ def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_reco
     (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2)))
     (raw / "run.json").write_text(json.dumps({"command": "bench_peers.py --all", "wall_s": 60}))
     ran: list[tuple[Any, ...]] = []
+    failing = {"100m"}
 
     def fake_launch(size: str, n: int, batch: int, rounds: int, path: Path, args: Any,
                     variants: Any = None) -> int:  # fmt: skip
         ran.append((size, n, batch, rounds, path.name, variants))
-        return 3 if size == "100m" else 0
+        return 3 if size in failing else 0
 
     def refuse(*_: Any) -> None:
         raise AssertionError("--goal-rows-only ran the search or the scaling")
@@ -293,6 +294,9 @@ def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_reco
     text = (tmp_path / "peers.md").read_text()
     assert "- goal-row launches, run again on their own: `" in text
     assert "--goal-rows-only" in text and "; failed: 100m N=2, goal rows (exit 3)" in text
+    failing.clear()  # run again, every launch succeeding: the earlier failure is not this one's
+    bench_peers_search.run_all(bench_peers.parser().parse_args(argv[1:]))
+    assert "; failed:" not in (tmp_path / "peers.md").read_text()
 
 
 @given(

@@ -64,8 +64,12 @@ def free_heap_slope_mib(recorder_size: str | None) -> tuple[float, list[float]]:
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("FREE-MIB "))
     free = [float(x) for x in json.loads(line.split(" ", 1)[1])]
-    settled = free[SETTLED - 1 :]
-    return statistics.linear_regression(range(len(settled)), settled).slope, free
+    return slope_mib(free[SETTLED - 1 :]), free
+
+
+def slope_mib(series: list[float]) -> float:
+    """Least-squares slope of ``series`` (MiB after each step) in MiB a step."""
+    return statistics.linear_regression(range(len(series)), series).slope
 
 
 SLOPE_LIMIT_MIB = 1.5
@@ -77,8 +81,8 @@ def test_the_slope_ignores_a_wandering_heap_and_sees_a_growing_one() -> None:
     endpoint bound) stays under the limit; a heap that grows 3.5 MiB a step does not."""
     wandering = [14.0, 16.0, 15.0, 17.0, 16.0, 24.0, 23.0, 24.5, 23.5, 24.0, 23.5]
     growing = [20.0 + 3.5 * i for i in range(11)]
-    assert statistics.linear_regression(range(11), wandering).slope < SLOPE_LIMIT_MIB
-    assert statistics.linear_regression(range(11), growing).slope > CONTROL_MIN_MIB
+    assert slope_mib(wandering) < SLOPE_LIMIT_MIB
+    assert slope_mib(growing) > CONTROL_MIN_MIB
 
 
 @pytest.mark.gloo

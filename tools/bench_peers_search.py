@@ -494,6 +494,7 @@ def run_all(args: argparse.Namespace) -> None:
             previous = json.loads((raw / "run.json").read_text())
             key = "search_command" if args.search_only else "goal_rows_command"
             previous[key] = " ".join(getattr(sys, "orig_argv", sys.argv))
+            previous.pop("goal_rows_failed_launches", None)  # an earlier run's, not this one's
             if failed:
                 previous["goal_rows_failed_launches"] = failed
             (raw / "run.json").write_text(json.dumps(previous))
