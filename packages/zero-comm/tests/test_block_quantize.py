@@ -13,6 +13,7 @@ from codec_cases import DTYPES, cast_slack, codec_slack, quantizers, rank_input,
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zero_comm import block_quantize
 from zero_comm.block_quantize import BlockQuantizer
 
 
@@ -155,6 +156,8 @@ def reference_decode(
         st.tuples(st.integers(0, 359), st.sampled_from([0.0, -0.0, "nan", "inf", "-inf"])),
         max_size=6,
     ),
+    magnitude=st.sampled_from([1.0, 1.0, 2.0**-135, 2.0**-143]),
+    little_endian=st.booleans(),
 )
 def test_the_codec_sends_the_bytes_of_the_plain_formulas_and_decodes_them_alike(
     quantizer: BlockQuantizer,
@@ -163,27 +166,48 @@ def test_the_codec_sends_the_bytes_of_the_plain_formulas_and_decodes_them_alike(
     dtype: str,
     seed: int,
     specials: list[tuple[int, Any]],
+    magnitude: float,
+    little_endian: bool,
 ) -> None:
     """The codec computes absmax as max(max, -min), divides block views in place, packs
     int4 in float32 and decodes into its output (no padding copies, no temporaries per
     step): every byte on the wire and every decoded bit must still be the plain formulas'
     (signed zeros, NaN, infinities and all-zero blocks included), since they are what
-    the bounds and the cross-backend tests were proven on."""
-    x = rank_input(seed, 0, parts * numel, DTYPES[dtype])
-    for position, value in specials:
-        if position < x.numel():
-            x[position] = float(value)
-    wire = quantizer.encode(x, parts=parts)
-    assert torch.equal(wire, reference_encode(quantizer, x, parts))
-    decoded = quantizer.decode(wire, numel, parts=parts)
-    expected = reference_decode(quantizer, wire, numel, parts)
-    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
-    into = torch.empty(parts * numel)
-    assert quantizer.decode(wire, numel, parts=parts, out=into).data_ptr() == into.data_ptr()
-    assert torch.equal(into.view(torch.int32), expected.view(torch.int32))
-    if parts == 1:
+    the bounds and the cross-backend tests were proven on. ``magnitude`` moves whole
+    inputs to where the scales are subnormal (where the codec must clamp, which it skips
+    for normal scales); ``little_endian=False`` runs the nibble packing a big-endian
+    machine takes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_quantize, "LITTLE_ENDIAN", little_endian)
+        x = (rank_input(seed, 0, parts * numel, torch.float64) * magnitude).to(DTYPES[dtype])
+        for position, value in specials:
+            if position < x.numel():
+                x[position] = float(value)
+        wire = quantizer.encode(x, parts=parts)
+        assert torch.equal(wire, reference_encode(quantizer, x, parts))
+        decoded = quantizer.decode(wire, numel, parts=parts)
+        expected = reference_decode(quantizer, wire, numel, parts)
+        assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+        into = torch.empty(parts * numel)
+        assert quantizer.decode(wire, numel, parts=parts, out=into).data_ptr() == into.data_ptr()
+        assert torch.equal(into.view(torch.int32), expected.view(torch.int32))
+        if parts == 1:
+            q = quantizer.quantize(x)
+            assert torch.equal(torch.cat([q.payload, q.scales.view(torch.uint8)]), wire)
+
+
+def test_a_subnormal_scale_is_clamped_to_qmax() -> None:
+    """int8: 190 * 2^-149 / 127 rounds to the smallest subnormal, 2^-149, so the quotient
+    of 190 * 2^-149 is 190 (int4: 10 * 2^-149 / 7, quotient 10); the codec must clamp it to
+    qmax, though it skips the clamp where every scale is normal."""
+    for bits, multiple in ((8, 190), (4, 10)):
+        x = torch.tensor([multiple, -multiple, 1]) * 2.0**-149
+        quantizer = BlockQuantizer(bits, 4)
         q = quantizer.quantize(x)
-        assert torch.equal(torch.cat([q.payload, q.scales.view(torch.uint8)]), wire)
+        assert q.scales.item() == 2.0**-149
+        codes = quantizer.dequantize(q) / q.scales
+        assert codes.tolist() == [quantizer.qmax, -quantizer.qmax, 1]
+        assert torch.equal(quantizer.encode(x), reference_encode(quantizer, x, 1))
 
 
 def test_bad_configurations_are_named() -> None:

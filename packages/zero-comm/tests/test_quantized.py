@@ -294,6 +294,79 @@ def test_a_failed_wait_stays_failed_and_leaves_the_handles_after_it_in_order() -
     assert second.is_completed() and not first.is_completed()
 
 
+def test_issuing_a_qgz_reduction_sends_the_one_before_it_across_nodes() -> None:
+    """The inter-node stage of a launched reduction is issued when the next one is
+    launched, not at its wait: it travels while the caller fills the next bucket. Waiting
+    then completes both in issue order, with the documented sums."""
+    nodes, per_node, chunk, quantizer = 2, 2, 32, BlockQuantizer(4, 8)
+    size = nodes * per_node
+    inputs = [[rank_input(k, r, size * chunk, torch.float32) for k in range(2)] for r in range(4)]
+
+    def body(comm: Communicator) -> tuple[list[int], list[torch.Tensor]]:
+        intra, inter = node_groups(comm, per_node)
+        outputs = [torch.empty(chunk) for _ in range(2)]
+        across = []
+        handles = []
+        for k in range(2):
+            handles.append(
+                quantized_reduce_scatter(
+                    intra,
+                    inter,
+                    outputs[k],
+                    inputs[comm.rank][k],
+                    quantizer,
+                    world=comm,
+                    async_op=True,
+                    label=f"g{k}",
+                )
+            )
+            across.append(inter.stats["all_to_all"].calls)
+        handles[1].wait()
+        across.append(inter.stats["all_to_all"].calls)
+        assert handles[0].is_completed()
+        return across, outputs
+
+    for rank, (across, outputs) in enumerate(run_simulated(size, body, defer_outputs=True)):
+        assert across == [0, 1, 2], f"rank {rank}: inter-node all-to-alls issued {across}"
+        for k, output in enumerate(outputs):
+            expected = reference_qgz([inputs[r][k] for r in range(size)], quantizer, nodes,
+                                     per_node, rank)  # fmt: skip
+            assert torch.equal(output, expected)
+
+
+def test_handles_advance_in_issue_order_and_a_failed_advance_stays_failed() -> None:
+    """Issuing a handle advances every earlier one of its order, oldest first, once; an
+    advance that raises fails its handle (the error reaches the issuer), and later
+    handles still advance and complete."""
+    from collections import deque
+
+    from zero_comm.quantized import QuantizedHandle
+
+    log: list[str] = []
+    order: deque[QuantizedHandle] = deque()
+
+    def step(name: str) -> Any:
+        return lambda: log.append(name)
+
+    def fails() -> None:
+        raise MemoryError("encode")
+
+    first = QuantizedHandle(None, step("finish 1"), order, step("advance 1"))
+    assert log == []
+    second = QuantizedHandle(None, step("finish 2"), order, fails)
+    assert log == ["advance 1"]
+    with pytest.raises(MemoryError):
+        QuantizedHandle(None, step("finish 3"), order, step("advance 3"))
+    assert log == ["advance 1"]
+    with pytest.raises(RuntimeError, match=r"failed before .*MemoryError: encode"):
+        second.wait()
+    first.wait()
+    assert log == ["advance 1", "finish 1"] and first.is_completed()
+    fourth = QuantizedHandle(None, step("finish 4"), order, step("advance 4"))
+    fourth.wait()
+    assert log[2:] == ["advance 4", "finish 4"]
+
+
 def test_the_qgz_bound_is_not_vacuous() -> None:
     """At 2 x 2 with int4, the error reaches a sizeable part of the bound: a bound many
     times too loose would let a wrong sum pass."""

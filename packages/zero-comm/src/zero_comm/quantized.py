@@ -30,9 +30,10 @@ M = 2, S = 2 (ranks 0 1 | 2 3) and rank g's chunk j written g.j::
     4. decode, sum in node order (float32) -> output, cast to output's dtype
            rank 0: output = P0 + P0'
 
-With ``async_op=True`` step 1 is issued at the call and steps 2-4 run in the handle's
-``wait()``, so the intra-node all-to-all overlaps what the caller does meanwhile (the
-engine's backward). qgZ handles complete in issue order (:class:`QuantizedHandle`), so
+With ``async_op=True`` step 1 is issued at the call, steps 2-3 run when the next qgZ call
+on the same ``inter`` is issued (or at the wait, if that comes first) and step 4 in the
+handle's ``wait()``: both all-to-alls travel while the caller goes on (the engine's
+backward). qgZ handles advance and complete in issue order (:class:`QuantizedHandle`), so
 every rank issues its inter-node all-to-alls in one order whatever order it waits in.
 
 A stage whose group has one rank (S = 1 or M = 1) is skipped: it would move nothing, so
@@ -85,11 +86,15 @@ class QuantizedHandle:
     collective and decodes into the output. Waiting twice is harmless; waiting again after
     a wait raised raises again (the output is undefined).
 
-    A qgZ handle's ``wait()`` issues its inter-node stage (an all-to-all on ``inter``).
-    So that every rank issues those in one order, whatever order it waits in, the qgZ
-    handles of one ``inter`` communicator complete in issue order: waiting for one first
-    completes those issued before it. As with any collective, every rank must wait at the
-    same point of its program relative to its other collectives on ``inter``.
+    A qgZ handle runs in three steps: its launch issues the intra-node all-to-all; its
+    *advance* waits for that, sums within the node, encodes and issues the inter-node
+    all-to-all; its completion waits for that and sums across nodes. So that every rank
+    issues the inter-node all-to-alls in one order, whatever order it waits in, the qgZ
+    handles of one ``inter`` communicator advance and complete in issue order: issuing one
+    advances those issued before it (their inter-node stage then travels while the caller
+    goes on, e.g. backward fills the next bucket), and waiting for one first completes
+    those issued before it. As with any collective, every rank must launch and wait at
+    the same points of its program relative to its other collectives on ``inter``.
     """
 
     def __init__(
@@ -97,13 +102,17 @@ class QuantizedHandle:
         handle: Handle | None,
         finish: Callable[[], None],
         order: deque[QuantizedHandle] | None = None,
+        advance: Callable[[], None] | None = None,
     ) -> None:
         self._handle = handle
+        self._advance = advance
         self._finish = finish
         self._done = False
         self._failure = ""
         self._order = order
         if order is not None:
+            for earlier in list(order):
+                earlier._advance_once()
             order.append(self)
 
     def wait(self) -> None:
@@ -120,12 +129,28 @@ class QuantizedHandle:
                 self._order[0]._complete()
         self._complete()
 
+    def _advance_once(self) -> None:
+        """Wait for the launch's collective and run the advance, once (a no-op after)."""
+        if self._failure or (self._handle is None and self._advance is None):
+            return
+        handle, advance = self._handle, self._advance
+        self._handle = self._advance = None
+        try:
+            if handle is not None:
+                handle.wait()
+            if advance is not None:
+                advance()
+        except BaseException as exc:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            if self._order is not None and self in self._order:
+                self._order.remove(self)  # the handles after it still advance and complete
+            raise
+
     def _complete(self) -> None:
         if self._order is not None and self._order and self._order[0] is self:
             self._order.popleft()
+        self._advance_once()
         try:
-            if self._handle is not None:
-                self._handle.wait()
             self._finish()
         except BaseException as exc:
             self._failure = f"{type(exc).__name__}: {exc}"
@@ -324,19 +349,22 @@ def quantized_reduce_scatter(
     sum_within: Callable[[], torch.Tensor] = lambda: flat.to(torch.float32)  # noqa: E731
     if local_size > 1:
         within, sum_within = _start_within_node(intra, flat, quantizer, nodes, chunk, label)
+    total: list[Callable[[], torch.Tensor]] = []
 
-    def finish() -> None:
+    def advance() -> None:  # steps 2-3, once the intra-node all-to-all has completed
         partials = sum_within()
         if nodes > 1:
-            partials = _sum_across_nodes(inter, partials, quantizer, chunk, label)
-        output.view(-1).copy_(partials)
+            total.append(_start_across_nodes(inter, partials, quantizer, chunk, label))
+        else:
+            total.append(lambda: partials)
 
+    def finish() -> None:  # step 4
+        output.view(-1).copy_(total[0]())
+
+    handle = QuantizedHandle(within, finish, inter._quantized_waits if nodes > 1 else None, advance)
     if async_op:
-        order = inter._quantized_waits if nodes > 1 else None
-        return QuantizedHandle(within, finish, order)
-    if within is not None:
-        within.wait()
-    finish()
+        return handle
+    handle.wait()
     return None
 
 
@@ -348,9 +376,9 @@ def _start_within_node(
     chunk: int,
     label: str,
 ) -> tuple[Handle, Callable[[], torch.Tensor]]:
-    """Steps 1-2: issue the intra-node all-to-all; return its handle and the step that,
-    once it has completed, gives float32 (M * c): the node's sum of the chunks of ranks
-    {m*S + l}, m in node order, l = this local rank, added in local-rank order."""
+    """Step 1: issue the intra-node all-to-all; return its handle and step 2, which, once
+    the all-to-all has completed, gives float32 (M * c): the node's sum of the chunks of
+    ranks {m*S + l}, m in node order, l = this local rank, added in local-rank order."""
     local_size = intra.world_size
     encoded = quantizer.encoded_numel(chunk)
     # Part g = m*S + l goes to local rank l: order the parts (l, m), l-major.
@@ -369,24 +397,30 @@ def _start_within_node(
     return handle, sum_within
 
 
-def _sum_across_nodes(
+def _start_across_nodes(
     inter: Communicator,
     partials: torch.Tensor,
     quantizer: BlockQuantizer,
     chunk: int,
     label: str,
-) -> torch.Tensor:
-    """Steps 3-4: float32 (c): the M nodes' partials of this rank's chunk, added in node
-    order."""
+) -> Callable[[], torch.Tensor]:
+    """Step 3: encode the M partials and issue the inter-node all-to-all; return step 4,
+    which waits for it and gives float32 (c): the M nodes' partials of this rank's chunk,
+    added in node order."""
     nodes = inter.world_size
     encoded = quantizer.encoded_numel(chunk)
     send = quantizer.encode(partials, parts=nodes)  # part m goes to node m
     received = torch.empty_like(send)
-    inter.all_to_all(received, send, label=label)
-    total = quantizer.decode(received[:encoded], chunk)
-    for node in range(1, nodes):
-        total.add_(quantizer.decode(received[node * encoded : (node + 1) * encoded], chunk))
-    return total
+    handle = inter.all_to_all(received, send, async_op=True, label=label)
+
+    def sum_across() -> torch.Tensor:
+        handle.wait()
+        total = quantizer.decode(received[:encoded], chunk)
+        for node in range(1, nodes):
+            total.add_(quantizer.decode(received[node * encoded : (node + 1) * encoded], chunk))
+        return total
+
+    return sum_across
 
 
 # ---------------------------------------------------------------------- helpers
