@@ -232,3 +232,38 @@ def test_the_speedup_bound_is_flat_step_over_the_step_with_only_the_link_time_cu
     assert bcr.speedup_bound(6.79, 4.64, 0.54) == pytest.approx(6.79 / 2.69)
     assert bcr.speedup_bound(5.0, 0.46, 0.05) < bcr.MIN_SPEEDUP
     assert "below the 1.5x goal" in bcr.speedup_bound_note(5.0, 0.46, 0.05)
+
+
+def test_link_cost_note_measures_flat_against_the_free_link_and_bounds_zeropp() -> None:
+    """Flat stage 3 steps in 1.10 s at the rate and 1.00 s with the link free: the link
+    makes its step 10% longer; ZeRO++ takes 1.20 s with the link free, so no cut of link
+    bytes can make it faster than 1.10 / 1.20 = 0.92x flat there."""
+    slow = bcr.summarize(schedule({"flat": [1.1], "zero++": [1.3]}), "1gbit", 1e9)
+    free = bcr.summarize(schedule({"flat": [1.0], "zero++": [1.2]}), "40gbit", 40e9)
+    (note,) = bcr.link_cost_notes([*slow, *free], "40gbit")
+    assert "median step 1.100 s there, 1.000 s here" in note
+    assert "makes its step +10% longer" in note
+    assert "at most 0.92x faster than flat here (below the 1.5x goal)" in note
+    assert bcr.link_cost_notes(slow, "40gbit") == []  # nothing measured with the link free
+
+
+def test_the_reference_rate_is_reported_but_not_judged(tmp_path: Path) -> None:
+    at = {"100mbit": [2.0, 1.0], "40gbit": [1.0, 1.1]}
+    context = {"main_rate": "100mbit", "reference_rate": "40gbit", "notes": [], "wall_s": 60.0,
+               "dtype": "fp32", "links": {
+                   rate: {"describe": "tbf", "rate_bits": bits, "measured_mbit": 90.0}
+                   for rate, bits in (("100mbit", RATE_BITS), ("40gbit", 40e9))}}  # fmt: skip
+    raw = {
+        rate: {
+            "records": [r._asdict() for r in schedule({"flat": [f], "zero++": [z]})],
+            "other": [],
+        }
+        for rate, (f, z) in at.items()
+    }
+    md, js = tmp_path / "c.md", tmp_path / "c.json"
+    js.write_text(json.dumps({"context": context, "raw": raw}))
+    assert bc.main(["--rerender", "--md", str(md), "--json", str(js)]) == 0
+    payload = json.loads(js.read_text())
+    assert {g["rate"] for g in payload["goals"]} == {"100mbit"}
+    assert any("measured against 40gbit" in n and "+100% longer" in n for n in payload["notes"])
+    assert "| small | 40gbit | zero++ |" in md.read_text()

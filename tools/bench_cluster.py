@@ -64,6 +64,7 @@ from bench_cluster_report import (
     StepRecord,
     check_goals,
     derived_notes,
+    link_cost_notes,
     markdown_table,
     parse_records,
     render_report,
@@ -96,6 +97,11 @@ MODELS: dict[str, list[str]] = {
     "large": ["--model", "small", "--layers", "8", "--width", "256"],
 }
 DEFAULT_RATES = ("100mbit", "1gbit")
+# The link with (nearly) no limit: what each variant's step costs when the link costs
+# nothing, so the report can say how much of flat stage 3's step at the slow rates the
+# link really takes (measured, not estimated from bytes). Not a goal's rate.
+REFERENCE_RATE = "40gbit"
+REFERENCE_VARIANTS = (BASELINE, ZEROPP)
 
 
 # -- the schedule -------------------------------------------------------------------------------
@@ -125,11 +131,13 @@ def variant_order(variants: Sequence[str], round_index: int) -> list[str]:
 # -- running it ---------------------------------------------------------------------------------
 
 
-def worker_argv(args: argparse.Namespace, records: Path, rounds: int) -> list[str]:
+def worker_argv(
+    args: argparse.Namespace, records: Path, rounds: int, variants: Sequence[str] | None = None
+) -> list[str]:
     """The worker's command line (after torchrun's own arguments)."""
     return [
         str(WORKER), "--records", str(records), "--models", ",".join(args.models),
-        "--variants", ",".join(args.variants), "--rounds", str(rounds),
+        "--variants", ",".join(variants or args.variants), "--rounds", str(rounds),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
         "--batch-size", str(args.batch_size),
     ]  # fmt: skip
@@ -166,10 +174,10 @@ def deepspeed_note(variants: Sequence[str] = ()) -> str:
 
 
 def run_rate(
-    args: argparse.Namespace, rate: str, folder: Path
+    args: argparse.Namespace, rate: str, folder: Path, variants: Sequence[str] | None = None
 ) -> tuple[list[StepRecord], list[dict[str, Any]], dict[str, Any]]:
-    """One cluster at ``rate``, one launch of the worker: (step records, other records,
-    the link as built and measured)."""
+    """One cluster at ``rate``, one launch of the worker (``variants``, default all of
+    ``args.variants``): (step records, other records, the link as built and measured)."""
     import emulated_cluster as ec
 
     records = folder / f"records-{rate}.jsonl"
@@ -189,7 +197,7 @@ def run_rate(
         sent0, received0 = cluster.link_bytes(h0)
         rounds = args.rounds if rate == args.rates[0] else args.other_rounds
         results = cluster.run_torchrun(
-            worker_argv(args, records, rounds), ranks_per_node=2, timeout_s=args.timeout
+            worker_argv(args, records, rounds, variants), ranks_per_node=2, timeout_s=args.timeout
         )
         link["launch_s"] = round(time.perf_counter() - started, 1)
         link["load_after"] = os.getloadavg()
@@ -208,6 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
                         help="tc rates, comma-separated; the first is the main rate")  # fmt: skip
+    parser.add_argument("--reference-rate", default=REFERENCE_RATE,
+                        help="a link with no real limit, run last ("
+                        f"{', '.join(REFERENCE_VARIANTS)} only, --other-rounds) to measure "
+                        "what the link costs each at the "
+                        "rates; not judged by the goals; 'none' to skip")  # fmt: skip
     parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--variants", help="the first is the baseline; default: "
                         f"{','.join(VARIANTS)} ({DEEPSPEED_HPZ} with DeepSpeed, fp32)")  # fmt: skip
@@ -264,6 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 steps, others, link = run_rate(args, rate, Path(folder))
                 links[rate] = link
                 raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
+            if reference_rate(args) is not None:
+                rate = args.reference_rate
+                variants = [v for v in REFERENCE_VARIANTS if v in args.variants]
+                steps, others, link = run_rate(args, rate, Path(folder), variants)
+                links[rate] = link
+                raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
     except ec.ClusterUnavailable as exc:
         print(f"bench_cluster: skipped: emulated cluster unavailable: {exc}", flush=True)
         return 0
@@ -272,6 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch: dict[str, Any] = next(launches, {})
     write_outputs(args, report_context(args, argv, links, launch, made, wall_s), raw)
     return 0
+
+
+def reference_rate(args: argparse.Namespace) -> str | None:
+    """The reference rate to run, or None ('none', or already among the rates)."""
+    if args.reference_rate == "none" or args.reference_rate in args.rates:
+        return None
+    return str(args.reference_rate)
 
 
 def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -284,9 +310,12 @@ def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[s
             [StepRecord(**r) for r in launch["records"]], rate, context["links"][rate]["rate_bits"]
         )
     ]
-    rates = list(dict.fromkeys(s.rate for s in summaries))
+    reference = context.get("reference_rate")
+    rates = [rate for rate in dict.fromkeys(s.rate for s in summaries) if rate != reference]
     verdicts = [v for rate in rates for v in check_goals(summaries, rate)]
     notes = derived_notes(summaries, context["main_rate"], context.get("dtype", "fp32"))
+    if reference is not None:
+        notes += link_cost_notes(summaries, reference)
     args.md.parent.mkdir(parents=True, exist_ok=True)
     args.md.write_text(
         render_report(summaries, verdicts, {**context, "notes": [*context["notes"], *notes]})
@@ -380,6 +409,7 @@ def report_context(
         "python": platform.python_version(),
         "wall_s": wall_s,
         "main_rate": args.rates[0],
+        "reference_rate": reference_rate(args),
         "dtype": args.dtype,
         "links": links,
         "launch": launch,

@@ -288,6 +288,38 @@ def speedup_bound_note(flat_step_s: float, flat_floor_s: float, zpp_floor_s: flo
     )
 
 
+def link_cost_notes(summaries: Sequence[VariantSummary], reference: str) -> list[str]:
+    """Per model and judged rate: flat stage 3's median step there against its step at
+    ``reference`` (a link with no real limit), which is what the link costs it, measured;
+    and the most a cut of link bytes could give, flat's step at the rate over ZeRO++'s with
+    the link free. Medians of separate launches (no same-round pairing): approximate."""
+    notes = []
+    at_reference = {(s.model, s.variant): s for s in summaries if s.rate == reference}
+    for s in summaries:
+        if s.rate == reference or s.variant != BASELINE:
+            continue
+        free_flat = at_reference.get((s.model, BASELINE))
+        free_zpp = at_reference.get((s.model, ZEROPP))
+        if free_flat is None:
+            continue
+        flat, free = s.step_s.median, free_flat.step_s.median
+        note = (
+            f"{s.model} at {s.rate}, measured against {reference} (the link with no real "
+            f"limit): flat stage 3's median step {flat:.3f} s there, {free:.3f} s here, so the "
+            f"link makes its step {flat / free - 1:+.0%} longer"
+        )
+        if free_zpp is not None:
+            ceiling = flat / free_zpp.step_s.median
+            verdict = "below" if ceiling < MIN_SPEEDUP else "at or above"
+            note += (
+                f"; ZeRO++'s step with the link free is {free_zpp.step_s.median:.3f} s, so "
+                f"cutting link bytes could make it at most {ceiling:.2f}x faster than flat "
+                f"here ({verdict} the {MIN_SPEEDUP}x goal)"
+            )
+        notes.append(note)
+    return notes
+
+
 def derived_notes(summaries: Sequence[VariantSummary], main_rate: str, dtype: str) -> list[str]:
     """The report's notes that follow from the numbers."""
     rates = list(dict.fromkeys(s.rate for s in summaries))
