@@ -197,8 +197,8 @@ class Twice(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = checkpoint(self.a, x, use_reentrant=True)
-        return checkpoint(self.a, torch.tanh(h), use_reentrant=True)  # type: ignore[no-any-return]
+        h = checkpoint(self.a, x, use_reentrant=True, preserve_rng_state=False)
+        return checkpoint(self.a, torch.tanh(h), use_reentrant=True, preserve_rng_state=False)  # type: ignore[no-any-return]
 
 
 def train_twice(comm: Communicator, stage: int, overlap: bool) -> dict[str, torch.Tensor]:
