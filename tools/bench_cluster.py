@@ -271,25 +271,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     made = provenance(args.dtype)
     raw: dict[str, Any] = {}
     links: dict[str, Any] = {}
+    failed: list[str] = []
+    reference: str | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="bench-cluster-") as folder:
             for rate in args.rates:
                 steps, others, link = run_rate(args, rate, Path(folder))
                 links[rate] = link
                 raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
-            if reference_rate(args) is not None:
-                rate = args.reference_rate
+            reference = reference_rate(args)
+            if reference is not None:
+                # Its own try: a failure here must not lose the rates' measurements.
                 variants = [v for v in REFERENCE_VARIANTS if v in args.variants]
-                steps, others, link = run_rate(args, rate, Path(folder), variants)
-                links[rate] = link
-                raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
+                try:
+                    steps, others, link = run_rate(args, reference, Path(folder), variants)
+                except Exception as exc:  # reported in the notes instead
+                    failed.append(f"the reference launch at {reference} failed, so the "
+                                  f"link's cost was not measured: {exc}")  # fmt: skip
+                    print(f"bench_cluster: {failed[-1]}", flush=True)
+                    reference = None
+                else:
+                    links[reference] = link
+                    raw[reference] = {"records": [s._asdict() for s in steps], "other": others}
     except ec.ClusterUnavailable as exc:
         print(f"bench_cluster: skipped: emulated cluster unavailable: {exc}", flush=True)
         return 0
     wall_s = time.perf_counter() - started
     launches = (o["launch"] for r in raw.values() for o in r["other"] if "launch" in o)
     launch: dict[str, Any] = next(launches, {})
-    write_outputs(args, report_context(args, argv, links, launch, made, wall_s), raw)
+    context = report_context(args, argv, links, launch, made, wall_s)
+    context["reference_rate"] = reference
+    context["notes"] += failed
+    write_outputs(args, context, raw)
     return 0
 
 
@@ -311,9 +324,10 @@ def write_outputs(args: argparse.Namespace, context: dict[str, Any], raw: dict[s
         )
     ]
     reference = context.get("reference_rate")
-    rates = [rate for rate in dict.fromkeys(s.rate for s in summaries) if rate != reference]
-    verdicts = [v for rate in rates for v in check_goals(summaries, rate)]
-    notes = derived_notes(summaries, context["main_rate"], context.get("dtype", "fp32"))
+    judged = [s for s in summaries if s.rate != reference]
+    rates = list(dict.fromkeys(s.rate for s in judged))
+    verdicts = [v for rate in rates for v in check_goals(judged, rate)]
+    notes = derived_notes(judged, context["main_rate"], context.get("dtype", "fp32"))
     if reference is not None:
         notes += link_cost_notes(summaries, reference)
     args.md.parent.mkdir(parents=True, exist_ok=True)
@@ -409,7 +423,7 @@ def report_context(
         "python": platform.python_version(),
         "wall_s": wall_s,
         "main_rate": args.rates[0],
-        "reference_rate": reference_rate(args),
+        "reference_rate": reference_rate(args),  # main() sets None if its launch failed
         "dtype": args.dtype,
         "links": links,
         "launch": launch,

@@ -111,9 +111,12 @@ class QuantizedHandle:
         self._failure = ""
         self._order = order
         if order is not None:
-            for earlier in list(order):
-                earlier._advance_once()
+            earlier = list(order)
+            # In the order first: should an earlier advance raise, this handle (its
+            # collective already issued) still completes in its turn.
             order.append(self)
+            for handle in earlier:
+                handle._advance_once()
 
     def wait(self) -> None:
         if self._done:
@@ -286,9 +289,10 @@ def quantized_reduce_scatter(
     ``(S-1)/S * N * E`` bytes and ``inter``'s ``(M-1) * E``, E = ``encoded_numel(c)``.
 
     With ``async_op=True`` the call encodes ``input`` and issues the intra-node all-to-all,
-    then returns; the handle's ``wait()`` sums within the node, runs the inter-node stage
-    and writes ``output`` (see :class:`QuantizedHandle` for the order of those waits).
-    ``input`` must stay unchanged until then, as for any asynchronous collective.
+    then returns. The next qgZ call on ``inter`` (or this handle's ``wait()``, if it comes
+    first) sums within the node and issues the inter-node all-to-all; ``wait()`` sums
+    across nodes and writes ``output`` (see :class:`QuantizedHandle` for the order).
+    ``input`` must stay unchanged until the wait, as for any asynchronous collective.
 
     ``world``, the communicator of all N ranks, is optional: given, the groups are checked
     against it (size, and this rank's place), and it runs the unquantized

@@ -43,10 +43,10 @@ class QuantizedGradientReduction:
     """qgZ as a gradient reduction (grad_reducer.ScatterReduction): the result on rank g
     is the quantized estimate of the sum over ranks of chunk g, as ``world``'s
     reduce_scatter lays it out. A launch encodes the bucket and issues the intra-node
-    all-to-all, which runs while backward goes on; the handle's ``wait()`` sums, runs the
-    inter-node stage and writes the slice. The bucket reducer waits in launch order, and
-    zero_comm completes qgZ handles in issue order anyway, so every rank issues the
-    inter-node stages in one order."""
+    all-to-all; the next launch sums the bucket before it within the node and issues its
+    inter-node all-to-all, so both travel while backward goes on; the handle's ``wait()``
+    sums across nodes and writes the slice. zero_comm advances and completes qgZ handles
+    in issue order, so every rank issues the inter-node stages in one order."""
 
     def __init__(self, world: Communicator, bits: int, allow_fallback: bool) -> None:
         self.world = world
