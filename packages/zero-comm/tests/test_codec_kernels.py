@@ -7,8 +7,9 @@ that IEEE arithmetic makes exact: max and min, one division and one multiplicati
 value, rounding half to even, clamping and integer conversions. So every kernel set must
 give the same wire bytes and the same decoded values, or two such ranks would compute with
 different weights. The model's own operations do not have this property (LayerNorm and
-reductions differ by kernel set: docs/across-nodes.md, last section); the codec must keep
-it, and a change that brought in a reduction or a transcendental function would lose it.
+reductions differ by kernel set: docs/across-nodes.md, section "The head's own window, and
+an AMD machine"); the codec must keep it, and a change that brought in a reduction or a
+transcendental function would lose it.
 
 Compared here: torch's scalar kernels against this machine's own (AVX2 or AVX-512), in
 fresh processes, on inputs made by numpy (torch's own random numbers differ by kernel set).
