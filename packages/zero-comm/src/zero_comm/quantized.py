@@ -115,8 +115,8 @@ class QuantizedHandle:
             # In the order first: should an earlier advance raise, this handle (its
             # collective already issued) still completes in its turn.
             order.append(self)
-            for handle in earlier:
-                handle._advance_once()
+            for issued_before in earlier:
+                issued_before._advance_once()
 
     def wait(self) -> None:
         if self._done:
