@@ -273,26 +273,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     links: dict[str, Any] = {}
     failed: list[str] = []
     reference: str | None = None
+
+    def keep(rate: str, launched: tuple[list[StepRecord], list[Any], dict[str, Any]]) -> None:
+        steps, others, links[rate] = launched
+        raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
+
     try:
         with tempfile.TemporaryDirectory(prefix="bench-cluster-") as folder:
             for rate in args.rates:
-                steps, others, link = run_rate(args, rate, Path(folder))
-                links[rate] = link
-                raw[rate] = {"records": [s._asdict() for s in steps], "other": others}
+                keep(rate, run_rate(args, rate, Path(folder)))
             reference = reference_rate(args)
             if reference is not None:
                 # Its own try: a failure here must not lose the rates' measurements.
                 variants = [v for v in REFERENCE_VARIANTS if v in args.variants]
                 try:
-                    steps, others, link = run_rate(args, reference, Path(folder), variants)
+                    keep(reference, run_rate(args, reference, Path(folder), variants))
                 except Exception as exc:  # reported in the notes instead
                     failed.append(f"the reference launch at {reference} failed, so the "
                                   f"link's cost was not measured: {exc}")  # fmt: skip
                     print(f"bench_cluster: {failed[-1]}", flush=True)
                     reference = None
-                else:
-                    links[reference] = link
-                    raw[reference] = {"records": [s._asdict() for s in steps], "other": others}
     except ec.ClusterUnavailable as exc:
         print(f"bench_cluster: skipped: emulated cluster unavailable: {exc}", flush=True)
         return 0
@@ -423,7 +423,6 @@ def report_context(
         "python": platform.python_version(),
         "wall_s": wall_s,
         "main_rate": args.rates[0],
-        "reference_rate": reference_rate(args),  # main() sets None if its launch failed
         "dtype": args.dtype,
         "links": links,
         "launch": launch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import deque
 from fractions import Fraction
 from typing import Any
 
@@ -34,6 +35,7 @@ from zero_comm import quantized as quantized_module
 from zero_comm.block_quantize import BlockQuantizer
 from zero_comm.quantized import (
     QuantizationFallbackWarning,
+    QuantizedHandle,
     quantized_all_gather,
     quantized_reduce_scatter,
 )
@@ -214,6 +216,22 @@ def test_quantized_reduce_scatter_is_the_documented_sum_within_the_bound(
         assert inter_bytes == 2 * (nodes - 1) * encoded
 
 
+def launch_qgz(
+    comm: Communicator,
+    intra: Communicator,
+    inter: Communicator,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    quantizer: BlockQuantizer,
+    index: int,
+) -> QuantizedHandle:
+    """Launch number ``index`` of a rank's asynchronous qgZ reductions, labelled by its
+    index so that the consistency check compares every launch's order across ranks."""
+    return quantized_reduce_scatter(
+        intra, inter, output, input, quantizer, world=comm, async_op=True, label=f"g{index}"
+    )
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     layout=layouts(),
@@ -240,16 +258,7 @@ def test_asynchronous_qgz_gives_the_same_bits_whatever_order_each_rank_waits_in(
         intra, inter = node_groups(comm, per_node)
         outputs = [torch.full((chunk,), float("nan")) for _ in range(launches)]
         handles = [
-            quantized_reduce_scatter(
-                intra,
-                inter,
-                outputs[k],
-                inputs[comm.rank][k],
-                quantizer,
-                world=comm,
-                async_op=True,
-                label=f"g{k}",
-            )
+            launch_qgz(comm, intra, inter, outputs[k], inputs[comm.rank][k], quantizer, k)
             for k in range(launches)
         ]
         for k in (k for k in orders[comm.rank] if k < launches):
@@ -271,10 +280,6 @@ def test_a_failed_wait_stays_failed_and_leaves_the_handles_after_it_in_order() -
     """A wait that raises (say out of memory while decoding) leaves its output undefined:
     waiting again says so instead of re-running it after later handles, and the handles
     issued after it still complete, in issue order."""
-    from collections import deque
-
-    from zero_comm.quantized import QuantizedHandle
-
     done: list[str] = []
     order: deque[QuantizedHandle] = deque()
 
@@ -309,16 +314,7 @@ def test_issuing_a_qgz_reduction_sends_the_one_before_it_across_nodes() -> None:
         handles = []
         for k in range(2):
             handles.append(
-                quantized_reduce_scatter(
-                    intra,
-                    inter,
-                    outputs[k],
-                    inputs[comm.rank][k],
-                    quantizer,
-                    world=comm,
-                    async_op=True,
-                    label=f"g{k}",
-                )
+                launch_qgz(comm, intra, inter, outputs[k], inputs[comm.rank][k], quantizer, k)
             )
             across.append(inter.stats["all_to_all"].calls)
         handles[1].wait()
@@ -338,10 +334,6 @@ def test_handles_advance_in_issue_order_and_a_failed_advance_stays_failed() -> N
     """Issuing a handle advances every earlier one of its order, oldest first, once; an
     advance that raises fails its handle (the error reaches the issuer), and the handles
     issued after it, the issuer's own included, still advance and complete."""
-    from collections import deque
-
-    from zero_comm.quantized import QuantizedHandle
-
     log: list[str] = []
     order: deque[QuantizedHandle] = deque()
 

@@ -353,17 +353,19 @@ def quantized_reduce_scatter(
     sum_within: Callable[[], torch.Tensor] = lambda: flat.to(torch.float32)  # noqa: E731
     if local_size > 1:
         within, sum_within = _start_within_node(intra, flat, quantizer, nodes, chunk, label)
-    total: list[Callable[[], torch.Tensor]] = []
+    sum_across: Callable[[], torch.Tensor] | None = None
 
     def advance() -> None:  # steps 2-3, once the intra-node all-to-all has completed
+        nonlocal sum_across
         partials = sum_within()
         if nodes > 1:
-            total.append(_start_across_nodes(inter, partials, quantizer, chunk, label))
+            sum_across = _start_across_nodes(inter, partials, quantizer, chunk, label)
         else:
-            total.append(lambda: partials)
+            sum_across = lambda: partials  # noqa: E731
 
     def finish() -> None:  # step 4
-        output.view(-1).copy_(total[0]())
+        assert sum_across is not None, "QuantizedHandle advances before it finishes"
+        output.view(-1).copy_(sum_across())
 
     handle = QuantizedHandle(within, finish, inter._quantized_waits if nodes > 1 else None, advance)
     if async_op:
