@@ -52,6 +52,7 @@ class ParityCase:
     offload_params: str = "none"  # stage 3 only
     offload_fraction: float = 1.0
     sub_group_numel: int = 1 << 22
+    coalesce_numel: int | None = None  # None: ZeroConfig's default
 
 
 class ParityModel(nn.Module):
@@ -132,6 +133,7 @@ def build_engine(
         clip_grad_norm=case.clip,
         persistence_threshold=case.persistence_threshold,
         prefetch_numel=case.prefetch_numel,
+        **({} if case.coalesce_numel is None else {"coalesce_numel": case.coalesce_numel}),
         **offload_settings(case, stage),
         **(settings or {}),
     )
@@ -234,6 +236,7 @@ def parity_cases() -> Any:
             bucket_numel=draw(st.sampled_from([1, 64, 300, 5000, 1 << 20])),
             persistence_threshold=draw(st.sampled_from([0, 0, 20, 200])),
             prefetch_numel=draw(st.sampled_from([0, 100, 1 << 20])),
+            coalesce_numel=draw(st.sampled_from([None, 0, 128, 600, 1 << 20])),
             steps=2,
             seed=draw(st.integers(0, 10_000)),
         )

@@ -65,6 +65,13 @@ DEFAULT_PREFETCH_NUMEL = 2**22
 # 2**24 against the prefetch window (2**22) on the 19M GPT (step / DDP 1.19 -> 1.06-1.12 at
 # N = 4) and in the largest-model search (the same largest models).
 DEFAULT_BACKWARD_HEAD_NUMEL = 2**24
+# Gradient buckets coalesced into one reduction when coalesce_numel is left unset. qgZ's
+# collective costs about twice an exact reduce-scatter's (two all-to-alls, four codec
+# passes), so it coalesces more. docs/across-nodes.md measured 0, 2**16, 2**18 and 2**20
+# on the emulated cluster: an exact stage 3 lost overlap past 2**16 at 100 Mbit/s (steps
+# 0.55 -> 0.61 s at 2**18), ZeRO++ was fastest at 2**18 (0.42-0.53 -> 0.30-0.32 s).
+DEFAULT_COALESCE_NUMEL = 2**16
+QGZ_COALESCE_NUMEL = 2**18
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,15 @@ class ZeroConfig:
         overflow, and halves (not below ``min_loss_scale``) after ``hysteresis`` overflows.
     max_buckets_in_flight: gradient collectives (stage 0: all-reduces, stages 1-3:
         reduce-scatters) outstanding at once during backward.
+    coalesce_numel: stages 2 and 3: consecutive gradient buckets (in the order they are
+        reduced) whose elements add up to at most this many (and at most ``bucket_numel``,
+        which keeps bounding the buffers) are reduced by one collective, launched once the
+        last of them is complete; 0 reduces each bucket by itself; None (the default):
+        DEFAULT_COALESCE_NUMEL, or QGZ_COALESCE_NUMEL with ``quantize_gradients``
+        (``coalesce_limit``). Stage 3's buckets never span two fetch units, so a model of
+        many small modules otherwise pays a collective's fixed cost per module (qgZ: two
+        all-to-alls and four codec passes). The same bits either way (grad_reducer says
+        why); larger groups start later, so less of them overlaps backward.
     overlap_comm: stages 0 and 1: reduce each gradient bucket during backward, as soon
         as every parameter in it has its gradient (in one order on every rank, the same
         bits either way). False reduces them all after backward: the way to train a model
@@ -182,6 +198,7 @@ class ZeroConfig:
     hysteresis: int = 2
     min_loss_scale: float = 1.0
     max_buckets_in_flight: int = 2
+    coalesce_numel: int | None = None
     overlap_comm: bool = True
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL
     max_live_numel: int = 2**28
@@ -227,8 +244,11 @@ class ZeroConfig:
                 raise ValueError(f"{name}={value!r} must be a number")
         for name in (
             "prefetch_numel", "max_live_numel", "backward_head_numel", "persistence_threshold",
+            "coalesce_numel",
         ):  # fmt: skip
             value = getattr(self, name)
+            if value is None and name == "coalesce_numel":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0")
         if self.clip_grad_norm is not None and not isinstance(self.clip_grad_norm, int | float):
@@ -299,6 +319,14 @@ class ZeroConfig:
             )
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             object.__setattr__(self, "offload_dir", str(self.offload_dir))
+
+    @property
+    def coalesce_limit(self) -> int:
+        """``coalesce_numel``, or where unset its default for this configuration's gradient
+        reduction (qgZ or exact)."""
+        if self.coalesce_numel is not None:
+            return self.coalesce_numel
+        return QGZ_COALESCE_NUMEL if self.quantize_gradients else DEFAULT_COALESCE_NUMEL
 
     @property
     def offloads(self) -> bool:

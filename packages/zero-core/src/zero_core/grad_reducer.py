@@ -26,6 +26,20 @@ MIN_PIECE_NUMEL, so a tiny chunk_numel does not mean a collective per element):
 
 Each element is reduced by the same collective and the same rank order as when the bucket
 goes in one piece, so the results are identical; only the staging is bounded.
+
+Coalesced launches (``coalesce_numel``): consecutive buckets in launch order whose padded
+sizes add up to at most ``coalesce_numel`` are reduced by one collective, launched when the
+last of them is complete. Stage 3 keeps every bucket within one fetch unit, so a model of
+many small modules otherwise pays a collective's fixed cost (under qgZ two all-to-alls
+and four codec passes) per module. The group's send buffer puts each rank's slices side by side::
+
+    buckets (N = 2)     a: | a0 | a1 |      b: | b0 | b1 |      (a0: rank 0's slice of a)
+    send (N x C)        | a0 b0 | a1 b1 |   C = |a0| + |b0|
+    reduce_scatter      rank r gets | a_r b_r |  -> a's target, b's target
+
+Every element keeps its destination rank and its place in a block-aligned slice, so an
+exact reduction gives the same bits, and so does qgZ (its blocks start at multiples of
+BLOCK within a rank's chunk, and every slice is a multiple of BLOCK long).
 """
 
 from __future__ import annotations
@@ -75,9 +89,36 @@ class ScatterReduction(Protocol):
     ) -> Pending: ...
 
 
-# A launched reduction: bucket index, handle, the slice's buffer (None: it lands in the
-# target itself), the pooled send buffer of a piece (or None), the target's range.
-Finish = tuple[int, Pending, torch.Tensor | None, torch.Tensor | None, Range]
+@dataclass
+class Launched:
+    """A reduction in flight: its handle; per bucket it reduces, where that bucket's slice
+    lies in ``out`` and which range of the bucket's target it fills; ``out`` (None: the
+    slice lands in the target itself) and the pooled ``send`` buffer (None: the staging)."""
+
+    handle: Pending
+    members: list[tuple[int, Range, Range]]
+    out: torch.Tensor | None
+    send: torch.Tensor | None
+
+
+def coalesced_groups(
+    order: list[int], numels: list[int], alone: list[bool], coalesce_numel: int
+) -> list[list[int]]:
+    """Buckets in launch ``order`` cut into groups reduced together: runs of consecutive
+    buckets whose ``numels`` add up to at most ``coalesce_numel``; a bucket marked ``alone``
+    (or larger than the limit) is a group of its own. Groups keep ``order``."""
+    groups: list[list[int]] = []
+    filled = 0
+    for index in order:
+        numel = numels[index]
+        joins = groups and not alone[index] and filled + numel <= coalesce_numel
+        if joins and not alone[groups[-1][0]]:
+            groups[-1].append(index)
+            filled += numel
+        else:
+            groups.append([index])
+            filled = numel
+    return groups
 
 
 class BucketReducer:
@@ -96,6 +137,7 @@ class BucketReducer:
         overlap: bool = True,
         remedy: str = "use checkpoint(..., use_reentrant=False)",
         reduction: ScatterReduction | None = None,
+        coalesce_numel: int = 0,
     ) -> None:
         """``launch_order``: slot indices in the order their reduce-scatters are issued
         (default: last slot first); ``labels``: each slot's label for the communicator's
@@ -103,7 +145,10 @@ class BucketReducer:
         larger than this are reduced in pieces; None: never); ``overlap``: launch complete
         buckets during backward (False: all in ``finish``); ``remedy``: the advice of the
         error a second gradient after its bucket's launch raises; ``reduction``: what
-        reduces a bucket (default ``comm``, whose ranks hold the slices)."""
+        reduces a bucket (default ``comm``, whose ranks hold the slices);
+        ``coalesce_numel``: consecutive buckets up to this many elements in all (and at
+        most ``chunk_numel``) are reduced by one collective (module docstring; 0: each by
+        itself)."""
         self.comm = comm
         self.reduction: ScatterReduction = comm if reduction is None else reduction
         self.chunk_numel = chunk_numel
@@ -124,22 +169,40 @@ class BucketReducer:
         # own region is written by its gradient's copy, or zeroed if it has none, so the
         # staging is never zeroed whole.
         self._padding = [_uncovered(slot.numel, [m.flat for m in slot.params]) for slot in slots]
-        self._in_flight: deque[Finish] = deque()
+        self._in_flight: deque[Launched] = deque()
         self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
         self._pieces_left = [0] * len(slots)
+        # Per bucket, the group it is reduced with (itself alone unless coalesced).
+        alone = [
+            slot.persistent is not None or self._oversized(index)
+            for index, slot in enumerate(slots)
+        ]
+        self._group: list[list[int]] = [[index] for index in range(len(slots))]
+        if chunk_numel is not None:  # a group's staging stays within the buffers' bound
+            coalesce_numel = min(coalesce_numel, chunk_numel)
+        if coalesce_numel > 0:
+            numels = [slot.numel for slot in slots]
+            for group in coalesced_groups(self.order.order, numels, alone, coalesce_numel):
+                for index in group:
+                    self._group[index] = group
         self._first = True
         self._tag = ""
         # Called with a bucket's index once its slice of this micro-step is in its target
         # (optimizer_in_backward steps and frees it there); run by _hand_over, after the
         # launch that needed the bucket's room, so the link works while the callback does.
         self.on_reduced: Callable[[int], None] | None = None
-        self._reduced: int | None = None  # the bucket whose callback is due
+        self._reduced: list[int] = []  # the buckets whose callbacks are due
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The buckets reduced by one collective each, in launch order."""
+        return [self._group[index] for index in self.order.order if self._group[index][0] == index]
 
     def begin(self, first_micro_step: bool, tag: str = "") -> None:
         """Start a micro-step; ``tag`` is appended to every label (the micro-step)."""
         self._first = first_micro_step
         self._tag = tag
-        self._reduced = None  # a backward that raised may have left one due
+        self._reduced = []  # a backward that raised may have left some due
         self.order.begin()
 
     def _stage(self, index: int) -> torch.Tensor:
@@ -193,25 +256,31 @@ class BucketReducer:
 
     def _launch_ready(self) -> None:
         for index in self.order.take_ready():
-            self._launch(index)
+            group = self._group[index]
+            if len(group) == 1:
+                self._launch(index)
+            elif index == group[-1]:  # the others were taken before it, in order
+                self._launch_group(group)
         self._hand_over()
 
     def _hand_over(self) -> None:
-        """Run ``on_reduced`` for the bucket that finished last, if it has not run yet.
+        """Run ``on_reduced`` for the buckets that finished last, if it has not run yet
+        for them.
 
         Deferred from ``_finish_oldest``, which finishes a bucket to make room for a launch:
         run there, the callback (a bucket's optimizer step) kept the next reduce-scatter
         from starting until it returned, so the link idled while the CPU stepped. Now it
         runs after the launches (``_launch_ready``), or at the start of the next
         ``_finish_oldest``, before its wait, so that at most one reduced slice is live,
-        as before::
+        as before (the buckets of one coalesced reduction count as one)::
 
             before  finish b3 | step b3 | launch b1 |          ...
             now     finish b3 | launch b1 | step b3 |          ... (b1, b2 on the wire)
         """
-        index, self._reduced = self._reduced, None
-        if index is not None and self.on_reduced is not None:
-            self.on_reduced(index)
+        due, self._reduced = self._reduced, []
+        if self.on_reduced is not None:
+            for index in due:
+                self.on_reduced(index)
 
     def _oversized(self, index: int) -> bool:
         if self.chunk_numel is None:
@@ -234,10 +303,7 @@ class BucketReducer:
             return
         slot = self.slots[index]
         self._make_room()
-        staging = self._stage(index)
-        for member in slot.params:
-            if not self.order.has_arrived(member):  # no gradient this micro-step: zeros
-                staging[member.flat.start : member.flat.stop].zero_()
+        staging = self._staged_for_launch(index)
         # The first micro-step's slice is reduced straight into the target, which it would
         # only be copied into. Not for stage 1's persistent bucket (the input, which holds
         # the target: a collective must not write where it reads), nor where each slice is
@@ -251,7 +317,40 @@ class BucketReducer:
             out, staging, async_op=True, label=self.labels[index] + self._tag
         )
         self._pieces_left[index] = 1
-        self._track((index, handle, None if direct else out, None, Range(0, slot.slice_numel)))
+        whole = Range(0, slot.slice_numel)
+        members = [(index, whole, whole)]
+        self._in_flight.append(Launched(handle, members, None if direct else out, None))
+
+    def _staged_for_launch(self, index: int) -> torch.Tensor:
+        """The bucket's staging, with zeros for the parameters that got no gradient."""
+        staging = self._stage(index)
+        for member in self.slots[index].params:
+            if not self.order.has_arrived(member):  # no gradient this micro-step: zeros
+                staging[member.flat.start : member.flat.stop].zero_()
+        return staging
+
+    def _launch_group(self, group: list[int]) -> None:
+        """Reduce the buckets of ``group`` by one collective (module docstring): their
+        stagings go side by side, rank by rank, into one send buffer and back to the pool."""
+        self._make_room()
+        n = self.comm.world_size
+        total = sum(self.slots[index].slice_numel for index in group)
+        send = self.comm.buffers.take(n * total, self.dtype)
+        columns = send.view(n, total)
+        members, at = [], 0
+        for index in group:
+            width = self.slots[index].slice_numel
+            staging = self._staged_for_launch(index)
+            columns[:, at : at + width].copy_(staging.view(n, width))
+            self.comm.buffers.give_back(staging)
+            self._staging[index] = None
+            self._pieces_left[index] = 1
+            members.append((index, Range(at, at + width), Range(0, width)))
+            at += width
+        out = self.comm.buffers.take(total, self.dtype)
+        label = " + ".join(self.labels[index] for index in group) + self._tag
+        handle = self.reduction.reduce_scatter(out, send, async_op=True, label=label)
+        self._in_flight.append(Launched(handle, members, out, send))
 
     def _launch_in_pieces(self, index: int) -> None:
         """Reduce-scatter an oversized bucket in pieces of ``chunk_numel // N`` columns."""
@@ -275,7 +374,7 @@ class BucketReducer:
             out = self.comm.buffers.take(piece.size, self.dtype)
             label = f"{self.labels[index]}{self._tag} [{piece.start}:{piece.stop}]"
             handle = self.reduction.reduce_scatter(out, send, async_op=True, label=label)
-            self._track((index, handle, out, send, piece))
+            self._in_flight.append(Launched(handle, [(index, piece.shift(a), piece)], out, send))
 
     def _make_room(self) -> None:
         """Before a launch: finish the oldest until fewer than ``max_in_flight`` are out
@@ -283,35 +382,34 @@ class BucketReducer:
         while len(self._in_flight) >= self.max_in_flight:
             self._finish_oldest()
 
-    def _track(self, launched: Finish) -> None:
-        self._in_flight.append(launched)
-
     def _finish_oldest(self) -> None:
         self._hand_over()
-        index, handle, out, send, piece = self._in_flight.popleft()
-        handle.wait()
-        slot = self.slots[index]
-        if out is not None:
-            if self._first:
-                materialize(slot.target)  # a ShardGradient piece has storage from its first slice
-            target = slot.target[piece.start : piece.stop]
-            if self._first:
-                target.copy_(out)
-            else:
-                target.add_(out)
-            self.comm.buffers.give_back(out)
-        if send is not None:
-            self.comm.buffers.give_back(send)
-        self._pieces_left[index] -= 1
-        if self._pieces_left[index]:
-            return
-        self._held[index] = None
-        staging = self._staging[index]
-        if staging is not None and slot.persistent is None:
-            self.comm.buffers.give_back(staging)
-        self._staging[index] = None
-        if self.on_reduced is not None:
-            self._reduced = index
+        launched = self._in_flight.popleft()
+        launched.handle.wait()
+        for index, within, piece in launched.members:
+            slot = self.slots[index]
+            if launched.out is not None:
+                if self._first:  # a ShardGradient piece has storage from its first slice
+                    materialize(slot.target)
+                target = slot.target[piece.start : piece.stop]
+                source = launched.out[within.start : within.stop]
+                if self._first:
+                    target.copy_(source)
+                else:
+                    target.add_(source)
+            self._pieces_left[index] -= 1
+            if self._pieces_left[index]:
+                continue
+            self._held[index] = None
+            staging = self._staging[index]
+            if staging is not None and slot.persistent is None:
+                self.comm.buffers.give_back(staging)
+            self._staging[index] = None
+            if self.on_reduced is not None:
+                self._reduced.append(index)
+        for buffer in (launched.out, launched.send):
+            if buffer is not None:
+                self.comm.buffers.give_back(buffer)
 
     def finish(self) -> None:
         """After backward: complete every bucket (missing gradients are zeros), launch the

@@ -99,7 +99,7 @@ class ReduceScatteredGradients:
         self.reducer = BucketReducer(
             comm, buckets, dtype, config.max_buckets_in_flight, launch_order, labels,
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
-            reduction=reduction,
+            reduction=reduction, coalesce_numel=config.coalesce_limit,
         )  # fmt: skip
         # Called with each slot whose gradient a hook handed over (stage 3 frees units).
         self.gradient_listeners: list[Callable[[ParamSlot], None]] = []
