@@ -292,3 +292,19 @@ def test_a_failed_reference_launch_keeps_the_rates_measurements(
     assert payload["context"]["reference_rate"] is None
     assert any("reference launch at 40gbit failed" in n for n in payload["context"]["notes"])
     assert [g["rate"] for g in payload["goals"]] == ["100mbit", "100mbit"]
+
+
+def test_a_peer_that_replaces_torchs_linear_for_the_process_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process; the
+    worker builds every variant in one process, so before each variant's steps it checks
+    that torch's linear is in place (the DeepSpeed trainer installs its own only around
+    its forward)."""
+    import bench_cluster_worker as worker
+    import torch
+
+    worker.check_torch_linear()
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: None)
+    with pytest.raises(RuntimeError, match="replaced it for the whole process"):
+        worker.check_torch_linear()

@@ -76,6 +76,8 @@ from zero_models.train_options import (
 )
 
 RECORD_STATS = 4  # step_s, loss, intra-node bytes, inter-node bytes (per rank, gathered)
+# torch's own, before any peer is built: DeepSpeed's stage 3 replaces it (see DeepSpeedHpz).
+TORCH_LINEAR = torch.nn.functional.linear
 
 
 def zero_train_options(model: str, flags: list[str], dtype: str, batch: int) -> argparse.Namespace:
@@ -296,6 +298,13 @@ class DeepSpeedHpz(BenchTrainer):
                 config=ds_config,
             )  # fmt: skip
         self.counter.reset()  # the steps' calls only, not initialize's
+        # DeepSpeed's stage 3 replaces torch.nn.functional.linear for the whole process
+        # with its memory-efficient autograd function ("this will persist unless manually
+        # reset"). Left there, every other variant's nn.Linear ran it too: other bits
+        # (ZeRO++'s loss after 8 steps moved from 4.4808459 to 4.4808565) and other costs.
+        # It is DeepSpeed's only while DeepSpeed's forward runs.
+        self.linear = torch.nn.functional.linear
+        torch.nn.functional.linear = TORCH_LINEAR
         self.version = str(deepspeed.__version__)
         self.partition_size = self.engine.zero_hpz_partition_size()
 
@@ -304,8 +313,12 @@ class DeepSpeedHpz(BenchTrainer):
             group["lr"] = lr
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.counter:
-            return next_token_loss(self.engine(inputs), targets)
+        torch.nn.functional.linear = self.linear
+        try:
+            with self.counter:
+                return next_token_loss(self.engine(inputs), targets)
+        finally:
+            torch.nn.functional.linear = TORCH_LINEAR
 
     def backward(self, loss: torch.Tensor) -> None:
         with self.counter:
@@ -323,6 +336,18 @@ class DeepSpeedHpz(BenchTrainer):
     def close(self) -> None:
         self.engine.destroy()
         del self.engine, self.optimizer
+
+
+def check_torch_linear() -> None:
+    """Raise unless ``torch.nn.functional.linear`` is torch's own: every variant of a
+    launch shares the process, so a peer that replaced it would run in all of them."""
+    if torch.nn.functional.linear is not TORCH_LINEAR:
+        raise RuntimeError(
+            f"torch.nn.functional.linear is {torch.nn.functional.linear!r}, not torch's: a "
+            "peer replaced it for the whole process, so every variant would run it; restore "
+            "it after building the peer and install it only around the peer's forward (as "
+            "DeepSpeedHpz does)"
+        )
 
 
 def build(
@@ -410,6 +435,7 @@ def run_model(launch: Launch, model: str, cli: argparse.Namespace) -> dict[str, 
 
     def block(name: str, round_index: int, steps: int) -> None:
         trainer, args = trainers[name], options[name]
+        check_torch_linear()
         times = []
         for _ in range(steps):
             step = done[name]
