@@ -111,8 +111,12 @@ def coalesced_groups(
     filled = 0
     for index in order:
         numel = numels[index]
-        joins = groups and not alone[index] and filled + numel <= coalesce_numel
-        if joins and not alone[groups[-1][0]]:
+        if (
+            groups
+            and not alone[index]
+            and not alone[groups[-1][0]]
+            and filled + numel <= coalesce_numel
+        ):
             groups[-1].append(index)
             filled += numel
         else:
@@ -173,14 +177,14 @@ class BucketReducer:
         self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
         self._pieces_left = [0] * len(slots)
         # Per bucket, the group it is reduced with (itself alone unless coalesced).
-        alone = [
-            slot.persistent is not None or self._oversized(index)
-            for index, slot in enumerate(slots)
-        ]
         self._group: list[list[int]] = [[index] for index in range(len(slots))]
         if chunk_numel is not None:  # a group's staging stays within the buffers' bound
             coalesce_numel = min(coalesce_numel, chunk_numel)
         if coalesce_numel > 0:
+            alone = [
+                slot.persistent is not None or self._oversized(index)
+                for index, slot in enumerate(slots)
+            ]
             numels = [slot.numel for slot in slots]
             for group in coalesced_groups(self.order.order, numels, alone, coalesce_numel):
                 for index in group:
