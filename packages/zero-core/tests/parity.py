@@ -53,6 +53,7 @@ class ParityCase:
     offload_fraction: float = 1.0
     sub_group_numel: int = 1 << 22
     coalesce_numel: int | None = None  # None: ZeroConfig's default
+    gather_coalesce_numel: int | None = None  # stage 3; None: ZeroConfig's default
 
 
 class ParityModel(nn.Module):
@@ -134,6 +135,11 @@ def build_engine(
         persistence_threshold=case.persistence_threshold,
         prefetch_numel=case.prefetch_numel,
         **({} if case.coalesce_numel is None else {"coalesce_numel": case.coalesce_numel}),
+        **(
+            {}
+            if case.gather_coalesce_numel is None
+            else {"gather_coalesce_numel": case.gather_coalesce_numel}
+        ),
         **offload_settings(case, stage),
         **(settings or {}),
     )
@@ -237,6 +243,7 @@ def parity_cases() -> Any:
             persistence_threshold=draw(st.sampled_from([0, 0, 20, 200])),
             prefetch_numel=draw(st.sampled_from([0, 100, 1 << 20])),
             coalesce_numel=draw(st.sampled_from([None, 0, 128, 600, 1 << 20])),
+            gather_coalesce_numel=draw(st.sampled_from([None, 0, 64, 600, 1 << 20])),
             steps=2,
             seed=draw(st.integers(0, 10_000)),
         )

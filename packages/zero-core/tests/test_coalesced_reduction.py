@@ -16,26 +16,35 @@ from hypothesis import strategies as st
 from parity import ParityCase, assert_same_states, build_engine, loss_of, micro_batch, train
 
 from zero_comm import Communicator, run_simulated
-from zero_core.grad_reducer import coalesced_groups
+from zero_core.coalescing import coalesced_groups
 
 
 @given(
     numels=st.lists(st.integers(1, 50), min_size=1, max_size=12),
     alone_flags=st.lists(st.booleans(), min_size=12, max_size=12),
+    kind_draws=st.none() | st.lists(st.integers(0, 2), min_size=12, max_size=12),
     limit=st.integers(0, 120),
     reverse=st.booleans(),
 )
 def test_groups_are_greedy_runs_in_launch_order(
-    numels: list[int], alone_flags: list[bool], limit: int, reverse: bool
+    numels: list[int],
+    alone_flags: list[bool],
+    kind_draws: list[int] | None,
+    limit: int,
+    reverse: bool,
 ) -> None:
+    """coalescing.coalesced_groups, the rule of gradient reductions and of stage 3's
+    gathers (which also pass kinds: the way each unit is gathered)."""
     order = list(range(len(numels)))[:: -1 if reverse else 1]
     alone = alone_flags[: len(numels)]
-    groups = coalesced_groups(order, numels, alone, limit)
+    kinds = None if kind_draws is None else kind_draws[: len(numels)]
+    groups = coalesced_groups(order, numels, alone, limit, kinds)
     assert [index for group in groups for index in group] == order
     for group in groups:
         if len(group) > 1:
             assert not any(alone[index] for index in group)
             assert sum(numels[index] for index in group) <= limit
+            assert kinds is None or len({kinds[index] for index in group}) == 1
     for before, after in itertools.pairwise(groups):
         head = after[0]
         # a group ends only where the next bucket could not have joined it
@@ -43,6 +52,7 @@ def test_groups_are_greedy_runs_in_launch_order(
             alone[head]
             or alone[before[0]]
             or sum(numels[index] for index in before) + numels[head] > limit
+            or (kinds is not None and kinds[head] != kinds[before[0]])
         )
 
 

@@ -131,10 +131,13 @@ def test_ranks_that_run_different_modules_get_an_error_naming_module_and_ranks(
     assert where in message, message
 
 
-def gathers_when_layer_starts(comm: Communicator, prefetch_numel: int) -> list[int]:
+def gathers_when_layer_starts(
+    comm: Communicator, prefetch_numel: int, gather_coalesce_numel: int = 0
+) -> list[int]:
     """all_gather calls already issued when layers[2]'s forward starts, per step."""
     case = ParityCase(widths=(16, 16, 16, 16, 16), persistence_threshold=0,
-                      prefetch_numel=prefetch_numel)  # fmt: skip
+                      prefetch_numel=prefetch_numel,
+                      gather_coalesce_numel=gather_coalesce_numel)  # fmt: skip
     engine = build_engine(case, comm, 3)
     seen: list[int] = []
     layer = engine.module.layers[2]  # type: ignore[index]
@@ -154,6 +157,15 @@ def test_prefetch_gathers_the_next_modules_ahead_after_the_first_step() -> None:
     off = run_simulated(2, lambda comm: gathers_when_layer_starts(comm, 0))[0]
     assert off == [3, 3, 3]
     assert on == [3, 4, 4]
+
+
+def test_the_units_a_prefetch_starts_share_one_gather_within_the_coalescing_limit() -> None:
+    """Later steps demand layers[0] (one gather), then prefetch layers 1-3 (512 elements
+    each, padded): one gather for all three within 1536 elements, two within 1535."""
+    coalesced = run_simulated(2, lambda comm: gathers_when_layer_starts(comm, 1 << 20, 1536))
+    assert coalesced[0] == [3, 2, 2]
+    pairs = run_simulated(2, lambda comm: gathers_when_layer_starts(comm, 1 << 20, 1535))
+    assert pairs[0] == [3, 3, 3]
 
 
 def test_the_working_set_is_bounded_by_the_configuration() -> None:

@@ -10,7 +10,7 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
-from zero_core.param_gatherer import UnitState
+from zero_core.gather_unit import UnitState
 
 WIDTHS = (64, 64, 64, 64, 64, 64)
 

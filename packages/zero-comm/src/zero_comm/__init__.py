@@ -11,6 +11,7 @@ results are bit-identical on every backend and to the same sum done in one proce
 """
 
 from .block_quantize import BlockQuantizer, Quantized
+from .coalesced_gather import all_gather_coalesced
 from .comm_options import CommOptions
 from .communicator import Communicator
 from .errors import (
@@ -58,6 +59,7 @@ __all__ = [
     "ReduceOp",
     "Topology",
     "__version__",
+    "all_gather_coalesced",
     "detect_launch_env",
     "detect_topology",
     "init",

@@ -159,6 +159,7 @@ class QuantizedHandle:
             self._failure = f"{type(exc).__name__}: {exc}"
             raise
         self._done = True
+        self._finish = _nothing  # drops what it held (a received buffer) at the first wait
 
     def is_completed(self) -> bool:
         return self._done

@@ -72,6 +72,12 @@ DEFAULT_BACKWARD_HEAD_NUMEL = 2**24
 # 0.55 -> 0.61 s at 2**18), ZeRO++ was fastest at 2**18 (0.42-0.53 -> 0.30-0.32 s).
 DEFAULT_COALESCE_NUMEL = 2**16
 QGZ_COALESCE_NUMEL = 2**18
+# Stage 3's units started together by a prefetch and gathered by one collective:
+# docs/across-nodes.md ("Coalesced gathers") measured 0, 2**16, 2**18 and 2**20 in one
+# process: 2**18 made the small GPT's step 1.15x faster (qwZ 1.36x, a 75-unit model
+# 1.49x), 2**20 no better beyond the spread; on the emulated cluster no setting moved
+# beyond the launches' spread.
+DEFAULT_GATHER_COALESCE_NUMEL = 2**18
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,13 @@ class ZeroConfig:
     prefetch_numel: stage 3: parameter elements gathered ahead of use (in the order recorded
         on the first step); 0 turns prefetching off. (What forward keeps for backward's
         start is bounded by ``backward_head_numel`` instead.)
+    gather_coalesce_numel: stage 3: units a prefetch starts together (consecutive in the
+        recorded order, gathered the same way) share one all-gather while their elements
+        add up to at most this many; 0 gathers each unit by itself. The same bits either
+        way (zero_comm.all_gather_coalesced). From its launch to the wait for its first
+        unit, such a gather holds a received buffer of at most this many elements and a
+        send buffer of 1/N of that, outside ``max_live_numel``. A model of many small
+        modules otherwise pays a collective's fixed cost per module in forward.
     max_live_numel: stage 3: prefetching never makes more parameter elements gathered at
         once than this (the modules running now are always gathered, whatever their size).
     keep_backward_head: stage 3: a forward with gradients enabled keeps gathered the units
@@ -201,6 +214,7 @@ class ZeroConfig:
     coalesce_numel: int | None = None
     overlap_comm: bool = True
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL
+    gather_coalesce_numel: int = DEFAULT_GATHER_COALESCE_NUMEL
     max_live_numel: int = 2**28
     keep_backward_head: bool = True
     backward_head_numel: int = DEFAULT_BACKWARD_HEAD_NUMEL
@@ -244,7 +258,7 @@ class ZeroConfig:
                 raise ValueError(f"{name}={value!r} must be a number")
         for name in (
             "prefetch_numel", "max_live_numel", "backward_head_numel", "persistence_threshold",
-            "coalesce_numel",
+            "coalesce_numel", "gather_coalesce_numel",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is None and name == "coalesce_numel":

@@ -54,6 +54,7 @@ import torch
 from zero_comm import Communicator
 
 from .backward_overlap import LaunchOrder
+from .coalescing import coalesced_groups
 from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
@@ -99,30 +100,6 @@ class Launched:
     members: list[tuple[int, Range, Range]]
     out: torch.Tensor | None
     send: torch.Tensor | None
-
-
-def coalesced_groups(
-    order: list[int], numels: list[int], alone: list[bool], coalesce_numel: int
-) -> list[list[int]]:
-    """Buckets in launch ``order`` cut into groups reduced together: runs of consecutive
-    buckets whose ``numels`` add up to at most ``coalesce_numel``; a bucket marked ``alone``
-    (or larger than the limit) is a group of its own. Groups keep ``order``."""
-    groups: list[list[int]] = []
-    filled = 0
-    for index in order:
-        numel = numels[index]
-        if (
-            groups
-            and not alone[index]
-            and not alone[groups[-1][0]]
-            and filled + numel <= coalesce_numel
-        ):
-            groups[-1].append(index)
-            filled += numel
-        else:
-            groups.append([index])
-            filled = numel
-    return groups
 
 
 class BucketReducer:

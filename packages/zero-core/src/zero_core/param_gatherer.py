@@ -32,6 +32,17 @@ ranks that run the same modules in the same order issue the same collectives; ea
 all_gather is labelled with its unit, so ranks that do not get a CollectiveMismatchError
 naming the modules (with the communicator's consistency check on, its default).
 
+Coalesced gathers (``coalesce_numel``). The units one prefetch starts, in the record's
+order, are cut into runs gathered the same way (plain, qwZ, or hpZ's secondary gather;
+hierarchical gathers never coalesce) of at most ``coalesce_numel`` elements in all, and each
+run is one all-gather (zero_comm.all_gather_coalesced), waited for as a whole when its
+first unit is demanded. Every full buffer gets the bits its own gather would give, and the
+bytes are the same. What changes is the number of collectives (a forward over the default
+GPT's 18 units makes 5 all-gathers at 2^18 elements instead of 18), and memory: from the
+launch to the first wait a received buffer as large as the run's full buffers, and a send
+buffer of 1/N of it. Neither counts in ``max_live_numel``; both are at most
+``coalesce_numel`` elements. A unit demanded before it was prefetched is gathered by itself.
+
 Kept for backward. Backward first demands the units forward used last. A forward run with
 gradients enabled does not release the first unit of the backward record and the units
 after it within ``backward_head_numel`` elements (the *backward head*): they stay gathered
@@ -64,7 +75,6 @@ dropped when the backward pass ends.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -73,13 +83,13 @@ import torch
 from zero_comm import (
     BlockQuantizer,
     Communicator,
-    Handle,
-    QuantizedHandle,
+    all_gather_coalesced,
     quantized_all_gather,
 )
 from zero_comm.hierarchy import hierarchical_all_gather
 
-from .param_table import ParamSlot
+from .coalescing import coalesced_groups
+from .gather_unit import GatherUnit, UnitState
 
 
 def backward_head_length(
@@ -111,63 +121,19 @@ class ShardSource(Protocol):
     def read_ahead(self, group: int, bucket: int) -> None: ...
 
 
-class UnitState(Enum):
-    RELEASED = "released"
-    GATHERING = "gathering"  # all-gathers launched, not yet waited for
-    GATHERED = "gathered"
-    PERSISTENT = "persistent"
+class GatherPath(Enum):
+    """How a unit's gather runs; units on one path (but the hierarchical one) can share
+    a collective."""
+
+    PLAIN = "plain"  # all_gather of the shards over every rank
+    QUANTIZED = "quantized"  # qwZ's quantized all_gather of the shards
+    HIERARCHICAL = "hierarchical"  # across nodes, then inside them: never coalesced
+    SECONDARY = "secondary"  # hpZ in backward: all_gather of the kept parts in the node
 
 
 class Pass(Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-@dataclass(eq=False)
-class GatherUnit:
-    """One unit: its buckets' full buffers and (group, bucket) keys of this rank's
-    shards, its slots (and the bucket, within the unit, of each), and its run-time state."""
-
-    label: str
-    fulls: list[torch.Tensor]
-    shards: list[tuple[int, int]]
-    slots: list[ParamSlot]
-    slot_buckets: list[int]
-    persistent: bool = False
-    state: UnitState = UnitState.RELEASED
-    users: int = 0  # modules running now that need the unit
-    grads_seen: int = 0  # gradients of its slots in this backward
-    handles: list[Handle | QuantizedHandle] = field(default_factory=list)  # GATHERING
-    secondary_parts: list[torch.Tensor] = field(default_factory=list)  # hpZ, forward to backward
-    from_secondary: bool = False  # the gather in flight reads secondary_parts
-    inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING
-    views: list[torch.Tensor] = field(default_factory=list)
-    placeholders: list[torch.Tensor] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.numel = sum(full.numel() for full in self.fulls)
-        self.views = [
-            self.fulls[k][s.flat.start : s.flat.stop].view(s.shape)
-            for s, k in zip(self.slots, self.slot_buckets, strict=True)
-        ]
-        self.placeholders = [
-            torch.full((1,), float("nan"), dtype=s.param.dtype, device=s.param.device).expand(
-                s.shape
-            )
-            for s in self.slots
-        ]
-        if not self.persistent:  # views are made while the storage exists, then it goes
-            for full in self.fulls:
-                full.untyped_storage().resize_(0)
-
-    def expect(self, *states: UnitState, doing: str) -> None:
-        """Raise unless the unit is in one of ``states``."""
-        if self.state not in states:
-            allowed = " or ".join(s.value for s in states)
-            raise RuntimeError(
-                f"{self.label}: cannot {doing} a unit that is {self.state.value} (it must be "
-                f"{allowed}); this is a bug in the engine's gather bookkeeping"
-            )
 
 
 class ParameterGatherer:
@@ -187,6 +153,7 @@ class ParameterGatherer:
         weight_codec: BlockQuantizer | None = None,
         allow_fallback: bool = False,
         hierarchical: bool = False,
+        coalesce_numel: int = 0,
     ) -> None:
         """``keep_backward_head``: a forward with gradients keeps the backward head
         gathered, up to ``backward_head_numel`` elements past its first unit (None:
@@ -194,8 +161,11 @@ class ParameterGatherer:
         docstring), or None;
         ``weight_codec``: qwZ, the gathers of non-persistent units move int8 blocks
         (zero_comm.quantized_all_gather), or None; ``hierarchical``: gather across nodes
-        first, then inside them (zero_comm.hierarchy.hierarchical_all_gather)."""
+        first, then inside them (zero_comm.hierarchy.hierarchical_all_gather);
+        ``coalesce_numel``: units started together (a prefetch) on one path share one
+        all-gather while their elements add up to at most this many (module docstring)."""
         self.hierarchical = hierarchical
+        self.coalesce_numel = coalesce_numel
         self.comm = comm
         self.secondary = secondary
         self.weight_codec = weight_codec
@@ -372,20 +342,25 @@ class ParameterGatherer:
         if trace is None or self.prefetch_numel == 0:
             return
         ahead = sum(self.units[i].numel for i in self._ahead)
+        live = self.live_numel
+        starting: list[GatherUnit] = []
         position = self._position
         for position in range(self._position, len(trace)):
             unit = self.units[trace[position]]
-            if unit.state is not UnitState.RELEASED:
+            if unit.state is not UnitState.RELEASED or unit in starting:
                 continue
             if ahead + unit.numel > self.prefetch_numel:
                 break
-            if self.live_numel + unit.numel > self.max_live_numel:
+            if live + unit.numel > self.max_live_numel:
                 break
-            self._start_gather(unit)
+            starting.append(unit)
             self._ahead.add(trace[position])
             ahead += unit.numel
+            live += unit.numel
         else:
+            self._start_gathers(starting)
             return
+        self._start_gathers(starting)
         fetched = 0
         for index in trace[position:]:
             unit = self.units[index]
@@ -398,15 +373,74 @@ class ParameterGatherer:
             fetched += unit.numel
 
     def _start_gather(self, unit: GatherUnit) -> None:
-        unit.expect(UnitState.RELEASED, doing="start gathering")
-        self._resize(unit, gathered=True)
-        self._launch(unit)
-        unit.state = UnitState.GATHERING
+        self._start_gathers([unit])
+
+    def _start_gathers(self, units: list[GatherUnit]) -> None:
+        """Start gathering ``units`` (in this order on every rank): consecutive ones on
+        the same path, up to ``coalesce_numel`` elements in all, share one collective."""
+        for unit in units:
+            unit.expect(UnitState.RELEASED, doing="start gathering")
+        paths = [self._path(unit) for unit in units]
+        alone = [path is GatherPath.HIERARCHICAL for path in paths]
+        numels = [unit.numel for unit in units]
+        order = range(len(units))
+        for group in coalesced_groups(order, numels, alone, self.coalesce_numel, paths):
+            members = [units[i] for i in group]
+            for unit in members:
+                self._resize(unit, gathered=True)
+            if len(members) == 1:
+                self._launch(members[0])
+            else:
+                self._launch_coalesced(members, paths[group[0]])
+            for unit in members:
+                unit.state = UnitState.GATHERING
+
+    def _path(self, unit: GatherUnit) -> GatherPath:
+        """How the unit's next gather runs (units on one path can share a collective)."""
+        if self.secondary is not None and self.phase is Pass.BACKWARD and unit.secondary_parts:
+            return GatherPath.SECONDARY
+        if unit.persistent or self.weight_codec is None:
+            return GatherPath.HIERARCHICAL if self.hierarchical else GatherPath.PLAIN
+        return GatherPath.QUANTIZED
+
+    def _launch_coalesced(self, units: list[GatherUnit], path: GatherPath) -> None:
+        """Launch one all-gather for every bucket of ``units``, all on ``path``
+        (zero_comm's all_gather_coalesced: each full buffer gets the bits of its own
+        gather). Its send buffer is a copy, so the shards go back to their tier at once."""
+        comm, codec = self.comm, None
+        if path is GatherPath.SECONDARY:
+            assert self.secondary is not None
+            comm = self.secondary
+        elif path is GatherPath.QUANTIZED:
+            codec = self.weight_codec
+        outputs, inputs, taken = [], [], []
+        for unit in units:
+            unit.from_secondary = path is GatherPath.SECONDARY
+            outputs += unit.fulls
+            if unit.from_secondary:
+                inputs += unit.secondary_parts
+            else:
+                shards = [self.source.take(g, k) for g, k in unit.shards]
+                inputs += shards
+                taken += shards
+        handle = all_gather_coalesced(
+            comm,
+            outputs,
+            inputs,
+            codec,
+            allow_fallback=self.allow_fallback,
+            label=f"{units[0].label} (+{len(units) - 1} coalesced)",
+        )
+        for shard in taken:
+            self.source.give_back(shard)
+        for unit in units:
+            unit.handles = [handle]
 
     def _launch(self, unit: GatherUnit) -> None:
         """Launch the unit's all-gathers: of the parts hpZ kept, in backward when it kept
         them; else of the shards, taken from their tier."""
-        if self.secondary is not None and self.phase is Pass.BACKWARD and unit.secondary_parts:
+        if self._path(unit) is GatherPath.SECONDARY:
+            assert self.secondary is not None
             unit.from_secondary = True
             unit.handles = [
                 self.secondary.all_gather(full, part, async_op=True, label=unit.label)

@@ -22,10 +22,11 @@ from zero_comm import BlockQuantizer, Communicator
 
 from .config import ZeroConfig
 from .fetch_units import UnitPlan
+from .gather_unit import GatherUnit
 from .group_layout import GroupLayout
 from .init_values import become
 from .master_weights import VisitsTiles
-from .param_gatherer import GatherUnit, ParameterGatherer, Pass
+from .param_gatherer import ParameterGatherer, Pass
 from .param_table import ParamSlot, ParamTable
 from .parameter_shards import ParameterShards
 
@@ -98,6 +99,7 @@ class ShardedParameters:
             weight_codec=self.weight_codec,
             allow_fallback=self.config.allow_quantize_fallback,
             hierarchical=self.config.hierarchical_gather,
+            coalesce_numel=self.config.gather_coalesce_numel,
         )
         if self.plan.persistent is not None:
             unit = units[self.plan.persistent]
