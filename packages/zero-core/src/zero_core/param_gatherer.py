@@ -83,6 +83,8 @@ import torch
 from zero_comm import (
     BlockQuantizer,
     Communicator,
+    Handle,
+    QuantizedHandle,
     all_gather_coalesced,
     quantized_all_gather,
 )
@@ -246,7 +248,7 @@ class ParameterGatherer:
             self._record(index)
             self._ahead.discard(index)
             if unit.state is UnitState.RELEASED:
-                self._start_gather(unit)
+                self._start_gathers([unit])
             if unit.state is UnitState.GATHERING:
                 self._wait(unit)
             self._prefetch()
@@ -344,7 +346,6 @@ class ParameterGatherer:
         ahead = sum(self.units[i].numel for i in self._ahead)
         live = self.live_numel
         starting: list[GatherUnit] = []
-        position = self._position
         for position in range(self._position, len(trace)):
             unit = self.units[trace[position]]
             if unit.state is not UnitState.RELEASED or unit in starting:
@@ -358,8 +359,7 @@ class ParameterGatherer:
             ahead += unit.numel
             live += unit.numel
         else:
-            self._start_gathers(starting)
-            return
+            position = len(trace)  # every unit ahead started: nothing left to read ahead
         self._start_gathers(starting)
         fetched = 0
         for index in trace[position:]:
@@ -371,9 +371,6 @@ class ParameterGatherer:
             for group, bucket in unit.shards:
                 self.source.read_ahead(group, bucket)
             fetched += unit.numel
-
-    def _start_gather(self, unit: GatherUnit) -> None:
-        self._start_gathers([unit])
 
     def _start_gathers(self, units: list[GatherUnit]) -> None:
         """Start gathering ``units`` (in this order on every rank): consecutive ones on
@@ -439,7 +436,8 @@ class ParameterGatherer:
     def _launch(self, unit: GatherUnit) -> None:
         """Launch the unit's all-gathers: of the parts hpZ kept, in backward when it kept
         them; else of the shards, taken from their tier."""
-        if self._path(unit) is GatherPath.SECONDARY:
+        path = self._path(unit)
+        if path is GatherPath.SECONDARY:
             assert self.secondary is not None
             unit.from_secondary = True
             unit.handles = [
@@ -449,23 +447,22 @@ class ParameterGatherer:
             return
         unit.from_secondary = False
         unit.inputs = [self.source.take(g, k) for g, k in unit.shards]
-        codec = None if unit.persistent else self.weight_codec
-        unit.handles = [
-            hierarchical_all_gather(self.comm, full, shard, label=unit.label)
-            if codec is None and self.hierarchical
-            else self.comm.all_gather(full, shard, async_op=True, label=unit.label)
-            if codec is None
-            else quantized_all_gather(
-                self.comm,
-                full,
-                shard,
-                codec,
-                async_op=True,
-                label=unit.label,
-                allow_fallback=self.allow_fallback,
-            )
-            for full, shard in zip(unit.fulls, unit.inputs, strict=True)
-        ]
+        unit.handles = [self._gather_one(path, full, shard, unit.label)
+                        for full, shard in zip(unit.fulls, unit.inputs, strict=True)]  # fmt: skip
+
+    def _gather_one(
+        self, path: GatherPath, full: torch.Tensor, shard: torch.Tensor, label: str
+    ) -> Handle | QuantizedHandle:
+        """Launch one bucket's all-gather of ``shard`` into ``full`` on ``path``."""
+        if path is GatherPath.HIERARCHICAL:
+            return hierarchical_all_gather(self.comm, full, shard, label=label)
+        if path is GatherPath.QUANTIZED:
+            assert self.weight_codec is not None
+            return quantized_all_gather(
+                self.comm, full, shard, self.weight_codec,
+                async_op=True, label=label, allow_fallback=self.allow_fallback,
+            )  # fmt: skip
+        return self.comm.all_gather(full, shard, async_op=True, label=label)
 
     def _finish_gathers(self, unit: GatherUnit) -> None:
         for handle in unit.handles:
