@@ -18,7 +18,7 @@ from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFa
 from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
 from .launcher_env import LaunchEnv
-from .peers import Peer, describe_dead
+from .peers import Peer, describe_dead, is_running
 from .reduce_op import ReduceOp
 from .rendezvous import read_peers, rendezvous_store
 
@@ -28,6 +28,10 @@ _TORCH_OP = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
 _CLOSE_KEY = "zero_comm/closed"
+# Rank 0's wait at exit for the others to let go of the store it hosts (_WorldSession), and
+# how often it looks for those among them that died meanwhile.
+CHECK_OUT_WAIT_S = 10.0
+LOOK_FOR_DEAD_S = 0.1
 # The digest check's looks for posts while a gloo collective waits (_wait_looking_for_posts).
 FIRST_LOOK_S = 0.01
 LOOK_EVERY_S = 0.1
@@ -99,7 +103,7 @@ class TorchCommunicator(Communicator):
             keep_flight_recorder_off()  # its entries fragment the heap (flight_recorder.py)
             store = rendezvous_store(env, options.timeout)
             peers = read_peers(store, env.world_size)
-            _WorldSession.start(store, env.rank, env.world_size)
+            _WorldSession.start(store, env.rank, env.world_size, peers)
             dist.init_process_group(
                 backend,
                 store=store,
@@ -340,23 +344,25 @@ class _WorldSession:
     destroying it at all, aborts the process from torch's C++ threads ("terminate called
     without an active exception"). So release lets the collectives still in flight end
     first (:class:`_InFlight`), destroys the group, and rank 0 waits until every other rank
-    has checked out of the store before dropping it. A session that was never closed is
-    released at interpreter exit, with a short wait.
+    has checked out of the store (or, on rank 0's host, is no longer running: a dead rank
+    uses no store) before dropping it. A session that was never closed is released at
+    interpreter exit, with a short wait.
     """
 
     _current: _WorldSession | None = None
     worlds = 0  # world communicators created in this process (every rank alike)
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, peers: list[Peer]) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.peers = peers
 
     @classmethod
-    def start(cls, store: Any, rank: int, world_size: int) -> None:
+    def start(cls, store: Any, rank: int, world_size: int, peers: list[Peer]) -> None:
         if cls._current is None:
-            atexit.register(cls.release, 10.0)
-        cls._current = cls(store, rank, world_size)
+            atexit.register(cls.release, CHECK_OUT_WAIT_S)
+        cls._current = cls(store, rank, world_size, peers)
 
     @classmethod
     def created_here(cls) -> bool:
@@ -372,14 +378,29 @@ class _WorldSession:
         if session is None or session.world_size == 1:
             return
         if session.rank != 0:
-            session.store.add(_CLOSE_KEY, 1)
+            session.store.set(f"{_CLOSE_KEY}/{session.rank}", "")
             return
+        session.wait_for_check_outs(wait_limit)
+
+    def wait_for_check_outs(self, wait_limit: float) -> None:
+        """On rank 0: wait until every other rank has checked out or, on this host, has
+        died; at most ``wait_limit`` seconds (a dead rank on another host is waited out)."""
+        waiting = dict.fromkeys(range(1, self.world_size))
+        keys = [f"{_CLOSE_KEY}/{r}" for r in waiting]
         deadline = time.monotonic() + wait_limit
-        while (
-            session.store.add(_CLOSE_KEY, 0) < session.world_size - 1
-            and time.monotonic() < deadline
-        ):
+        next_look = time.monotonic()
+        while keys and not self.store.check(keys) and time.monotonic() < deadline:
+            if time.monotonic() >= next_look:
+                for r in list(waiting):
+                    if self.store.check([f"{_CLOSE_KEY}/{r}"]) or self._died(r):
+                        del waiting[r]
+                keys = [f"{_CLOSE_KEY}/{r}" for r in waiting]
+                next_look = time.monotonic() + LOOK_FOR_DEAD_S
             time.sleep(0.005)
+
+    def _died(self, rank: int) -> bool:
+        peer = self.peers[rank]
+        return peer.host == self.peers[0].host and not is_running(peer.pid)
 
 
 class _AllOf:

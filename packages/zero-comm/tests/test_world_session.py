@@ -1,0 +1,73 @@
+"""Rank 0's wait at exit (zero_comm.torch_backend._WorldSession): it hosts the rendezvous
+store, so it stays until every other rank has checked out of it, except a rank on its own
+host that died (it uses no store; waiting for it cost every failed run the whole wait)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_comm.peers import Peer
+from zero_comm.torch_backend import _CLOSE_KEY, _WorldSession
+
+LIMIT_S = 0.2
+
+
+def a_dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return int(done.stdout)
+
+
+DEAD_PID = a_dead_pid()
+
+# What each of ranks 1.. does: checks out, dies here, dies on another host, or runs on.
+FATES = st.lists(st.sampled_from(["out", "dead", "dead elsewhere", "running"]), max_size=5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(fates=FATES)
+def test_rank_0_waits_exactly_for_the_ranks_that_may_still_use_the_store(
+    fates: list[str],
+) -> None:
+    store = dist.HashStore()
+    peers = [Peer("here", os.getpid())]
+    for rank, fate in enumerate(fates, start=1):
+        host = "elsewhere" if fate == "dead elsewhere" else "here"
+        peers.append(Peer(host, os.getpid() if fate == "running" else DEAD_PID))
+        if fate == "out":
+            store.set(f"{_CLOSE_KEY}/{rank}", "")
+    session = _WorldSession(store, 0, len(peers), peers)
+    start = time.monotonic()
+    session.wait_for_check_outs(LIMIT_S)
+    waited = time.monotonic() - start
+    # A running rank, or a dead one this host cannot see, is waited for to the limit.
+    if any(fate in ("running", "dead elsewhere") for fate in fates):
+        assert waited >= LIMIT_S
+    else:
+        assert waited < LIMIT_S / 2
+
+
+@pytest.mark.parametrize("checked_out_late", [True, False])
+def test_a_rank_that_checks_out_during_the_wait_ends_it(checked_out_late: bool) -> None:
+    store = dist.HashStore()
+    peers = [Peer("here", os.getpid()), Peer("here", os.getpid())]
+    session = _WorldSession(store, 0, 2, peers)
+    if checked_out_late:
+        import threading
+
+        threading.Timer(0.1, store.set, (f"{_CLOSE_KEY}/1", "")).start()
+    start = time.monotonic()
+    session.wait_for_check_outs(LIMIT_S * 3)
+    waited = time.monotonic() - start
+    if checked_out_late:
+        assert 0.1 <= waited < LIMIT_S * 2
+    else:
+        assert waited >= LIMIT_S * 3
