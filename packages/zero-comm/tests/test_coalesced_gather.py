@@ -148,6 +148,8 @@ def test_the_outputs_are_written_at_the_wait_and_the_received_buffer_dropped_the
 
 
 def test_an_unquantizable_dtype_falls_back_to_the_plain_bits_with_one_warning() -> None:
+    """One warning for the dtype, whether its shards went coalesced or alone."""
+
     def body(comm: Communicator) -> list[torch.Tensor]:
         inputs = [
             torch.arange(3, dtype=torch.float64) + comm.rank,
@@ -157,7 +159,11 @@ def test_an_unquantizable_dtype_falls_back_to_the_plain_bits_with_one_warning() 
         all_gather_coalesced(
             comm, outputs, inputs, BlockQuantizer(8, 4), allow_fallback=True
         ).wait()
-        return outputs
+        # A unit gathered alone, as stage 3 does beside coalesced runs: the same fallback,
+        # so no second warning.
+        alone = torch.empty(4, dtype=torch.float64)
+        quantized_all_gather(comm, alone, inputs[1], BlockQuantizer(8, 4), allow_fallback=True)
+        return [*outputs, alone]
 
     quantized_module._WARNED.clear()  # once per reason per process: forget earlier tests'
     with warnings.catch_warnings(record=True) as caught:
@@ -165,5 +171,6 @@ def test_an_unquantizable_dtype_falls_back_to_the_plain_bits_with_one_warning() 
         outputs = run_simulated(2, body)[0]
     assert torch.equal(outputs[0], torch.tensor([0.0, 1, 2, 1, 2, 3], dtype=torch.float64))
     assert torch.equal(outputs[1], torch.ones(4, dtype=torch.float64))
+    assert torch.equal(outputs[2], torch.ones(4, dtype=torch.float64))
     fallbacks = [w for w in caught if issubclass(w.category, QuantizationFallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in fallbacks]  # the ranks share a process

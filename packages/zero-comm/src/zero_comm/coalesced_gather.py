@@ -73,7 +73,9 @@ def all_gather_coalesced(
         reason = f"{inputs[0].dtype} is not quantized (float32, bfloat16 and float16 are)"
         if not allow_fallback:
             _refuse(comm, what, reason, "cast the inputs to one of them")
-        _warn_once(what, reason)
+        # Under quantized_all_gather's name: stage 3 gathers a unit alone or coalesced, and
+        # one dtype's fallback is one thing to tell, whichever way its units went.
+        _warn_once("quantized_all_gather", reason)
         quantizer = None
     if size == 1:  # nothing moves, so nothing is quantized
         for output, shard in zip(outputs, inputs, strict=True):
