@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_models.data import BatchSampler, load_tokens
+from zero_models.run_metrics import corpus_digest
 
 TOKENS = torch.arange(1000) % 256
 
@@ -43,6 +45,39 @@ def test_sources(tmp_path: Path) -> None:
     assert bytes(load_tokens(folder).tolist()) == b"big world"
     assert load_tokens(tmp_path / "t.u16").tolist() == [1, 300, 65535]
     assert load_tokens(None, max_bytes=100).numel() == 100
+    # Held narrow (the default corpus as int64 was 128 MiB on every rank).
+    assert load_tokens(tmp_path / "a.txt").dtype == torch.uint8
+    assert load_tokens(tmp_path / "t.u16").dtype == torch.int32
+    assert load_tokens(None, max_bytes=100).dtype == torch.uint8
+
+
+@given(
+    st.lists(st.integers(0, 65535), min_size=20, max_size=300),
+    st.integers(0, 30),
+    st.integers(1, 4),
+)
+def test_narrow_tokens_give_the_batches_and_digest_of_int64_ones(
+    values: list[int], step: int, batch: int
+) -> None:
+    """Batches are int64 whatever holds the stream, with the same values; the run record's
+    corpus digest is the one of the int64 stream (chunked: cross a chunk's edge)."""
+    wide = torch.tensor(values, dtype=torch.int64)
+    narrow = wide.to(torch.int32 if max(values) > 255 else torch.uint8)
+    samplers = [BatchSampler(t, context=8, global_batch=batch, dp_rank=0, dp_size=1, seed=step)
+                for t in (wide, narrow)]  # fmt: skip
+    expected, got = (s.batch(step) for s in samplers)
+    assert got.inputs.dtype == got.targets.dtype == torch.int64
+    assert torch.equal(got.inputs, expected.inputs) and torch.equal(got.targets, expected.targets)
+    import zero_models.run_metrics as run_metrics
+
+    chunk = run_metrics.DIGEST_CHUNK
+    try:
+        run_metrics.DIGEST_CHUNK = 7
+        assert corpus_digest(narrow) == corpus_digest(wide)
+    finally:
+        run_metrics.DIGEST_CHUNK = chunk
+    # The digest runs recorded before (one sha256 of the whole int64 stream): resumes match.
+    assert corpus_digest(narrow) == "sha256:" + hashlib.sha256(wide.numpy().tobytes()).hexdigest()
 
 
 def test_bad_data_is_named(tmp_path: Path) -> None:

@@ -28,9 +28,11 @@ UINT16_SUFFIXES = (".bin", ".u16")
 
 
 def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torch.Tensor:
-    """The token stream (int64) of ``source``; see the module docstring."""
+    """The token stream of ``source`` (see the module docstring), held in the narrowest
+    dtype that holds it: uint8 for bytes, int32 for uint16 tokens. As int64 the default
+    corpus took 128 MiB on every rank; :class:`BatchSampler` widens each batch instead."""
     if source is None:
-        return default_corpus_bytes(max_bytes).to(torch.int64)
+        return default_corpus_bytes(max_bytes)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file or folder")
@@ -45,12 +47,12 @@ def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torc
             raise ValueError(f"--data {source}: empty; give a file of uint16 tokens")
         if len(raw) % 2:
             raise ValueError(f"--data {source}: a uint16 token file must have an even size")
-        return torch.frombuffer(raw, dtype=torch.int16).to(torch.int64) & 0xFFFF
+        return torch.frombuffer(raw, dtype=torch.int16).to(torch.int32) & 0xFFFF
     else:
         data = path.read_bytes()[:max_bytes]
     if not data:
         raise ValueError(f"--data {source}: empty; give a file (or folder) with some text")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class Batch(NamedTuple):
@@ -92,5 +94,5 @@ class BatchSampler:
         offsets = torch.randint(0, limit, (self.global_batch,), generator=generator, device="cpu")
         mine = offsets[self.rows.start : self.rows.stop]
         index = mine[:, None] + torch.arange(self.context + 1, device="cpu")  # (b, T + 1)
-        window = self.tokens[index]
+        window = self.tokens[index].to(torch.int64)
         return Batch(window[:, :-1], window[:, 1:])

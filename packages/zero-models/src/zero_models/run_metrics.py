@@ -19,11 +19,18 @@ from typing import Any, TextIO
 
 import torch
 
+DIGEST_CHUNK = 1 << 20  # tokens widened to int64 at a time (8 MiB)
+
 
 def corpus_digest(tokens: torch.Tensor) -> str:
-    """sha256 of the token stream (as int64), so runs on other data are told apart."""
-    data = tokens.to(torch.int64).contiguous().numpy().tobytes()
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+    """sha256 of the token stream as int64, whatever dtype holds it, so runs on other data
+    are told apart; widened a chunk at a time, never the whole stream at once."""
+    digest = hashlib.sha256()
+    flat = tokens.reshape(-1)
+    for start in range(0, flat.numel(), DIGEST_CHUNK):
+        chunk = flat[start : start + DIGEST_CHUNK].to(torch.int64).contiguous()
+        digest.update(chunk.numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def open_metrics(path: Path, run_record: dict[str, Any], *, append: bool) -> TextIO:
