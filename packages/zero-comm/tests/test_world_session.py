@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_comm.peers import Peer
-from zero_comm.torch_backend import _CLOSE_KEY, _WorldSession
+from zero_comm.torch_backend import _check_out_key, _WorldSession
 
 LIMIT_S = 0.2
 
@@ -43,7 +43,7 @@ def test_rank_0_waits_exactly_for_the_ranks_that_may_still_use_the_store(
         host = "elsewhere" if fate == "dead elsewhere" else "here"
         peers.append(Peer(host, os.getpid() if fate == "running" else DEAD_PID))
         if fate == "out":
-            store.set(f"{_CLOSE_KEY}/{rank}", "")
+            store.set(_check_out_key(rank), "")
     session = _WorldSession(store, 0, len(peers), peers)
     start = time.monotonic()
     session.wait_for_check_outs(LIMIT_S)
@@ -63,7 +63,7 @@ def test_a_rank_that_checks_out_during_the_wait_ends_it(checked_out_late: bool) 
     if checked_out_late:
         import threading
 
-        threading.Timer(0.1, store.set, (f"{_CLOSE_KEY}/1", "")).start()
+        threading.Timer(0.1, store.set, (_check_out_key(1), "")).start()
     start = time.monotonic()
     session.wait_for_check_outs(LIMIT_S * 3)
     waited = time.monotonic() - start

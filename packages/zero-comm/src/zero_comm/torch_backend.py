@@ -378,29 +378,35 @@ class _WorldSession:
         if session is None or session.world_size == 1:
             return
         if session.rank != 0:
-            session.store.set(f"{_CLOSE_KEY}/{session.rank}", "")
+            session.store.set(_check_out_key(session.rank), "")
             return
         session.wait_for_check_outs(wait_limit)
 
     def wait_for_check_outs(self, wait_limit: float) -> None:
         """On rank 0: wait until every other rank has checked out or, on this host, has
         died; at most ``wait_limit`` seconds (a dead rank on another host is waited out)."""
-        waiting = dict.fromkeys(range(1, self.world_size))
-        keys = [f"{_CLOSE_KEY}/{r}" for r in waiting]
+        waiting = list(range(1, self.world_size))
         deadline = time.monotonic() + wait_limit
         next_look = time.monotonic()
-        while keys and not self.store.check(keys) and time.monotonic() < deadline:
-            if time.monotonic() >= next_look:
-                for r in list(waiting):
-                    if self.store.check([f"{_CLOSE_KEY}/{r}"]) or self._died(r):
-                        del waiting[r]
-                keys = [f"{_CLOSE_KEY}/{r}" for r in waiting]
+        while waiting and time.monotonic() < deadline:
+            if self.store.check([_check_out_key(r) for r in waiting]):
+                return
+            if time.monotonic() >= next_look:  # which are still out, and alive
+                waiting = [
+                    r
+                    for r in waiting
+                    if not self.store.check([_check_out_key(r)]) and not self._died(r)
+                ]
                 next_look = time.monotonic() + LOOK_FOR_DEAD_S
             time.sleep(0.005)
 
     def _died(self, rank: int) -> bool:
         peer = self.peers[rank]
         return peer.host == self.peers[0].host and not is_running(peer.pid)
+
+
+def _check_out_key(rank: int) -> str:
+    return f"{_CLOSE_KEY}/{rank}"
 
 
 class _AllOf:
