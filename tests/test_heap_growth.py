@@ -26,6 +26,13 @@ least-squares slope over steps 2-12 tells these apart: without the recorder 0.47
 and 0.24 MiB a step, with it 5.29 and 6.01 (AMD, 2026-12-06). The bound is 1.5 MiB a step
 (a one-off jump of ~10 MiB midway stays under it); the control must exceed 3 MiB a step
 and 3x the default's slope.
+
+Gradient buckets of 2^18 elements, not the default 2^22. With the default's ~13
+reduce-scatters a step the control grew 3.02, 5.90, 3.23 and 4.78 MiB a step in four runs
+(2026-12-07, AMD): twice within 0.25 of its bound. With ~200 it grew 10.33, 7.41 and 7.75,
+the default 0.52, 0.22 and 0.56 (2^20: 6.55, 7.58, 5.93). The recorder keeps an entry per
+collective, so more collectives show its effect more plainly; without it the heap stays
+as flat as before.
 """
 
 from __future__ import annotations
