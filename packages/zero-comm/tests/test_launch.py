@@ -141,10 +141,10 @@ SEEN = (
 def test_the_launcher_imports_no_torch() -> None:
     """zero-launch runs beside the ranks and needs only the standard library: importing
     torch there cost every start 1.5-3 s on a small CPU, and ~300 MB per node."""
-    probe = "import sys, zero_comm.launch; print(sorted(m for m in sys.modules if m == 'torch'))"
+    probe = "import sys, zero_comm.launch; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", "zero_comm.launch imported torch; keep it lazy"
+    assert done.stdout.strip() == "False", "zero_comm.launch imported torch; keep it lazy"
 
 
 @pytest.mark.parametrize("n", [1, 3])

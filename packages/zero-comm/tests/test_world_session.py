@@ -4,6 +4,7 @@ host that died (it uses no store; waiting for it cost every failed run the whole
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,13 +21,13 @@ from zero_comm.torch_backend import _check_out_key, _WorldSession
 LIMIT_S = 0.2
 
 
+@functools.cache
 def a_dead_pid() -> int:
+    """The pid of a process that has ended (started at first use, not at collection)."""
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     return int(done.stdout)
 
-
-DEAD_PID = a_dead_pid()
 
 # What each of ranks 1.. does: checks out, dies here, dies on another host, or runs on.
 FATES = st.lists(st.sampled_from(["out", "dead", "dead elsewhere", "running"]), max_size=5)
@@ -41,7 +42,7 @@ def test_rank_0_waits_exactly_for_the_ranks_that_may_still_use_the_store(
     peers = [Peer("here", os.getpid())]
     for rank, fate in enumerate(fates, start=1):
         host = "elsewhere" if fate == "dead elsewhere" else "here"
-        peers.append(Peer(host, os.getpid() if fate == "running" else DEAD_PID))
+        peers.append(Peer(host, os.getpid() if fate == "running" else a_dead_pid()))
         if fate == "out":
             store.add(_check_out_key(rank), 1)
     session = _WorldSession(store, 0, len(peers), peers)
