@@ -27,3 +27,14 @@ def pytest_report_header(config: pytest.Config) -> str:
     import torch
 
     return f"intra-op threads per process: {torch.get_num_threads()} (OMP_NUM_THREADS)"
+
+
+@pytest.fixture(autouse=True)
+def _run_from_an_empty_folder(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test runs from an empty working directory of its own, so none depends on what
+    the folder pytest was started from holds: the quick start's runs/zero-train, left there
+    by ``./nox -s train``, once made two option tests see "another run's results". Tests
+    name the files they read from their own location (``Path(__file__)``)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

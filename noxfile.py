@@ -1,4 +1,4 @@
-"""Every way of running the project.
+"""Every way of running the project (durations on a 2-core machine: README, "Running things").
 
     nox                  lint + tests (what CI runs; no GPU needed)
     nox -s train         the quick start: zero-train, a small GPT with ZeRO on 2 local ranks
@@ -6,9 +6,13 @@
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
+    nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec
+    nox -s slow          what the default tests leave out for time (pytest -m slow)
+    nox -s soak          2,000 steps on 4 ranks at stage 3, twice: flat memory, same bits
     nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
-    nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~1.5 h)
+    nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~3 h)
+    nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~40 min)
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
 
@@ -98,10 +102,16 @@ def _torch_source(session: nox.Session, python: str) -> tuple[list[str], str]:
     return [], "PyPI's build (CUDA): an NVIDIA GPU is here"
 
 
-def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+# pytest's exit code when its options (e.g. -k NAME) select no test of a folder.
+NO_TESTS_COLLECTED = 5
+
+
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None,
+            success_codes: tuple[int, ...] = (0,)) -> None:  # fmt: skip
     session.run(
-        "python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs, env=env
-    )
+        "python", "-m", "pytest", "-p", "no:cacheprovider", *args, *session.posargs, env=env,
+        success_codes=list(success_codes),
+    )  # fmt: skip
 
 
 @nox.session
@@ -139,6 +149,8 @@ def tests(session: nox.Session) -> None:
         )  # fmt: skip
         _pytest_noting_failures(session, name, reports, failures, TEST_DIRS[name])
     _pytest_noting_failures(session, CROSS_PACKAGE_TESTS, reports, failures, CROSS_PACKAGE_TESTS)
+    if not failures and not any(_ran_tests(report) for report in reports.glob("junit-*.xml")):
+        session.error(f"pytest selected no test in any folder with {session.posargs}")
     if failures:
         for label, tests in failures.items():
             session.warn(f"{label}: {len(tests)} failed")
@@ -155,9 +167,20 @@ def _pytest_noting_failures(
     report.unlink(missing_ok=True)
     try:
         # The slowest tests are listed, to keep the default run within its 20 minutes.
-        _pytest(session, *args, "-m", DEFAULT_MARKS, "--durations=12", f"--junitxml={report}")
+        # A folder where the user's -k NAME (nox -s tests -- -k NAME) selects nothing is
+        # not a failure; the session fails only when no folder ran a test.
+        _pytest(session, *args, "-m", DEFAULT_MARKS, "--durations=12", f"--junitxml={report}",
+                success_codes=(0, NO_TESTS_COLLECTED))  # fmt: skip
     except CommandFailed:
         failures[label] = _failed_tests(report)
+
+
+def _ran_tests(report: Path) -> bool:
+    """Whether the JUnit XML report holds at least one test that ran (not deselected)."""
+    try:
+        return any(True for _ in ElementTree.parse(report).getroot().iter("testcase"))
+    except (OSError, ElementTree.ParseError):
+        return False
 
 
 def _failed_tests(report: Path) -> list[str]:
@@ -253,15 +276,17 @@ def tests_nccl(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def dev(session: nox.Session) -> None:
     """A development environment in .venv: the three packages editable (with plots),
-    mpi4py and MPICH, the test tools. Then: source .venv/bin/activate, and zero-train,
-    zero-estimate, zero-consolidate, zero-launch and mpiexec are on PATH."""
+    mpi4py and MPICH, the test tools, and the examples' transformers (pinned). Then:
+    source .venv/bin/activate, and zero-train, zero-estimate, zero-consolidate,
+    zero-launch and mpiexec are on PATH."""
     venv = Path(".venv")
     if not (venv / "bin" / "python").exists():
         session.run(sys.executable, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     _install_torch(session, str(venv / "bin" / "python"))
-    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, "-e", "packages/zero-comm",
-                "-e", "packages/zero-core", "-e", "packages/zero-models[plots]")  # fmt: skip
+    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *MODEL_ZOO_DEPS,
+                "-e", "packages/zero-comm", "-e", "packages/zero-core",
+                "-e", "packages/zero-models[plots]")  # fmt: skip
     session.log("ready: source .venv/bin/activate  (then zero-train --help)")
 
 

@@ -4,6 +4,9 @@
     zero-launch -n 2 python examples/huggingface_causal_lm.py            # 2 ranks, gloo
     python examples/huggingface_causal_lm.py --model llama --dtype bfloat16 --stage 2
 
+It needs ``transformers``, tested at 5.24.0: ``./nox -s dev`` puts it in ``.venv``, or
+``pip install transformers==5.24.0`` into your own environment.
+
 The model (GPT-2 or Llama, tiny, from a config: nothing is downloaded) is built under
 ``torch.device("meta")``, so no rank allocates it. ``initial_values`` makes its values one
 parameter at a time and ``zero_core.initialize(..., init_values=...)`` takes them as they
@@ -39,7 +42,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
+
+try:
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PreTrainedModel
+except ImportError as missing:
+    raise SystemExit(
+        f"{__file__}: {missing}: pip install transformers==5.24.0 (the version tested), or "
+        "./nox -s dev and source .venv/bin/activate"
+    ) from None
 
 import zero_comm
 import zero_core

@@ -13,6 +13,7 @@ returns its ``ModelOutput``.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +30,16 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "huggingface_causal
 # Every parameter partitioned (none kept whole for being small), several buckets each.
 ZERO_OPTIONS: dict[str, object] = {"persistence_threshold": 0, "bucket_numel": 3000}
 STEPS = 3
+
+
+def test_the_example_names_the_transformers_version_nox_installs() -> None:
+    """The example's install hint (and its missing-import message) pins the version the
+    tests run: the noxfile's MODEL_ZOO_DEPS."""
+    noxfile = (EXAMPLE.parents[1] / "noxfile.py").read_text()
+    pinned = re.search(r'MODEL_ZOO_DEPS = \("(transformers==[\d.]+)",\)', noxfile)
+    assert pinned is not None, "noxfile.py no longer pins transformers in MODEL_ZOO_DEPS"
+    assert EXAMPLE.read_text().count(f"pip install {pinned[1]}") == 2
+    assert transformers.__version__ == pinned[1].split("==")[1]
 
 
 def load_example() -> ModuleType:

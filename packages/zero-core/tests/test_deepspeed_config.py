@@ -329,3 +329,19 @@ def test_an_optimizer_in_both_places_is_refused() -> None:
 
     with pytest.raises(Exception, match="use one of them"):
         run_simulated(1, body)
+
+
+@pytest.mark.parametrize("enabled", [True, False, "auto"])
+def test_the_older_bfloat16_spelling_is_read_as_bf16(enabled: bool | str) -> None:
+    """DeepSpeed reads ``"bfloat16": {"enabled": true}`` as its bf16 section; refusing it
+    made users delete it and train in float32 without a word."""
+    for auto in ({"bf16.enabled": True}, {"bf16.enabled": False}):
+        old = zero_core.read_deepspeed({"bfloat16": {"enabled": enabled}}, world_size=2, auto=auto)
+        new = zero_core.read_deepspeed({"bf16": {"enabled": enabled}}, world_size=2, auto=auto)
+        assert old.zero == new.zero
+        expected = enabled if enabled != "auto" else auto["bf16.enabled"]
+        assert (old.zero.param_dtype == torch.bfloat16) is expected
+    with pytest.raises(ValueError, match=r"both 'bfloat16' and 'bf16'.*keep 'bf16'"):
+        zero_core.read_deepspeed(
+            {"bfloat16": {"enabled": True}, "bf16": {"enabled": True}}, world_size=2
+        )

@@ -7,6 +7,7 @@ fold across the replicas). Model states per rank are those of flat sharding over
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from test_checkpoint import logical_state, run_steps
 
 from zero_comm import Communicator, run_simulated
 from zero_core import ZeroConfig
+from zero_core.hybrid_sharding import hierarchy_sizes
 
 
 @st.composite
@@ -144,11 +146,12 @@ def test_a_checkpoint_reshards_between_hybrid_and_flat(
 
 @st.composite
 def hpz_shapes(draw: st.DrawFn) -> tuple[int, int | None, int]:
-    """(N, shard group or None, hpZ group): hpZ's group divides the shard group."""
+    """(N, shard group or None, hpZ group): hpZ's group divides the shard group; it may
+    be the whole shard group, where hpZ has no effect."""
     n = draw(st.sampled_from([4, 6, 8]))
     shard = draw(st.sampled_from([None, *[d for d in range(4, n) if n % d == 0]]))
     base = shard or n
-    return n, shard, draw(st.sampled_from([d for d in range(2, base) if base % d == 0]))
+    return n, shard, draw(st.sampled_from([d for d in range(2, base + 1) if base % d == 0]))
 
 
 @settings(max_examples=15, deadline=None)
@@ -163,6 +166,51 @@ def test_hpz_equals_stage_0_bit_for_bit(
         assert_same_states(train(case, comm, 0), train(case, comm, 3, settings=extra), str(shape))
 
     run_simulated(n, body, defer_outputs=deferred)
+
+
+@given(
+    n=st.integers(1, 12),
+    shard=st.one_of(st.none(), st.integers(1, 12)),
+    hpz=st.integers(1, 12),
+    qgz=st.booleans(),
+)
+def test_hierarchy_sizes_accept_what_the_engine_builds(
+    n: int, shard: int | None, hpz: int, qgz: bool
+) -> None:
+    """hierarchy_sizes (what zero-train and zero-estimate check before launch) accepts
+    exactly the sizes that tile the ranks, and turns an hpZ group as large as the shard
+    group into hpZ off, with a note: it would be the primary partition again."""
+    config = ZeroConfig(
+        stage=3, shard_group_size=shard, hpz_partition_size=hpz,
+        quantize_gradients="int4" if qgz else None,
+    )  # fmt: skip
+    group = shard or n
+    tiles = group <= n and n % group == 0 and group % hpz == 0
+    if not tiles or (qgz and group < n):
+        with pytest.raises(ValueError, match=r"shard_group_size|hpz_partition_size"):
+            hierarchy_sizes(config, n)
+        return
+    sizes = hierarchy_sizes(config, n)
+    assert sizes.shard_group == group
+    assert sizes.hpz == (1 if hpz == group else hpz)
+    assert bool(sizes.note) == (1 < hpz == group)
+
+
+def test_hpz_over_the_whole_shard_group_runs_as_flat_and_says_so_once() -> None:
+    """DeepSpeed's ZeRO++ tutorial value on one node (hpZ = the ranks): it trains, bit for
+    bit as without hpZ, and rank 0 alone warns that it has no effect."""
+    case = ParityCase()
+
+    def body(comm: Communicator) -> tuple[int, bool]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = build_engine(case, comm, 3, {"hpz_partition_size": 2})
+        notes = [w for w in caught if "has no effect" in str(w.message)]
+        assert_same_states(train(case, comm, 0), train(case, comm, 3, settings={
+            "hpz_partition_size": 2}), "hpZ = world")  # fmt: skip
+        return len(notes), engine.secondary is None
+
+    assert run_simulated(2, body) == [(1, True), (0, True)]
 
 
 def test_hpz_backward_gathers_stay_in_its_group() -> None:

@@ -34,11 +34,21 @@ CROSS_MACHINE_TOLERANCE = 10 * MEASURED_CROSS_MACHINE
 
 
 def test_a_prefix_of_the_default_run_equals_the_golden_losses(tmp_path: Path) -> None:
+    """...and prints the README's memory table, memory per step and traffic, which do
+    not depend on the fingerprint (they are counted, not computed in floating point)."""
     golden = read_golden(GOLDEN)
     command = [sys.executable, "-m", "zero_models.train", *golden.argv,
                "--stop-after", str(PREFIX), "--sample-tokens", "1", "--out", "run"]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    readme = README.read_text()
+    counted = counted_lines(result.stdout)
+    assert len(counted) == 5, result.stdout  # title, columns, 2 ranks, traffic
+    stale = [line for line in counted if line not in readme]
+    assert not stale, f"README.md's quick-start output lacks these lines of a run: {stale}"
+    shown_mem = set(re.findall(r"step +\d+/\d+  loss .*  mem ([\d.]+) MiB", readme))
+    run_mem = set(re.findall(r"step +\d+/\d+  loss .*  mem ([\d.]+) MiB", result.stdout))
+    assert shown_mem == run_mem, f"README shows mem {shown_mem} MiB a step, the run {run_mem}"
     (run,), steps = read_metrics(tmp_path / "run" / "metrics.jsonl")
     losses = [record["loss"] for record in steps]
     if run["corpus"] != golden.corpus:
@@ -70,3 +80,12 @@ def test_the_readme_shows_the_golden_runs_losses() -> None:
         assert loss == f"{golden.losses[step - 1]:.4f}", (step, loss)
     first, last = golden.losses[0], golden.losses[-1]
     assert f"loss: {first:.3f} at step 1 -> {last:.3f} at step {steps}" in text
+
+
+def counted_lines(stdout: str) -> list[str]:
+    """zero-train's report lines that are counts (the model-state table per rank and the
+    last step's communication), from "memory per rank" to "communication in the last step"."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("memory per rank"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("communication in the last"))
+    return [line.rstrip() for line in lines[start : end + 1] if line.strip()]

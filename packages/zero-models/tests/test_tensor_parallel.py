@@ -9,6 +9,7 @@ Where no cross-rank sum is involved (embedding lookup), results are compared exa
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +192,28 @@ def test_a_nan_in_one_tensor_parallel_column_stops_every_rank_of_the_step_in_bac
             assert "blocks.0.mlp.fc.weight" in message, message
         else:
             assert "on a rank of another data-parallel group (tensor parallelism)" in message
+
+
+def test_a_tensor_parallel_engine_refuses_to_save(tmp_path: Path) -> None:
+    """Each data-parallel group of a tp x dp mesh would write its slices into one folder
+    under the same file names (a 2 x 2 zero-train run died on a renamed file; luckier
+    timing would leave a checkpoint mixed from both): save() refuses, on every rank,
+    and writes nothing."""
+    import zero_core
+    from zero_models.tp_plan import sharded_parameters
+
+    def body(comm: Communicator) -> str:
+        mesh = make_mesh(comm, 2)
+        model = tensor_parallel_gpt(GPT(CONFIG, seed=3), mesh.tp)
+        engine = zero_core.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_core.ZeroConfig(stage=3),
+            mesh.dp, model_parallel=zero_core.ModelParallel.of(mesh.tp, sharded_parameters(model)),
+        )  # fmt: skip
+        with pytest.raises(zero_core.CheckpointError) as refused:
+            engine.save(tmp_path / "ckpt")
+        engine.close()
+        return str(refused.value)
+
+    for message in run_simulated(4, body):
+        assert "save() of a tensor-parallel engine (2 model-parallel ranks)" in message
+    assert not list(tmp_path.iterdir())

@@ -32,8 +32,22 @@ def run(
         (["--nproc", "4", "--tp", "4", "--model", "test"], "heads=2 does not divide over"),
         (["--offload-checkpoints"], "--offload-checkpoints needs --checkpoint full or"),
         (["--stage", "0", "--shard-group", "2"], "hybrid sharding needs stage 1 or more"),
-        (["--nproc", "4", "--shard-group", "3"], "--shard-group 3 does not divide the 4"),
-        (["--nproc", "4", "--stage", "3", "--hpz", "4"], "--hpz 4 must divide the 4 ranks"),
+        (["--nproc", "4", "--shard-group", "3"], "shard_group_size=3 does not divide the 4"),
+        (["--nproc", "4", "--stage", "3", "--hpz", "3"], "hpz_partition_size=3: hpZ's group"),
+        (
+            ["--nproc", "4", "--shard-group", "2", "--quantize-gradients", "int4"],
+            "quantize_gradients with shard_group_size",
+        ),
+        (
+            ["--nproc", "4", "--deepspeed", "mics3.json"],
+            "--deepspeed mics3.json: shard_group_size=3",
+        ),
+        (
+            ["--tp", "2", "--model", "test", "--save-every", "2"],
+            "checkpoints of tensor-parallel runs are not supported yet",
+        ),
+        (["--data", "empty.txt"], "--data empty.txt: empty; give a file"),
+        (["--data", "short.txt"], "short.txt: 3 tokens, and a sequence of --context 128 needs"),
         (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
         (["--stage", "2", "--clip", "0", "--optimizer-in-backward"], "stage=2 (it needs stage 3"),
         (["--deepspeed", "ds.json", "--optimizer-in-backward"], "with --deepspeed: a DeepSpeed"),
@@ -52,6 +66,9 @@ def test_wrong_options_stop_before_launching(
     from zero_models.train import main
 
     monkeypatch.chdir(tmp_path)
+    Path("mics3.json").write_text(json.dumps({"zero_optimization": {"mics_shard_size": 3}}))
+    Path("empty.txt").write_text("")
+    Path("short.txt").write_text("abc")
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2
@@ -80,6 +97,34 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     assert line is not None, result.stdout
     paper, kept, less = (int(group.replace(",", "")) for group in line.groups())
     assert kept > 0 and less == paper - kept // 2, result.stdout
+    # The README's next steps: the run saved its end (--final-save is the default), so
+    # zero-consolidate reads it and --resume auto finds nothing left to train.
+    from zero_core.consolidate import main as consolidate
+
+    checkpoint = tmp_path / "out" / "checkpoint"
+    assert json.loads((checkpoint / "index.json").read_text())["extra"]["step"] == 12
+    assert consolidate([str(checkpoint), str(tmp_path / "model.safetensors")]) == 0
+    assert (tmp_path / "model.safetensors").stat().st_size > 0
+    again = run("--model", "test", "--steps", "12", "--batch-size", "8", "--lr", "1e-2",
+                "--warmup", "2", "--out", "out", "--resume", "auto", cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "is at step 12, the end of this run (12 steps): nothing to train" in again.stdout
+
+
+def test_resume_auto_over_results_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
+    """--resume auto where a run left results but no checkpoint (--no-final-save, or a job
+    cut off before its first save) starts from step 1 in place of them, as its help says;
+    without auto the folder is refused as another run's."""
+    from zero_models.train_options import parse_options
+
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "metrics.jsonl").write_text("{}\n")
+    args = parse_options(["--out", str(tmp_path / "o"), "--resume", "auto"])
+    assert args.resume is None and args.fresh_after_auto
+    with pytest.raises(SystemExit):
+        parse_options(["--out", str(tmp_path / "o")])
+    assert not parse_options(["--out", str(tmp_path / "o"), "--overwrite"]).fresh_after_auto
+    assert parse_options(["--out", str(tmp_path / "p"), "--no-final-save"]).final_save is False
 
 
 def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:

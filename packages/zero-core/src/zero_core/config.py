@@ -465,12 +465,33 @@ NO_EFFECT_AIO_KEYS = (
 NO_EFFECT_PRECISION_KEYS = ("auto_cast", "consecutive_hysteresis")
 
 
+# DeepSpeed's older spellings of a section, which it still reads: alias -> section.
+DEEPSPEED_SECTION_ALIASES = {"bfloat16": "bf16"}
+
+
+def canonical_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with DeepSpeed's older section names read as today's ("bfloat16" is
+    "bf16"), as DeepSpeed reads them; both spellings at once is an error naming them."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a DeepSpeed config must be a dict, got {type(config).__name__}")
+    out = dict(config)
+    for alias, section in DEEPSPEED_SECTION_ALIASES.items():
+        if alias not in out:
+            continue
+        if section in out:
+            raise ValueError(
+                f"DeepSpeed config has both {alias!r} and {section!r} (the same section, "
+                f"two spellings): keep {section!r}"
+            )
+        out[section] = out.pop(alias)
+    return out
+
+
 def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The ZeroConfig settings of a DeepSpeed config's engine keys, and one line for each
     key accepted without effect (or whose "auto" means zero_core's default). The
     trainer's keys (TRAINER_KEYS) are skipped: zero_core.deepspeed_config reads them."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"a DeepSpeed config must be a dict, got {type(config).__name__}")
+    config = canonical_deepspeed(config)
     out: dict[str, Any] = {}
     notes: list[str] = []
     for key, value in config.items():

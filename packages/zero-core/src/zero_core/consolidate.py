@@ -10,7 +10,6 @@ tensor, not the model. Works for checkpoints of any world size and stage.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint_reader import CheckpointError, CheckpointReader
+from .command_line import CommandLineParser
 from .config import SHORT_DTYPE_NAMES
 from .safetensors_file import CorruptFileError, write_stream
 
@@ -88,7 +88,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, dtype: torch.dtype) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zero-consolidate", description=__doc__.split("\n")[0])
+    parser = CommandLineParser(prog="zero-consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a directory written by engine.save()")
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .config import ZeroConfig, translate_deepspeed
+from .config import ZeroConfig, canonical_deepspeed, translate_deepspeed
 
 # DeepSpeed's optimizer types -> the torch class, and the params it accepts.
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -78,6 +78,7 @@ def read_deepspeed(
             raise ValueError(f"DeepSpeed config {config}: {exc}") from exc
         if not isinstance(config, Mapping):
             raise ValueError("a DeepSpeed config must be a JSON object")
+    config = canonical_deepspeed(config)  # "bfloat16" is "bf16" before "auto"s resolve
     auto = dict(auto or {})
     resolved = {
         key: value if key in BATCH_KEYS else _resolve_auto(value, auto, key)

@@ -127,7 +127,7 @@ class Engine:
         # hpZ: stage 3's backward gathers stay inside this group (one node).
         self.secondary = secondary_group(comm, config, self.hybrid)
         # ZeRO++'s qgZ reduces the gradients, qwZ codes the parameter gathers.
-        quantized_gradients = gradient_quantization(comm, config, self.hybrid)
+        quantized_gradients = gradient_quantization(comm, config)
         built = build_components(
             module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid,
             self.secondary, quantized_gradients, weight_quantizer(config),
@@ -377,8 +377,16 @@ class Engine:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see
         zero_core.checkpoint). ``extra`` (JSON values, e.g. the data position) comes back
         from :meth:`load`. Call it after ``step()``."""
-        from .checkpoint import save
+        from .checkpoint import CheckpointError, save
 
+        if self.model_parallel is not None and self.model_parallel.comm.world_size > 1:
+            # Every data-parallel group would write its own slices into one folder under
+            # the same file names: refused, never a checkpoint mixed from two of them.
+            raise CheckpointError(
+                f"[rank {self.comm.rank}] save() of a tensor-parallel engine "
+                f"({self.model_parallel.comm.world_size} model-parallel ranks) is not "
+                "supported yet: checkpoints hold data-parallel shards only"
+            )
         save(self, path, extra)
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:

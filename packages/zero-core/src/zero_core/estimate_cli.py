@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
-from .config import DEFAULT_BACKWARD_HEAD_NUMEL, DEFAULT_PREFETCH_NUMEL
+from .command_line import CommandLineParser
+from .config import DEFAULT_BACKWARD_HEAD_NUMEL, DEFAULT_PREFETCH_NUMEL, ZeroConfig
+from .hybrid_sharding import hierarchy_sizes
 from .link_traffic import backward_head_buckets, even_buckets, step_link_bytes
 from .memory_estimate import (
     OPTIMIZER_STATE_BYTES,
@@ -40,7 +43,7 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="zero-estimate", description=__doc__)
+    parser = CommandLineParser(prog="zero-estimate", description=__doc__)
     parser.add_argument("--params", type=float, required=True, help="parameter count Ψ")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
     parser.add_argument(
@@ -177,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         problem = _link_options_error(args)
         if problem:
             parser.error(problem)
+    _check_hierarchy(parser, args)
     rows = {stage: _row(args, stage, k, width, largest) for stage in STAGES}
     if args.ranks_per_node is not None:
         for stage, row in rows.items():
@@ -251,6 +255,23 @@ def _link_options_error(args: argparse.Namespace) -> str:
     if args.hpz < 1 or group % args.hpz:
         return f"--hpz {args.hpz} must divide the {group} ranks the parameters are sharded over"
     return ""
+
+
+def _check_hierarchy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the engine refuses (its own check, hierarchy_sizes, at stage 3 where
+    every option applies), and estimate an hpZ group as large as the shard group as hpZ
+    off, as the engine runs it, saying so."""
+    try:
+        config = ZeroConfig(
+            stage=3, shard_group_size=args.shard_group, hpz_partition_size=args.hpz,
+            quantize_weights=args.quantize_weights, quantize_gradients=args.quantize_gradients,
+        )  # fmt: skip
+        sizes = hierarchy_sizes(config, args.world_size)
+    except ValueError as exc:
+        parser.error(f"--shard-group/--hpz/--quantize-*: {exc}")
+    if sizes.note:
+        print(f"zero-estimate: note: {sizes.note}", file=sys.stderr)
+    args.hpz = sizes.hpz
 
 
 def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any]:

@@ -24,26 +24,70 @@ shard, and ``step()`` all-reduces that shard across the replicas once
 
 from __future__ import annotations
 
+import warnings
+from typing import NamedTuple
+
 from zero_comm import Communicator
 from zero_comm.hierarchy import HybridGroups
 
 from .config import ZeroConfig
 
 
+class HierarchySizes(NamedTuple):
+    """What ``config``'s hierarchy settings come to on a number of data-parallel ranks."""
+
+    shard_group: int  # ranks the states are partitioned over (all, without hybrid sharding)
+    hpz: int  # ranks of hpZ's secondary partition; 1 when off or when it has no effect
+    note: str  # "" or the one line to say once: a setting that has no effect here
+
+
+def hierarchy_sizes(config: ZeroConfig, data_parallel: int) -> HierarchySizes:
+    """Check the hierarchy settings against ``data_parallel`` ranks, without any
+    communication, so a launcher can refuse them before a rank starts and the engine
+    with the same words. Raises ValueError naming the setting and the values that work.
+
+    hpZ over the whole shard group is the primary partition itself (DeepSpeed's ZeRO++
+    tutorial sets 8 on one 8-GPU node): it runs, with hpZ off and a note."""
+    _refuse_combinations(config)
+    size = config.shard_group_size
+    group = data_parallel if size is None else size
+    if group > data_parallel or data_parallel % group:
+        valid = [d for d in range(1, data_parallel + 1) if data_parallel % d == 0]
+        raise ValueError(
+            f"shard_group_size={size} does not divide the {data_parallel} data-parallel "
+            f"ranks: use one of {valid}"
+        )
+    hpz = config.hpz_partition_size
+    if hpz > 1 and (hpz > group or group % hpz):
+        valid = [d for d in range(2, group) if group % d == 0]
+        raise ValueError(
+            f"hpz_partition_size={hpz}: hpZ's group must divide the {group} ranks the "
+            "parameters are sharded over (usually the ranks per node): "
+            + (f"use one of {valid}, or 1 to turn it off" if valid else "use 1 (off) here")
+        )
+    if config.quantize_gradients is not None and group < data_parallel:
+        raise ValueError(
+            "quantize_gradients with shard_group_size: qgZ reduces over every rank by node "
+            "groups, hybrid sharding over its shard groups; use one of them"
+        )
+    note = ""
+    if hpz > 1 and hpz == group:
+        note = (
+            f"hpz_partition_size={hpz} equals the {group} ranks the parameters are sharded "
+            "over: hpZ's secondary copy would be the primary partition, so it has no effect "
+            "(it helps where the shard group spans nodes: set it to the ranks per node)"
+        )
+        hpz = 1
+    return HierarchySizes(group, hpz, note)
+
+
 def hybrid_groups(comm: Communicator, config: ZeroConfig) -> HybridGroups | None:
     """Collective: the shard and replica groups ``config.shard_group_size`` asks for, or
     None when the states are sharded over every rank (no size, or the world's size)."""
-    _refuse_combinations(config)
-    size = config.shard_group_size
-    if size is None or size == comm.world_size:
+    sizes = hierarchy_sizes(config, comm.world_size)
+    if sizes.shard_group == comm.world_size:
         return None
-    if size > comm.world_size or comm.world_size % size:
-        valid = [d for d in range(1, comm.world_size + 1) if comm.world_size % d == 0]
-        raise ValueError(
-            f"shard_group_size={size} does not divide the {comm.world_size} data-parallel "
-            f"ranks: use one of {valid}"
-        )
-    return HybridGroups(comm, size)
+    return HybridGroups(comm, sizes.shard_group)
 
 
 def gradient_reduction(
@@ -73,16 +117,12 @@ def secondary_group(
     comm: Communicator, config: ZeroConfig, hybrid: HybridGroups | None
 ) -> Communicator | None:
     """Collective: hpZ's group of ``config.hpz_partition_size`` consecutive ranks of the
-    shard group (the world without hybrid sharding), or None when hpZ is off."""
-    size = config.hpz_partition_size
-    if size == 1:
+    shard group (the world without hybrid sharding), or None when hpZ is off or has no
+    effect (its size is the shard group's: rank 0 says so once)."""
+    sizes = hierarchy_sizes(config, comm.world_size)
+    if sizes.note and comm.rank == 0:
+        warnings.warn(sizes.note, stacklevel=2)
+    if sizes.hpz == 1:
         return None
     base = comm if hybrid is None else hybrid.shard
-    if size >= base.world_size or base.world_size % size:
-        valid = [d for d in range(2, base.world_size) if base.world_size % d == 0]
-        raise ValueError(
-            f"hpz_partition_size={size}: hpZ's group must divide the {base.world_size} ranks "
-            f"the parameters are sharded over and be smaller (usually the ranks per node): "
-            + (f"use one of {valid}, or 1 to turn it off" if valid else "use 1 (off) here")
-        )
-    return base.split(color=base.rank // size)
+    return base.split(color=base.rank // sizes.hpz)

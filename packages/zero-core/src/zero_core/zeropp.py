@@ -70,16 +70,12 @@ class QuantizedGradientReduction:
 
 
 def gradient_quantization(
-    comm: Communicator, config: ZeroConfig, hybrid: object | None
+    comm: Communicator, config: ZeroConfig
 ) -> QuantizedGradientReduction | None:
-    """Collective: qgZ's reduction over ``comm``'s node groups, or None when it is off."""
+    """Collective: qgZ's reduction over ``comm``'s node groups, or None when it is off.
+    (qgZ with hybrid sharding is refused before, by hybrid_sharding.hierarchy_sizes.)"""
     if config.quantize_gradients is None:
         return None
-    if hybrid is not None:
-        raise ValueError(
-            "quantize_gradients with shard_group_size: qgZ reduces over every rank by node "
-            "groups, hybrid sharding over its shard groups; use one of them"
-        )
     if comm.topology.ranks_per_node is None:
         reason = (
             f"the nodes hold unequal numbers of ranks ({comm.topology}), so qgZ's "

@@ -27,32 +27,55 @@ from .corpus import default_corpus_bytes
 UINT16_SUFFIXES = (".bin", ".u16")
 
 
-def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torch.Tensor:
-    """The token stream of ``source`` (see the module docstring), held in the narrowest
-    dtype that holds it: uint8 for bytes, int32 for uint16 tokens. As int64 the default
-    corpus took 128 MiB on every rank; :class:`BatchSampler` widens each batch instead."""
+def token_count(source: str | Path | None, *, max_bytes: int = 16 << 20) -> int:
+    """How many tokens ``load_tokens(source)`` gives, from the files' sizes alone, so that
+    a launcher can refuse missing, empty or malformed data before any rank starts. Raises
+    FileNotFoundError or ValueError naming the source and the fix."""
     if source is None:
-        return default_corpus_bytes(max_bytes)
+        return int(default_corpus_bytes(max_bytes).numel())
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"--data {source}: no such file or folder")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = _folder_files(path)
         if not files:
             raise FileNotFoundError(f"--data {source}: the folder has no files")
-        data = b"".join(p.read_bytes() for p in files)[:max_bytes]
+        size = min(max_bytes, sum(p.stat().st_size for p in files))
+    elif path.suffix in UINT16_SUFFIXES:
+        size = path.stat().st_size
+        if not size:
+            raise ValueError(f"--data {source}: empty; give a file of uint16 tokens")
+        if size % 2:
+            raise ValueError(f"--data {source}: a uint16 token file must have an even size")
+        return size // 2
+    else:
+        size = min(max_bytes, path.stat().st_size)
+    if not size:
+        raise ValueError(f"--data {source}: empty; give a file (or folder) with some text")
+    return size
+
+
+def load_tokens(source: str | Path | None, *, max_bytes: int = 16 << 20) -> torch.Tensor:
+    """The token stream of ``source`` (see the module docstring), held in the narrowest
+    dtype that holds it: uint8 for bytes, int32 for uint16 tokens. As int64 the default
+    corpus took 128 MiB on every rank; :class:`BatchSampler` widens each batch instead.
+    Raises what :func:`token_count` raises."""
+    if source is None:
+        return default_corpus_bytes(max_bytes)
+    token_count(source, max_bytes=max_bytes)
+    path = Path(source)
+    if path.is_dir():
+        data = b"".join(p.read_bytes() for p in _folder_files(path))[:max_bytes]
     elif path.suffix in UINT16_SUFFIXES:
         raw = bytearray(path.read_bytes())
-        if not raw:
-            raise ValueError(f"--data {source}: empty; give a file of uint16 tokens")
-        if len(raw) % 2:
-            raise ValueError(f"--data {source}: a uint16 token file must have an even size")
         return torch.frombuffer(raw, dtype=torch.int16).to(torch.int32) & 0xFFFF
     else:
         data = path.read_bytes()[:max_bytes]
-    if not data:
-        raise ValueError(f"--data {source}: empty; give a file (or folder) with some text")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _folder_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
 
 
 class Batch(NamedTuple):

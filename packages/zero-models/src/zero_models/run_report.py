@@ -20,7 +20,7 @@ from zero_core.memory_estimate import state_bytes_per_param
 from .run_metrics import read_metrics
 from .run_plots import write_run_plots
 from .tp_mappings import gather_last_dim
-from .train_options import DTYPES
+from .train_options import CHECKPOINT, DTYPES
 
 
 def mib(n: float) -> str:
@@ -129,6 +129,9 @@ def print_loss_and_plot(args: argparse.Namespace, history: list[tuple[int, float
         print(f"wrote {args.out / 'metrics.jsonl'} and {args.out / 'loss.png'}")
     else:
         print(f"wrote {args.out / 'metrics.jsonl'}; {why_not}")
+    if args.final_save:
+        saved = args.out / CHECKPOINT
+        print(f"saved {saved} (zero-consolidate {saved} model.safetensors: the whole model)")
     if args.tensorboard is not None:
         print(f"wrote TensorBoard events to {args.tensorboard} (tensorboard --logdir "
               f"{args.tensorboard})")  # fmt: skip

@@ -21,9 +21,12 @@ from typing import Any
 
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
+from zero_core.command_line import CommandLineParser
 from zero_core.config import SHORT_DTYPE_NAMES, offload_stage_error
+from zero_core.hybrid_sharding import hierarchy_sizes
 
 from .checkpoint_plan import CHECKPOINT_MODES
+from .data import token_count
 from .gpt import PRESETS, GPTConfig
 from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
 from .run_tensorboard import tensorboard_available
@@ -67,7 +70,7 @@ def preempt_signals(text: str) -> tuple[signal.Signals, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zero-train", description=DESCRIPTION)
+    p = CommandLineParser(prog="zero-train", description=DESCRIPTION)
     p.add_argument("--config", type=Path, help="JSON file of option values (flags override it)")
     p.add_argument(
         "--deepspeed", type=Path, metavar="FILE",
@@ -155,12 +158,18 @@ def parser() -> argparse.ArgumentParser:
         "--save-every",
         type=int,
         default=0,
-        help="save a checkpoint to OUT/checkpoint every N steps and at the end",
+        help="also save a checkpoint to OUT/checkpoint every N steps (0: only at the end)",
     )
+    p.add_argument(
+        "--final-save", action=argparse.BooleanOptionalAction,
+        help="save OUT/checkpoint after the last step, for --resume auto and "
+        "zero-consolidate (the default, but with --tp; --no-final-save skips it)",
+    )  # fmt: skip
     p.add_argument(
         "--resume", type=Path, metavar="CKPT|auto",
         help="continue from this checkpoint (any stage, ranks); auto: from OUT/checkpoint if "
-        "there is one, else from the start (a requeued job needs no edit)",
+        "there is one, else from the start, replacing what a run without a checkpoint left "
+        "in OUT (a requeued job needs no edit)",
     )  # fmt: skip
     p.add_argument(
         "--preempt-signals", default="TERM,USR1", metavar="SIGNALS",
@@ -196,9 +205,16 @@ def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
         p.error(f"--config {path}: unknown keys {unknown}")
     flags: list[str] = []
     for key, value in values.items():
+        option = options[key]
+        if option.nargs == 0:  # a switch: true turns it on, false off
+            if not isinstance(value, bool):
+                p.error(f"--config {path}: {key}={value!r} must be true or false")
+            on, *off = option.option_strings  # BooleanOptionalAction: [--x, --no-x]
+            flags += [on] if value else off[:1]
+            continue
         if key == "config" or not isinstance(value, str | int | float) or isinstance(value, bool):
             p.error(f"--config {path}: {key}={value!r} must be a number or text")
-        flags += [options[key].option_strings[0], str(value)]
+        flags += [option.option_strings[0], str(value)]
     return flags
 
 
@@ -218,6 +234,24 @@ def offload_error(args: argparse.Namespace) -> str:
         except (ValueError, OSError) as exc:
             return f"--offload-dir {args.offload_dir}: {exc}"
     return ""
+
+
+HIERARCHY_FLAGS = "--shard-group/--hpz/--quantize-*"
+
+
+def check_hierarchy(args: argparse.Namespace, data_parallel: int) -> None:
+    """The engine's own check of the hierarchy sizes, on ``data_parallel`` ranks, before
+    any rank starts; a DeepSpeed config's (mics_shard_size, zero_hpz_partition_size, ...)
+    is checked after it is read. Raises ValueError."""
+    setup = getattr(args, "deepspeed_setup", None)
+    config = setup.zero if setup is not None else zero_core.ZeroConfig(
+        stage=args.stage, **hierarchy_settings(args)
+    )  # fmt: skip
+    where = "--deepspeed " + str(args.deepspeed) if setup is not None else HIERARCHY_FLAGS
+    try:
+        hierarchy_sizes(config, data_parallel)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def hierarchy_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -264,7 +298,7 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         zero_core.ZeroConfig(stage=args.stage, **hierarchy_settings(args))
     except ValueError as exc:
-        p.error(f"--shard-group/--hpz/--quantize-*: {exc}")
+        p.error(f"{HIERARCHY_FLAGS}: {exc}")
     if args.optimizer_in_backward and args.deepspeed is not None:
         p.error(
             "--optimizer-in-backward with --deepspeed: a DeepSpeed config has no such key and "
@@ -278,14 +312,19 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--optimizer-in-backward: {exc} (zero-train: --stage 3 --clip 0 --grad-accum 1, "
                 "--dtype fp32 or bf16, no --offload-*)"
             )
-    if args.data is not None and not Path(args.data).exists():
-        p.error(f"--data {args.data}: no such file or folder")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads} must be at least 1")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
     if args.save_every < 0:
-        p.error(f"--save-every {args.save_every} must be 0 (never) or a number of steps")
+        p.error(f"--save-every {args.save_every} must be 0 (only at the end) or a number of steps")
+    if args.tp > 1 and (args.save_every or args.final_save or args.resume is not None):
+        p.error(
+            f"--tp {args.tp} with --save-every/--final-save/--resume: checkpoints of "
+            "tensor-parallel runs are not supported yet; drop those options or use --tp 1"
+        )
+    if args.final_save is None:
+        args.final_save = args.tp == 1  # a --tp run cannot save (above): it trains unsaved
     if args.lr <= 0 or not math.isfinite(args.lr):
         p.error(f"--lr {args.lr} must be a positive learning rate, e.g. --lr 3e-3")
     if args.warmup < 0 or args.clip < 0:
@@ -303,18 +342,24 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
         if args.tensorboard.exists() and not args.tensorboard.is_dir():
             p.error(f"--tensorboard {args.tensorboard} is a file; name a folder for the events")
+    args.fresh_after_auto = False
     if str(args.resume) == "auto":
         args.resume = newest_checkpoint(args.out / CHECKPOINT)
+        # No checkpoint to go on from: start over, in place of what is there (a job
+        # requeued before its first save; the help's promise).
+        args.fresh_after_auto = args.resume is None
     elif args.resume is not None and newest_checkpoint(args.resume) is None:
         p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
     found = earlier_results(args.out)
-    if found and args.resume is None and not args.overwrite:
+    if found and args.resume is None and not (args.overwrite or args.fresh_after_auto):
         p.error(
             f"--out {args.out} holds the results of another run ({', '.join(found)}); "
             "continue it with --resume auto, replace it with --overwrite, or name another --out"
         )
     try:
         config = model_config(args)
+        if args.data is not None:
+            check_data(args.data, config.context)
         if args.tp < 1:
             raise ValueError(f"--tp {args.tp} must be at least 1")
         launcher = detect_launch_env()
@@ -325,17 +370,7 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"a multiple of {args.tp}"
             )
         data_parallel = world // args.tp
-        group = args.shard_group or data_parallel
-        if data_parallel % group:
-            raise ValueError(
-                f"--shard-group {group} does not divide the {data_parallel} data-parallel "
-                "ranks; use a divisor (usually the ranks per node)"
-            )
-        if args.hpz > 1 and (group % args.hpz or args.hpz >= group):
-            raise ValueError(
-                f"--hpz {args.hpz} must divide the {group} ranks the parameters are sharded "
-                "over and be fewer (usually the ranks per node); 1 turns it off"
-            )
+        check_hierarchy(args, data_parallel)
         if args.batch_size % data_parallel:
             raise ValueError(
                 f"--batch-size {args.batch_size} does not split over {data_parallel} "
@@ -345,9 +380,21 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
         if args.deepspeed is not None:
             apply_deepspeed(args, data_parallel)
-    except ValueError as exc:
+            check_hierarchy(args, data_parallel)
+    except (ValueError, OSError) as exc:
         p.error(str(exc))
     return args
+
+
+def check_data(source: str, context: int) -> None:
+    """What the ranks would find wrong with ``--data``, found from its size before they
+    start: missing, empty, an odd-sized token file, fewer tokens than one sequence."""
+    tokens = token_count(source)
+    if tokens < context + 2:
+        raise ValueError(
+            f"--data {source}: {tokens} tokens, and a sequence of --context {context} needs "
+            f"{context + 2}: give more data or a smaller --context"
+        )
 
 
 def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
@@ -367,6 +414,14 @@ def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
         "scheduler.params.total_num_steps": args.steps,
     }  # fmt: skip
     setup = zero_core.read_deepspeed(args.deepspeed, world_size=data_parallel, auto=flags)
+    zero = setup.zero
+    if zero.offload_dir is not None and "disk" in (zero.offload_optimizer, zero.offload_params):
+        # The check --offload-dir gets; a missing folder is refused, not created (a typo
+        # would put the swap files on whatever disk holds the new folder).
+        try:
+            zero_core.check_offload_dir(zero.offload_dir, 0)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--deepspeed {args.deepspeed}: nvme_path: {exc}") from None
     names = {dtype: name for name, dtype in DTYPES.items()}
     args.stage = setup.zero.stage
     args.dtype = names[setup.zero.param_dtype]

@@ -155,9 +155,12 @@ class Trainer:
         """Lead: clear an --overwrite'd folder, then say what is about to train."""
         args, config, dp = self.args, self.run.config, self.run.mesh.dp
         found = earlier_results(args.out)
-        if args.overwrite and args.resume is None and found:
+        if (args.overwrite or args.fresh_after_auto) and args.resume is None and found:
             clear_earlier_results(args.out)
-            print(f"zero-train: --overwrite: removed the earlier run's {', '.join(found)} "
+            why = "--overwrite" if args.overwrite else (
+                f"--resume auto: no checkpoint in {args.out / CHECKPOINT}, so from step 1"
+            )  # fmt: skip
+            print(f"zero-train: {why}: removed the earlier run's {', '.join(found)} "
                   f"from {args.out}", flush=True)  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         if args.resume is not None:
@@ -294,10 +297,12 @@ class Trainer:
         return per_rank.cpu()
 
     def save_due(self, step: int) -> bool:
-        """Whether --save-every asks for a save after ``step``: every that many steps, and
-        after the run's end step."""
+        """Whether a save is asked for after ``step``: every --save-every steps, and after
+        the run's end step unless --no-final-save."""
         every = self.args.save_every
-        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.end_step)
+        if step + 1 == self.end_step and self.args.final_save:
+            return True
+        return bool(every) and (step + 1) % every == 0
 
     def save(self, step: int) -> None:
         """Collective: save OUT/checkpoint after ``step``; a failed save (every rank has the
