@@ -539,3 +539,16 @@ def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits()
     states = (14 * gpt.num_params / 2 + slice_bytes) / 2**30
     assert f"predicts {states:.2f} GiB of model states" in line, line
     assert "offload" not in line and "; even --checkpoint full would keep" in line, line
+
+
+def test_our_warnings_reach_the_user_as_one_line() -> None:
+    """A note from zero_core (hpZ without effect, DeepSpeed keys without effect) is one
+    line under zero-train; a warning from anyone else keeps Python's form, source line
+    and all."""
+    import zero_core.hybrid_sharding as ours
+    from zero_models.train import note_line
+
+    mine = note_line(UserWarning("hpZ has no effect"), UserWarning, ours.__file__, 7)
+    assert mine == "zero-train: note: hpZ has no effect\n"
+    theirs = note_line(UserWarning("x"), UserWarning, "/site/torch/nn/module.py", 3, "y = 1")
+    assert theirs.startswith("/site/torch/nn/module.py:3: UserWarning: x") and "y = 1" in theirs

@@ -19,7 +19,9 @@ trainer.py's (built by run_setup.py, reported by run_report.py).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
@@ -45,7 +47,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         ]
         reported = (EXIT_FAILED, EXIT_PREEMPTED, EXIT_OUT_OF_MEMORY)
         sys.exit(launch(command, args.nproc, reported_codes=reported))
+    warnings.formatwarning = note_line
     Trainer(args).fit()
+
+
+def note_line(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int,
+    line: str | None = None,
+) -> str:  # fmt: skip
+    """A warning of our packages as one line, ``zero-train: note: ...`` (it is addressed to
+    the user, who needs no source line of ours); anyone else's as Python shows it."""
+    if Path(filename).parent.name in ("zero_core", "zero_comm", "zero_models"):
+        return f"zero-train: note: {message}\n"
+    return PYTHON_WARNING_FORMAT(message, category, filename, lineno, line)
+
+
+PYTHON_WARNING_FORMAT = warnings.formatwarning
 
 
 if __name__ == "__main__":
