@@ -45,8 +45,10 @@ TORCH = f"torch=={TORCH_VERSION}"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # In dependency order: each package needs only those before it.
 PACKAGES = ("zero-comm", "zero-core", "zero-models")
+# zero-models' extras (plots, tensorboard) are pinned where they are tested: here.
+EXTRAS_TESTED = ("matplotlib==3.11.2", "tensorboard==2.21.0")
 TEST_DEPS = ("pytest>=7", "pytest-timeout", "hypothesis>=6.80", "numpy", "safetensors",
-             "matplotlib", "tensorboard>=2.14")  # fmt: skip
+             *EXTRAS_TESTED)  # fmt: skip
 MPI_DEPS = ("mpi4py>=3.1", "mpich")
 # tests/test_huggingface.py and examples/: Hugging Face models built from a config (no
 # download); pinned, as the example relies on version 5's buffers and initialisation.

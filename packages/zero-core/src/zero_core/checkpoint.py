@@ -37,10 +37,12 @@ from zero_comm.determinism import fingerprint_differences
 from .checkpoint_reader import (
     FORMAT,
     INDEX,
+    INDEX_CHECKSUM,
     VERSION,
     CheckpointError,
     CheckpointReader,
     complete_checkpoint,
+    index_checksum,
     shard_name,
 )
 from .flat_layout import Range
@@ -104,7 +106,7 @@ def save(
 
 
 def _write_index(staging: Path, index: dict[str, Any]) -> None:
-    text = json.dumps(index, indent=1).encode()
+    text = json.dumps({**index, INDEX_CHECKSUM: index_checksum(index)}, indent=1).encode()
     partial = staging / (INDEX + ".partial")
     with partial.open("wb") as out:
         out.write(text)

@@ -6,7 +6,9 @@ the layout). Used by the engine's load and by zero-consolidate alike.
 from __future__ import annotations
 
 import json
+import math
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from .sharded_state import ShardPiece
 
 FORMAT = "zero-checkpoint"
 VERSION = 1
+INDEX_CHECKSUM = "index_crc32"  # the index's own checksum (index_checksum), since 2026-12
 INDEX = "index.json"
 
 
@@ -117,9 +120,112 @@ def _read_index(folder: Path) -> dict[str, Any]:
         index: dict[str, Any] = json.loads((folder / INDEX).read_text())
     except ValueError as exc:
         raise CheckpointError(f"{folder / INDEX}: not valid JSON ({exc})") from exc
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{folder / INDEX}: {index_shape_problem(index)}")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(
             f"{folder / INDEX}: format {index.get('format')!r} version {index.get('version')!r}"
             f" is not {FORMAT!r} version {VERSION}"
         )
+    recorded = index.pop(INDEX_CHECKSUM, None)
+    if recorded is not None and recorded != index_checksum(index):
+        raise CheckpointError(
+            f"{folder / INDEX}: its checksum does not match its contents (changed after the "
+            "save, by an edit or by damage): restore it from a copy, or use another checkpoint"
+        )
+    problem = index_shape_problem(index)
+    if problem:
+        raise CheckpointError(
+            f"{folder / INDEX}: {problem}; the index is damaged (or was edited): restore it "
+            "from a copy, or use another checkpoint"
+        )
     return index
+
+
+def index_checksum(index: dict[str, Any]) -> int:
+    """CRC-32 of the index's contents (without its own checksum), key order aside: the
+    index tells a reader where every tensor is and what shape it has, so an edit to it
+    could otherwise load wrong values without an error. Indexes written before it was
+    recorded are read without it, checked for their shape only."""
+    return zlib.crc32(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_lists(value: Any, length: int | None = None) -> bool:
+    """Whether ``value`` is a list of lists of ints (each of ``length``, when given)."""
+    return isinstance(value, list) and all(
+        isinstance(item, list) and all(_is_int(x) for x in item)
+        and (length is None or len(item) == length)
+        for item in value
+    )  # fmt: skip
+
+
+def index_shape_problem(index: Any) -> str:
+    """What is missing or of the wrong type in a checkpoint index ("" if nothing): the
+    keys every reader uses, checked before any of them is read, so a damaged index is
+    one error naming the key, not a KeyError from deep inside a load."""
+    if not isinstance(index, dict):
+        return f"holds a JSON {type(index).__name__}, not an object"
+    groups, ranks = index.get("groups"), index.get("ranks")
+    if not isinstance(groups, list) or not groups:
+        return "'groups' is missing or empty"
+    for g, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(params, list) or not params or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and _int_lists([p[1]])
+            for p in params
+        ):  # fmt: skip
+            return f"groups[{g}]['params'] is not a list of [name, shape]"
+    if not isinstance(ranks, list) or not ranks:
+        return "'ranks' is missing or empty"
+    for r, entry in enumerate(ranks):
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(file, dict) or not all(
+            _is_int(file.get(k)) for k in ("bytes", "block_bytes")
+        ):
+            return f"ranks[{r}]['file'] lacks its size"
+        crcs = file.get("crc32")
+        if not isinstance(crcs, list) or not all(_is_int(c) for c in crcs):
+            return f"ranks[{r}]['file']['crc32'] is not a list of checksums"
+        pieces = entry.get("pieces", ...)
+        if pieces is ... or (pieces is not None and (
+            not isinstance(pieces, list) or len(pieces) != len(groups)
+            or not all(_int_lists(group, 4) for group in pieces)
+        )):  # fmt: skip
+            return f"ranks[{r}]['pieces'] is not one list of pieces per group"
+    uncovered = _uncovered_parameter(groups, ranks)
+    if uncovered:
+        return uncovered
+    aliases = index.get("aliases", {})
+    names = {p[0] for group in groups for p in group["params"]}
+    if not isinstance(aliases, dict) or not all(
+        isinstance(name, str) and name in names for name in aliases.values()
+    ):
+        return "'aliases' is not an object of names to saved parameters' names"
+    return ""
+
+
+def _uncovered_parameter(groups: list[Any], ranks: list[Any]) -> str:
+    """A parameter whose saved pieces, over every rank, do not cover exactly its elements
+    per its recorded shape ("" if none): a shape edited in the index would read a part of
+    a tensor, or past it."""
+    for g, group in enumerate(groups):
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for entry in ranks:
+            for i, start, stop, _ in entry["pieces"][g] if entry["pieces"] is not None else ():
+                spans.setdefault(i, []).append((start, stop))
+        for i, (name, shape) in enumerate(group["params"]):
+            reached = 0
+            for start, stop in sorted(spans.get(i, [])):
+                if start > reached:
+                    break
+                reached = max(reached, stop)
+            if reached != math.prod(shape) or any(s < 0 for s, _ in spans.get(i, [])):
+                return (
+                    f"groups[{g}] parameter {name!r} of shape {shape} is not covered exactly "
+                    "by its saved pieces"
+                )
+    return ""

@@ -72,7 +72,8 @@ class SavedModel(CheckpointReader):
         """What :meth:`state_dict` yields, without reading any value."""
         shapes = {name: shape for _, _, name, shape in self.parameters()}
         out = [(name, dtype, shape) for name, shape in shapes.items()]
-        out += [(alias, dtype, shapes[name]) for alias, name in self.index["aliases"].items()]
+        aliases = self.index.get("aliases", {})
+        out += [(alias, dtype, shapes[name]) for alias, name in aliases.items()]
         for name in self.whole_names():
             saved_dtype, shape, _, _ = self.file_of(0).entry(f"whole.{name}")
             out.append((name, dtype if saved_dtype.is_floating_point else saved_dtype, shape))
@@ -92,14 +93,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="a directory written by engine.save()")
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
+    problem = output_problem(args.checkpoint, args.out, args.overwrite)
+    if problem:
+        parser.error(problem)
     try:
         size = consolidate(args.checkpoint, args.out, DTYPES[args.dtype])
-    except CheckpointError as exc:
-        print(f"zero-consolidate: {exc}", file=sys.stderr)
+    except (CheckpointError, CorruptFileError, OSError) as exc:
+        print(f"zero-consolidate: error: {exc}", file=sys.stderr)
         return 2
     print(f"zero-consolidate: wrote {args.out} ({size / 2**20:.1f} MiB, {args.dtype})")
     return 0
+
+
+def output_problem(checkpoint: Path, out: Path, overwrite: bool) -> str:
+    """Why ``out`` cannot be written ("" if it can): a folder, an existing file (without
+    ``overwrite``), a path inside the checkpoint, or a parent that is not a folder."""
+    if out.is_dir():
+        return f"{out} is a folder: name the file to write, e.g. {out / 'model.safetensors'}"
+    if checkpoint.is_dir() and checkpoint.resolve() in out.resolve().parents:
+        return f"{out} is inside the checkpoint {checkpoint}: write the model elsewhere"
+    if out.exists() and not overwrite:
+        return f"{out} exists: pass --overwrite to replace it, or name another file"
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        return f"{parent} {what}: create the folder (mkdir -p {parent}) or name another file"
+    return ""
 
 
 if __name__ == "__main__":

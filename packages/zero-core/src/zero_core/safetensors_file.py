@@ -100,9 +100,25 @@ def write_stream(
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    partial = path.with_name(path.name + ".partial")
+    try:
+        return _write_partial(partial, path, text, specs, values, block_bytes, offset)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        raise
+
+
+def _write_partial(
+    partial: Path,
+    path: Path,
+    text: bytes,
+    specs: list[tuple[str, torch.dtype, list[int]]],
+    values: Iterable[torch.Tensor],
+    block_bytes: int,
+    offset: int,
+) -> WrittenFile:
     crcs: list[int] = []
     carry = bytearray()  # the start of a block that the next tensor completes
-    partial = path.with_name(path.name + ".partial")
     with partial.open("wb") as out:
         out.write(struct.pack("<Q", len(text)) + text)
         for (name, dtype, shape), tensor in zip(specs, values, strict=True):
@@ -156,7 +172,16 @@ class TensorFile:
             except ValueError as exc:
                 raise CorruptFileError(f"{path}: unreadable header ({exc})") from exc
         self.data_start = 8 + length
+        if not isinstance(self.header, dict):
+            raise CorruptFileError(f"{path}: its header is not a JSON object")
         self.metadata: dict[str, str] = self.header.pop("__metadata__", {}) or {}
+        if expected is not None:
+            blocks = -(-(size - self.data_start) // expected.block_bytes)
+            if expected.block_bytes < 1 or len(expected.crc32) != blocks:
+                raise CorruptFileError(
+                    f"{path}: the index holds {len(expected.crc32)} block checksums for its "
+                    f"{blocks} blocks of data (the index is damaged)"
+                )
 
     @property
     def names(self) -> list[str]:
