@@ -46,6 +46,18 @@ def run(
             ["--tp", "2", "--model", "test", "--save-every", "2"],
             "checkpoints of tensor-parallel runs are not supported yet",
         ),
+        (["--clip", "nan"], "--warmup and --clip must be 0 or more"),
+        (["--sample-tokens", "-1"], "--sample-tokens -1 must be 0 (no sample) or more"),
+        (["--threads", "100000"], "--threads 100000 is more than 4 per core"),
+        (["--out", "afile/sub"], "--out afile/sub: cannot make the results folder"),
+        (["--model", "test", "--data", "big.u16"], "token id 65000 is beyond the model's vocab"),
+        (
+            ["--deepspeed", "empty.json", "--stage", "1", "--dtype", "bf16"],
+            "rules --stage 1 (the config gives 2), --dtype bf16 (the config gives fp32)",
+        ),
+        (["--deepspeed", "lr.json"], "optimizer.params {'lr': 'fast'}: AdamW refuses them"),
+        (["--config", "self.json"], "a config cannot name another config"),
+        (["--resume", "cut"], "--resume cut: checkpoint cut: cut/rank-00000.safetensors: 3 bytes"),
         (["--data", "empty.txt"], "--data empty.txt: empty; give a file"),
         (["--data", "short.txt"], "short.txt: 3 tokens, and a sequence of --context 128 needs"),
         (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
@@ -69,6 +81,19 @@ def test_wrong_options_stop_before_launching(
     Path("mics3.json").write_text(json.dumps({"zero_optimization": {"mics_shard_size": 3}}))
     Path("empty.txt").write_text("")
     Path("short.txt").write_text("abc")
+    Path("afile").write_text("")
+    Path("big.u16").write_bytes(bytes([0xE8, 0xFD]) * 200)  # token 65000, 200 times
+    Path("empty.json").write_text("{}")
+    Path("lr.json").write_text(
+        json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}})
+    )
+    Path("self.json").write_text(json.dumps({"config": "self.json"}))
+    Path("cut").mkdir()
+    index = {"format": "zero-checkpoint", "version": 1, "groups": [{"params": [["w", [1]]]}],
+             "ranks": [{"file": {"bytes": 9, "block_bytes": 8, "crc32": [0]},
+                        "pieces": [[[0, 0, 1, 0]]]}]}  # fmt: skip
+    Path("cut/index.json").write_text(json.dumps(index))
+    Path("cut/rank-00000.safetensors").write_bytes(b"abc")
     with pytest.raises(SystemExit) as stop:
         main(args)
     assert stop.value.code == 2

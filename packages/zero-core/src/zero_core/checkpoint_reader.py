@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .flat_layout import Range
-from .safetensors_file import TensorFile, WrittenFile
+from .safetensors_file import CorruptFileError, TensorFile, WrittenFile
 from .sharded_state import ShardPiece
 
 FORMAT = "zero-checkpoint"
@@ -72,6 +72,16 @@ class CheckpointReader:
             expected = WrittenFile.from_json(self.index["ranks"][rank]["file"])
             self._files[rank] = TensorFile(self.folder / shard_name(rank), expected)
         return self._files[rank]
+
+    def check_files(self) -> None:
+        """Every saving rank's shard is there, of the size the index records, with a
+        readable header and a checksum per block: what can be checked without reading a
+        value (a launcher does it before starting ranks). Raises CheckpointError."""
+        for rank in range(len(self.index["ranks"])):
+            try:
+                self.file_of(rank)
+            except CorruptFileError as exc:
+                raise CheckpointError(f"checkpoint {self.folder}: {exc}") from None
 
     def first_writer(self) -> int:
         """A rank that wrote sharded tensors (stage 0 checkpoints: rank 0 only)."""

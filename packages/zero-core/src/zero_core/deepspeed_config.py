@@ -205,8 +205,15 @@ def _optimizer(entry: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]
             )
         if value == "auto":
             raise _unresolved(f"optimizer.params.{key}")
-    if "betas" in params:
-        params["betas"] = tuple(params["betas"])
+    try:  # the values checked the way the step will use them: by building one
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        chosen([torch.nn.Parameter(torch.zeros(1))], **params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"optimizer.params {params}: {chosen.__name__} refuses them ({exc}); write "
+            'numbers, e.g. "lr": 3e-4'
+        ) from None
     return chosen, params
 
 

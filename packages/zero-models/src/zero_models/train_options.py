@@ -19,20 +19,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
+from zero_core.checkpoint_reader import CheckpointReader
 from zero_core.command_line import CommandLineParser
 from zero_core.config import SHORT_DTYPE_NAMES, offload_stage_error
 from zero_core.hybrid_sharding import hierarchy_sizes
 
 from .checkpoint_plan import CHECKPOINT_MODES
-from .data import token_count
+from .data import UINT16_SUFFIXES, load_tokens, token_count
 from .gpt import PRESETS, GPTConfig
 from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
 from .run_tensorboard import tensorboard_available
 from .tp_plan import check_tp_degree
 
 DTYPES = SHORT_DTYPE_NAMES
+THREADS_PER_CORE = 4  # --threads above this many per core: a typo (100000 crashed gloo)
 HIGHEST_STAGE = max(zero_core.AVAILABLE_STAGES)
 CHECKPOINT = "checkpoint"  # OUT/checkpoint: where --save-every and a preemption save
 TENSORBOARD = "tensorboard"  # OUT/tensorboard: --tensorboard's event files, by default
@@ -109,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shard-group", type=int, metavar="S",
         help="stages 1-3: hybrid sharding (MiCS/HSDP): partition model states over groups of "
-        "S consecutive data-parallel ranks (e.g. one node's) and replicate across groups",
+        "S consecutive data-parallel ranks (e.g. one node's) and replicate across groups "
+        "(-1: all ranks, no hybrid sharding)",
     )  # fmt: skip
     p.add_argument(
         "--hpz", type=int, default=1, metavar="P",
@@ -131,8 +136,12 @@ def parser() -> argparse.ArgumentParser:
         "and --grad-accum 1, and raises on a NaN instead of skipping the step",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument(
+        "--batch-size", type=int, default=16,
+        help="sequences per micro-step over all data-parallel ranks (a step takes "
+        "--grad-accum of them)",
+    )  # fmt: skip
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
@@ -212,7 +221,9 @@ def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
             on, *off = option.option_strings  # BooleanOptionalAction: [--x, --no-x]
             flags += [on] if value else off[:1]
             continue
-        if key == "config" or not isinstance(value, str | int | float) or isinstance(value, bool):
+        if key == "config":
+            p.error(f"--config {path}: a config cannot name another config (key 'config')")
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
             p.error(f"--config {path}: {key}={value!r} must be a number or text")
         flags += [option.option_strings[0], str(value)]
     return flags
@@ -284,8 +295,11 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options from --config, then flags; every check that can fail before launching."""
     p = parser()
     args = p.parse_args(argv)
+    given = list(argv if argv is not None else sys.argv[1:])
     if args.config is not None:
-        args = p.parse_args([*config_flags(p, args.config), *(argv or sys.argv[1:])])
+        given = [*config_flags(p, args.config), *given]
+        args = p.parse_args(given)
+    args.given = given_options(given)
     if args.stage not in (0, 1, 2, 3):
         p.error(f"--stage {args.stage}: ZeRO stages are 0-3")
     if args.nproc < 1 or args.steps < 1 or args.grad_accum < 1 or args.batch_size < 1:
@@ -327,8 +341,19 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         args.final_save = args.tp == 1  # a --tp run cannot save (above): it trains unsaved
     if args.lr <= 0 or not math.isfinite(args.lr):
         p.error(f"--lr {args.lr} must be a positive learning rate, e.g. --lr 3e-3")
-    if args.warmup < 0 or args.clip < 0:
+    if args.warmup < 0 or not args.clip >= 0 or not math.isfinite(args.clip):
         p.error("--warmup and --clip must be 0 or more (--clip 0 turns clipping off)")
+    if args.sample_tokens < 0:
+        p.error(f"--sample-tokens {args.sample_tokens} must be 0 (no sample) or more")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > THREADS_PER_CORE * cores:
+        p.error(
+            f"--threads {args.threads} is more than {THREADS_PER_CORE} per core of the {cores} "
+            "here; give at most the cores a rank may use"
+        )
+    backend_problem = backend_error(args)
+    if backend_problem:
+        p.error(backend_problem)
     try:
         args.preempt_signals = preempt_signals(args.preempt_signals)
     except ValueError as exc:
@@ -350,6 +375,11 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         args.fresh_after_auto = args.resume is None
     elif args.resume is not None and newest_checkpoint(args.resume) is None:
         p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
+    if args.resume is not None:
+        try:  # its index and files, before the ranks start (their values: in the load)
+            CheckpointReader(args.resume).check_files()
+        except zero_core.CheckpointError as exc:
+            p.error(f"--resume {args.resume}: {exc}")
     found = earlier_results(args.out)
     if found and args.resume is None and not (args.overwrite or args.fresh_after_auto):
         p.error(
@@ -359,7 +389,7 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         config = model_config(args)
         if args.data is not None:
-            check_data(args.data, config.context)
+            check_data(args.data, config)
         if args.tp < 1:
             raise ValueError(f"--tp {args.tp} must be at least 1")
         launcher = detect_launch_env()
@@ -383,18 +413,53 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
             check_hierarchy(args, data_parallel)
     except (ValueError, OSError) as exc:
         p.error(str(exc))
+    try:  # last: every check passed; the ranks would make it, and fail in a traceback each
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out}: cannot make the results folder ({exc.strerror}); name "
+                "a folder you can write")  # fmt: skip
     return args
 
 
-def check_data(source: str, context: int) -> None:
-    """What the ranks would find wrong with ``--data``, found from its size before they
-    start: missing, empty, an odd-sized token file, fewer tokens than one sequence."""
-    tokens = token_count(source)
-    if tokens < context + 2:
-        raise ValueError(
-            f"--data {source}: {tokens} tokens, and a sequence of --context {context} needs "
-            f"{context + 2}: give more data or a smaller --context"
+def backend_error(args: argparse.Namespace) -> str:
+    """What makes --backend fail in every rank ("" if nothing): NCCL without a GPU, MPI
+    without an MPI launcher (zero-train's own ranks are zero-launch's, not MPI's)."""
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        return "--backend nccl needs CUDA GPUs and torch sees none here: use --backend gloo"
+    if args.backend == "mpi" and detect_launch_env().launcher == "none" and args.nproc > 1:
+        return (
+            f"--backend mpi needs an MPI launcher: mpiexec -n {args.nproc} python -m mpi4py "
+            "-m zero_models.train --backend mpi (zero-train --nproc starts gloo ranks)"
         )
+    return ""
+
+
+def check_data(source: str, config: GPTConfig) -> None:
+    """What the ranks would find wrong with ``--data``, found before they start: missing,
+    empty, an odd-sized token file, fewer tokens than one sequence, a token id beyond the
+    model's vocabulary."""
+    tokens = token_count(source)
+    if tokens < config.context + 2:
+        raise ValueError(
+            f"--data {source}: {tokens} tokens, and a sequence of --context {config.context} "
+            f"needs {config.context + 2}: give more data or a smaller --context"
+        )
+    if Path(source).suffix in UINT16_SUFFIXES:
+        largest = int(load_tokens(source).max())
+        if largest >= max(config.vocab_size, 256):
+            raise ValueError(
+                f"--data {source}: token id {largest} is beyond the model's vocabulary of "
+                f"{config.vocab_size}: choose a --model whose vocabulary holds it (gpt2's "
+                f"has {PRESETS['gpt2'].vocab_size}), or tokenise with a smaller one"
+            )
+
+
+def given_options(argv: Sequence[str]) -> set[str]:
+    """The options ``argv`` sets itself (their dests), as against their defaults."""
+    bare = parser()
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(bare.parse_args(list(argv))))
 
 
 def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
@@ -423,12 +488,31 @@ def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
         except (ValueError, OSError) as exc:
             raise ValueError(f"--deepspeed {args.deepspeed}: nvme_path: {exc}") from None
     names = {dtype: name for name, dtype in DTYPES.items()}
-    args.stage = setup.zero.stage
-    args.dtype = names[setup.zero.param_dtype]
-    args.grad_accum = setup.zero.gradient_accumulation_steps
+    ruled = {
+        "stage": zero.stage,
+        "dtype": names[zero.param_dtype],
+        "grad_accum": zero.gradient_accumulation_steps,
+        "clip": zero.clip_grad_norm or 0.0,
+    }
     if setup.micro_batch_size is not None:
-        args.batch_size = setup.micro_batch_size * data_parallel
-    args.clip = setup.zero.clip_grad_norm or 0.0
+        ruled["batch_size"] = setup.micro_batch_size * data_parallel
+    if setup.optimizer is not None:
+        ruled["lr"] = setup.optimizer[1].get("lr", args.lr)
+    # A flag given on the command line (or in --config) that the DeepSpeed config rules
+    # otherwise would be dropped without a word: refused instead, naming both.
+    clashes = [
+        f"--{dest.replace('_', '-')} {getattr(args, dest)} (the config gives {value})"
+        for dest, value in ruled.items()
+        if dest in args.given and getattr(args, dest) != value
+    ]
+    if clashes:
+        raise ValueError(
+            f"--deepspeed {args.deepspeed} rules {', '.join(clashes)}; drop those flags or "
+            'set the values in the config (an absent key is zero_core\'s default; "auto" '
+            "takes the flag's)"
+        )
+    for dest, value in ruled.items():
+        setattr(args, dest, value)
     args.deepspeed_setup = setup
 
 

@@ -139,7 +139,14 @@ class Trainer:
         if self.args.resume is None:
             return 0
         self.phase = f"the load of {self.args.resume}"
-        return int(self.engine.load(self.args.resume).get("step", 0))
+        try:
+            return int(self.engine.load(self.args.resume).get("step", 0))
+        except zero_core.CheckpointError as exc:  # another model, a value's checksum, ...
+            # A value's checksum fails on the ranks that read it: each says what it met.
+            rank = self.run.world.rank
+            print(f"zero-train: error: [rank {rank}] --resume: {exc}", file=sys.stderr, flush=True)
+            self.engine.close()
+            sys.exit(EXIT_FAILED)
 
     def stops_in_one_line(self) -> AbstractContextManager[None]:
         """A block in which running out of memory, or a peer's end met in a collective,
