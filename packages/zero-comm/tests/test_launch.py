@@ -348,6 +348,11 @@ def test_a_reported_code_from_every_rank_at_once_gets_no_blame_line(
         (["-n", "2"], "no command given"),
         (["-n", "2", "--"], "no command given"),
         (["-n", "two", "true"], "invalid int value"),
+        # Each was a FileNotFoundError / PermissionError traceback (found by probing).
+        (["-n", "2", "no_such_program_xyz"], "no_such_program_xyz is not found on PATH"),
+        (["-n", "2", "/no/such/program"], "/no/such/program is not found: give a program"),
+        (["-n", "2", "/tmp"], "/tmp is not an executable file"),
+        (["-n", "2", "--grace", "-1", "true"], "--grace -1.0 must be seconds >= 0"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(
@@ -360,6 +365,22 @@ def test_usage_errors_exit_2_with_a_message(
     err = capsys.readouterr().err
     assert message in err
     assert "usage: zero-launch" in err
+
+
+def test_a_file_that_cannot_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not executable, or executable but not a program (no #! line): one line, exit 2."""
+    plain = tmp_path / "notes.txt"
+    plain.write_text("hello\n")
+    bare = tmp_path / "bare"
+    bare.write_text("hello\n")
+    bare.chmod(0o755)
+    for path, message in ((plain, "is not an executable file"), (bare, "cannot be started")):
+        with pytest.raises(SystemExit) as info:
+            main(["-n", "2", str(path)])
+        assert info.value.code == 2
+        assert f"{path} {message}" in capsys.readouterr().err
 
 
 def test_usage_error_as_a_command() -> None:

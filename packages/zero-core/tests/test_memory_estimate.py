@@ -313,3 +313,36 @@ def test_the_step_in_backward_holds_one_bucket_slice_of_gradients_at_stage_3(
     assert tiered_state_bytes(1e9, 4, 2, optimizer_in_backward=True, **fp32) == (
         tiered_state_bytes(1e9, 4, 2, **fp32)
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["-K", "-100"], "-K -100.0 must be a number of bytes >= 0"),  # printed -96 GB
+        (["-K", "nan"], "-K nan must be a number of bytes >= 0"),  # printed nan GB
+        (["--params", "inf"], "--params must be a number >= 0"),
+        (["--params", "nan"], "--params must be a number >= 0"),  # --json wrote NaN
+        (["--accumulation", "0"], "--accumulation 0 must be at least 1"),
+        (["--tp", "2"], "--tp and --checkpoint shape the activations"),  # ignored before
+        (["--checkpoint", "full"], "--tp and --checkpoint shape the activations"),
+        (["--offload-fraction", "0.5"], "--offload-fraction is the share in"),
+        (["--optimizer-in-backward"], "cannot be combined with param_dtype=float16"),
+        (["--optimizer-in-backward", "--dtype", "fp32", "--offload-params", "cpu"],
+         "cannot be combined with offloaded model states"),
+        (["--layers", "2", "--width", "32", "--heads", "3", "--vocab-size", "100",
+          "--tokens", "64"], "width=32 does not divide into heads=3"),
+        (["--layers", "2", "--width", "32", "--heads", "2", "--vocab-size", "100",
+          "--tokens", "64", "--tp", "3"], "heads=2 does not divide over tensor-parallel degree 3"),
+        (["--shard-group", "2", "--quantize-gradients", "int4"],
+         "quantize_gradients with shard_group_size"),  # printed numbers the engine refuses
+    ],
+)  # fmt: skip
+def test_what_the_engine_refuses_or_cannot_mean_is_refused_in_one_line(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Probed: each of these printed a table (negative, nan or inf bytes, or options that
+    were silently ignored, or a combination the engine refuses), with exit 0."""
+    with pytest.raises(SystemExit) as stop:
+        main(["--params", "1e6", "--world-size", "4", *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err

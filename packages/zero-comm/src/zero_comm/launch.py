@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,6 +100,16 @@ def launch(
         raise ValueError(f"-n must be at least 1, got {world_size}")
     if not command:
         raise ValueError("no command given: zero-launch -n N CMD [ARGS ...]")
+    if not grace >= 0:
+        raise ValueError(f"--grace {grace} must be seconds >= 0")
+    found = shutil.which(command[0])
+    if found is None:  # else every rank's Popen raised, a traceback after the first started
+        where = "is not an executable file" if os.path.exists(command[0]) else "is not found"
+        raise ValueError(
+            f"{command[0]} {where}"
+            + ("" if os.sep in command[0] else " on PATH")
+            + ": give a program (e.g. python my_script.py)"
+        )
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     forwarded: list[int] = []
@@ -114,7 +125,10 @@ def launch(
     try:
         for rank in range(world_size):
             env = rank_environment(dict(os.environ), rank, world_size, port)
-            procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
+            try:
+                procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
+            except OSError as exc:  # e.g. an executable text file with no #! line
+                raise ValueError(f"{command[0]} cannot be started: {exc.strerror}") from None
         while failure is None and any(p.poll() is None for p in procs):
             for rank, proc in enumerate(procs):
                 code = proc.poll()

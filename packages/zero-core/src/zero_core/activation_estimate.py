@@ -47,6 +47,24 @@ class TransformerShape(NamedTuple):
     tokens: int  # per rank per micro-step: micro-batch x sequence length
 
 
+def shape_problem(shape: TransformerShape, tp: int) -> str:
+    """Why ``shape`` cannot be split over ``tp`` tensor-parallel ranks ("" if it can):
+    heads must divide the width, and tp each of heads, width and vocabulary."""
+    if shape.width % shape.heads:
+        return (
+            f"width={shape.width} does not divide into heads={shape.heads}; choose a width "
+            f"that is a multiple of {shape.heads}"
+        )
+    for what, size in (("heads", shape.heads), ("width", shape.width),
+                       ("vocabulary size", shape.vocab_size)):  # fmt: skip
+        if size % tp:
+            return (
+                f"{what}={size} does not divide over tensor-parallel degree {tp}; use a --tp "
+                f"that divides {size}"
+            )
+    return ""
+
+
 class ActivationBytes(NamedTuple):
     """Bytes one rank holds for activations: ``kept`` across the whole forward (saved
     tensors, or checkpoints), ``peak`` at the highest point of forward and backward."""

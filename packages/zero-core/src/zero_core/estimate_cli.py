@@ -20,13 +20,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .activation_estimate import ActivationBytes, TransformerShape, activation_bytes
+from .activation_estimate import (
+    ActivationBytes,
+    TransformerShape,
+    activation_bytes,
+    shape_problem,
+)
 from .command_line import CommandLineParser
-from .config import DEFAULT_BACKWARD_HEAD_NUMEL, DEFAULT_PREFETCH_NUMEL, ZeroConfig
+from .config import (
+    DEFAULT_BACKWARD_HEAD_NUMEL,
+    DEFAULT_PREFETCH_NUMEL,
+    SHORT_DTYPE_NAMES,
+    ZeroConfig,
+)
 from .hybrid_sharding import hierarchy_sizes
 from .link_traffic import backward_head_buckets, even_buckets, step_link_bytes
 from .memory_estimate import (
@@ -144,8 +155,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    if args.params < 0 or args.world_size < 1:
-        parser.error("--params must be >= 0 and --world-size >= 1")
+    if not 0 <= args.params < math.inf or args.world_size < 1:
+        parser.error("--params must be a number >= 0 and --world-size >= 1")
+    k_given = args.optimizer_state_bytes
+    if k_given is not None and not 0 <= k_given < math.inf:
+        parser.error(f"-K {k_given} must be a number of bytes >= 0")
+    if args.accumulation < 1:
+        parser.error(f"--accumulation {args.accumulation} must be at least 1")
+    if args.offload_fraction != 1.0 and args.offload_optimizer == "none":
+        parser.error("--offload-fraction is the share in --offload-optimizer's tier: give one")
+    if args.optimizer_in_backward:
+        try:  # the engine's own refusal (fp16's loss scaling, the tiers)
+            ZeroConfig(
+                stage=3, optimizer_in_backward=True, nonfinite="raise", clip_grad_norm=None,
+                param_dtype=SHORT_DTYPE_NAMES[args.dtype], offload_optimizer=args.offload_optimizer,
+                offload_params=args.offload_params,
+                offload_dir="/" if "disk" in (args.offload_optimizer, args.offload_params)
+                else None,
+            )  # fmt: skip
+        except ValueError as exc:
+            parser.error(f"--optimizer-in-backward: {exc}")
     if args.ranks_per_node is None and (
         args.shard_group or args.hpz > 1 or args.quantize_weights or args.quantize_gradients
     ):
@@ -164,10 +193,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if any(v is None or v < 1 for v in sizes) or args.tp < 1:
             parser.error("give all of --layers --width --heads --vocab-size --tokens, each >= 1, "
                          "and --tp >= 1")  # fmt: skip
+        problem = shape_problem(TransformerShape(*sizes), args.tp)
+        if problem:
+            parser.error(problem)
         activations = activation_bytes(
             TransformerShape(*sizes), tp=args.tp, checkpoint=args.checkpoint,
             dtype_bytes=DTYPE_BYTES[args.dtype],
         )  # fmt: skip
+    elif args.tp != 1 or args.checkpoint != "none":
+        parser.error("--tp and --checkpoint shape the activations: give --layers --width "
+                     "--heads --vocab-size --tokens too")  # fmt: skip
     k = args.optimizer_state_bytes
     if k is None:
         k = state_bytes_per_param(DTYPE_BYTES[args.dtype], args.optimizer)

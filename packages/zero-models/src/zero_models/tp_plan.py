@@ -20,6 +20,7 @@ from typing import NamedTuple, cast
 from torch import nn
 
 from zero_comm import Communicator
+from zero_core.activation_estimate import TransformerShape, shape_problem
 
 from .gpt import GPT, Block
 from .tp_layers import (
@@ -50,12 +51,9 @@ def make_mesh(world: Communicator, tp_size: int) -> Mesh:
 
 def check_tp_degree(config_heads: int, width: int, vocab: int, tp_size: int) -> None:
     """Raise a ValueError naming the size that ``tp_size`` does not divide."""
-    for what, size in (("heads", config_heads), ("width", width), ("vocabulary size", vocab)):
-        if size % tp_size:
-            raise ValueError(
-                f"{what}={size} does not divide over tensor-parallel degree {tp_size}; use a "
-                f"--tp that divides {size}"
-            )
+    problem = shape_problem(TransformerShape(1, width, config_heads, vocab, 1), tp_size)
+    if problem:
+        raise ValueError(problem)
 
 
 def tensor_parallel_gpt(model: GPT, tp: Communicator) -> GPT:
