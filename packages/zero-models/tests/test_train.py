@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -577,3 +578,23 @@ def test_our_warnings_reach_the_user_as_one_line() -> None:
     assert mine == "zero-train: note: hpZ has no effect\n"
     theirs = note_line(UserWarning("x"), UserWarning, "/site/torch/nn/module.py", 3, "y = 1")
     assert theirs.startswith("/site/torch/nn/module.py:3: UserWarning: x") and "y = 1" in theirs
+
+
+def test_a_second_preemption_signal_ends_the_process_at_once() -> None:
+    """The first SIGUSR1 is recorded (the step finishes, then the run saves); the second
+    ends the process as if unhandled, with one line: a step that never ends no longer
+    leaves it deaf to the signal (a --context 1000000 probe ignored timeout's SIGTERM)."""
+    code = (
+        "import os, signal\n"
+        "from zero_models.trainer import PreemptionFlag\n"
+        "flag = PreemptionFlag([signal.SIGUSR1])\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('recorded', flag.received.name, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('still running', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.stdout == "recorded SIGUSR1\n"
+    assert result.returncode == -signal.SIGUSR1
+    assert result.stderr.strip() == "zero-train: SIGUSR1 again: stopping now, without saving"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -68,7 +69,10 @@ class PreemptionFlag:
     time limit, a --signal=USR1 warning); the training loop reads it at the end of a step.
 
     The handler only records the signal: the step in flight finishes, the ranks agree at
-    the step's loss all-reduce (any rank's flag stops all), save, and exit."""
+    the step's loss all-reduce (any rank's flag stops all), save, and exit. The same
+    signal a second time ends the process at once, as if it had no handler: a step that
+    never ends (a probe's --context 1000000 ran 500 s in its first) must not make the
+    process deaf to ``kill``."""
 
     def __init__(self, signals: Sequence[signal.Signals]) -> None:
         self.received: signal.Signals | None = None
@@ -78,6 +82,11 @@ class PreemptionFlag:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
+            return
+        name = signal.Signals(signum).name
+        print(f"zero-train: {name} again: stopping now, without saving", file=sys.stderr)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def clear_earlier_results(out: Path) -> None:
