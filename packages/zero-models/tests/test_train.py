@@ -598,3 +598,22 @@ def test_a_second_preemption_signal_ends_the_process_at_once() -> None:
     assert result.stdout == "recorded SIGUSR1\n"
     assert result.returncode == -signal.SIGUSR1
     assert result.stderr.strip() == "zero-train: SIGUSR1 again: stopping now, without saving"
+
+
+def test_a_run_far_beyond_the_nodes_memory_is_refused_before_launch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--context 1000000: zero-estimate's figure for a rank is far beyond what this node
+    has (a probe ran it for minutes in its first step; a larger one was killed by the
+    kernel without a word), so main stops before launching, naming both and what would
+    fit; the default run is not touched by the check."""
+    from zero_models.run_setup import prelaunch_memory_problem
+    from zero_models.train import main
+    from zero_models.train_options import parse_options
+
+    assert prelaunch_memory_problem(parse_options(["--model", "test"])) == ""
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", "test", "--context", "1000000", "--out", "big"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("zero-train: error: each rank would need about ") and "has about" in err

@@ -4,7 +4,7 @@
     zero-estimate predicts 0.92 GiB of model states per rank + 80.6 MiB of activations;
     this rank had about 0.29 GiB free; even --offload-optimizer disk --offload-params disk
     --offload-dir DIR would keep 0.32 GiB of model states + 80.6 MiB of activations on the
-    device: add ranks, or lower --batch-size or the model's size
+    device: add ranks, or lower --batch-size, --context or the model's size
                                           (GPT-2 small, one line, wrapped here)
 
 A rank that runs out of memory (torch.OutOfMemoryError, MemoryError, or the allocators'
@@ -244,7 +244,7 @@ def advice(run: Footprint) -> str:
         return f"{flags(now, best, run.zero.offload_dir)} would keep {keeps(*run.split(best))}"
     best = min(smaller, key=run.on_device)
     return (f"even {flags(now, best, run.zero.offload_dir)} would keep {keeps(*run.split(best))}"
-            ": add ranks, or lower --batch-size or the model's size")  # fmt: skip
+            ": add ranks, or lower --batch-size, --context or the model's size")  # fmt: skip
 
 
 def out_of_memory_line(rank: int, phase: str, run: Footprint, exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -25,13 +26,15 @@ from zero_core.activation_checkpoint import ActivationCheckpointing
 from zero_core.activation_estimate import TransformerShape
 
 from .checkpoint_plan import checkpoint_gpt_blocks
-from .data import BatchSampler, load_tokens
+from .data import UINT16_SUFFIXES, BatchSampler, load_tokens
 from .gpt import GPT, GPTConfig
 from .out_of_memory import (
     Footprint,
     Placement,
+    advice,
     available_bytes,
     remove_swap_folders,
+    size,
     stop_in_one_line,
 )
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
@@ -76,7 +79,9 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     setup = getattr(args, "deepspeed_setup", None)
     zero_config = setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
-    footprint = run_footprint(args, config, world, mesh, zero_config)
+    footprint = run_footprint(
+        args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
+    )
     with stop_in_one_line(
         world.rank, lambda: "the build", footprint, signalled=signalled,
         before=lambda: remove_swap_folders(zero_config.offload_dir),
@@ -110,28 +115,76 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
 def run_footprint(
     args: argparse.Namespace,
     config: GPTConfig,
-    world: zero_comm.Communicator,
-    mesh: Mesh,
+    world_size: int,
+    dp_size: int,
+    device: torch.device,
     zero_config: zero_core.ZeroConfig,
 ) -> Footprint:
-    """What zero-estimate needs of this run, and what this rank has before the build."""
+    """What zero-estimate needs of this run, and what this rank has before the build
+    (the build's own call: tests cap a rank's memory by wrapping it)."""
+    return footprint_of(args, config, world_size, dp_size, device, zero_config)
+
+
+def footprint_of(
+    args: argparse.Namespace,
+    config: GPTConfig,
+    world_size: int,
+    dp_size: int,
+    device: torch.device,
+    zero_config: zero_core.ZeroConfig,
+) -> Footprint:
+    """:func:`run_footprint`'s figures, for a rank or, before the launch, for any."""
     dtype = {dtype: name for name, dtype in DTYPES.items()}[zero_config.param_dtype]
-    tokens = args.batch_size // mesh.dp.world_size * config.context  # one micro-step's
+    tokens = args.batch_size // dp_size * config.context  # one micro-step's
     placement = Placement(
         zero_config.stage, args.checkpoint, zero_config.offload_optimizer,
         zero_config.offload_params,
     )  # fmt: skip
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size, tokens)
     local_ranks = detect_launch_env().local_world_size
+    if detect_launch_env().launcher == "none":
+        local_ranks = args.nproc  # before the launch: the ranks zero-train will start here
     # The build holds one parameter's float32 initial value (build_model), the largest an
     # embedding or an MLP matrix; with tensor parallelism the whole model, until sliced.
     largest = max(config.vocab_size, config.context, 4 * config.width) * config.width
     transient = 4.0 * (config.num_params if args.tp > 1 else largest)
     return Footprint(
-        config.num_params / args.tp, world.world_size, mesh.dp.world_size, args.tp, dtype,
-        placement, shape, world.device.type, zero_config, transient,
-        available_bytes(world.device, local_ranks),
+        config.num_params / args.tp, world_size, dp_size, args.tp, dtype,
+        placement, shape, device.type, zero_config, transient,
+        available_bytes(device, local_ranks),
     )  # fmt: skip
+
+
+# Refused before launch only past this many times what a rank has: the estimate is for
+# the model states and one micro-step's activations, and a run near the line is left to
+# try (and, if it runs out, to say so in one line with the flags that would fit).
+PRELAUNCH_REFUSAL_FACTOR = 2.0
+
+
+def prelaunch_memory_problem(args: argparse.Namespace) -> str:
+    """Before any rank starts, on a CPU run: "" unless zero-estimate's prediction for a
+    rank is more than PRELAUNCH_REFUSAL_FACTOR times the memory a rank of this node has
+    (a --context of 1000000 ran for minutes in its first step, or was killed by the
+    kernel without a word); else the line that says so, with the flags that would fit."""
+    if args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available()):
+        return ""  # the GPUs' memory is the ranks' to measure
+    config = model_config(args)
+    if args.data is None or Path(args.data).suffix not in UINT16_SUFFIXES:
+        config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
+    setup = getattr(args, "deepspeed_setup", None)
+    zero_config = setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
+    launcher = detect_launch_env()
+    world = args.nproc if launcher.launcher == "none" else launcher.world_size
+    run = footprint_of(args, config, world, world // args.tp, torch.device("cpu"), zero_config)
+    need = run.on_device(run.placement)
+    if run.available is None or need <= PRELAUNCH_REFUSAL_FACTOR * run.available:
+        return ""
+    states, activations = run.split(run.placement)
+    return (
+        f"each rank would need about {size(need)} ({size(states)} of model states + "
+        f"{size(activations)} of activations for one micro-step, zero-estimate's figures), "
+        f"and has about {size(run.available)}: {advice(run)}"
+    )
 
 
 def build_model(

@@ -27,6 +27,7 @@ from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
 from .out_of_memory import EXIT_OUT_OF_MEMORY
+from .run_setup import prelaunch_memory_problem
 from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
 from .trainer import Trainer
 
@@ -38,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     EXIT_OUT_OF_MEMORY pass through as the ranks' own, each said in the ranks' own words);
     otherwise this process is one rank, and trains."""
     args = parse_options(argv)
+    too_big = prelaunch_memory_problem(args)
+    if too_big:
+        print(f"zero-train: error: {too_big}", file=sys.stderr)
+        sys.exit(2)
     if detect_launch_env().launcher == "none" and args.nproc > 1:
         command = [
             sys.executable,
