@@ -129,7 +129,7 @@ def test_a_damaged_index_is_one_line_or_the_same_model(
         assert err.startswith("zero-consolidate: error: ") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "header"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header", "offsets"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_damaged_shard_of_any_rank_is_one_line(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, rank: int
@@ -142,9 +142,19 @@ def test_a_damaged_shard_of_any_rank_is_one_line(
         shard.write_bytes(raw[:4])
     elif damage == "garbage":
         shard.write_bytes(bytes(reversed(raw)))
-    else:  # the header's JSON replaced by a list of the same length
+    elif damage == "header":  # the header's JSON replaced by a list of the same length
         length = int.from_bytes(raw[:8], "little")
         shard.write_bytes(raw[:8] + b"[" + b" " * (length - 2) + b"]" + raw[8 + length :])
+    else:  # two tensors of one size swap places: the file's size and data are unchanged
+        length = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + length])
+        a, b = "master.0", "state.0.exp_avg"
+        header[a]["data_offsets"], header[b]["data_offsets"] = (
+            header[b]["data_offsets"], header[a]["data_offsets"],
+        )  # fmt: skip
+        text = json.dumps(header, separators=(",", ":")).encode()
+        assert len(text) <= length
+        shard.write_bytes(raw[:8] + text + b" " * (length - len(text)) + raw[8 + length :])
     code, err = consolidate_cli([str(folder), str(tmp_path / "m.safetensors")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"rank-{rank:05d}.safetensors" in err

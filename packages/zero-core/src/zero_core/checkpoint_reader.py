@@ -200,6 +200,8 @@ def index_shape_problem(index: Any) -> str:
         crcs = file.get("crc32")
         if not isinstance(crcs, list) or not all(_is_int(c) for c in crcs):
             return f"ranks[{r}]['file']['crc32'] is not a list of checksums"
+        if "header_crc32" in file and not _is_int(file["header_crc32"]):
+            return f"ranks[{r}]['file']['header_crc32'] is not a checksum"
         pieces = entry.get("pieces", ...)
         if pieces is ... or (pieces is not None and (
             not isinstance(pieces, list) or len(pieces) != len(groups)

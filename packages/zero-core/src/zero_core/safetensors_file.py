@@ -41,21 +41,31 @@ class CorruptFileError(ValueError):
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """What a reader needs to trust a file: its size and each block's CRC-32."""
+    """What a reader needs to trust a file: its size, each data block's CRC-32, and the
+    CRC-32 of its header (length and JSON: every tensor's name, dtype, shape and offsets),
+    which files written before it was recorded lack (None: the header is read unchecked)."""
 
     bytes: int
     block_bytes: int
     crc32: list[int]
+    header_crc32: int | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"bytes": self.bytes, "block_bytes": self.block_bytes, "crc32": self.crc32}
+        out: dict[str, object] = {
+            "bytes": self.bytes, "block_bytes": self.block_bytes, "crc32": self.crc32
+        }  # fmt: skip
+        if self.header_crc32 is not None:
+            out["header_crc32"] = self.header_crc32
+        return out
 
     @classmethod
     def from_json(cls, value: dict[str, object]) -> WrittenFile:
         crcs: Any = value["crc32"]
         size: Any = value["bytes"]
         block: Any = value["block_bytes"]
-        return cls(int(size), int(block), [int(c) for c in crcs])
+        header: Any = value.get("header_crc32")
+        return cls(int(size), int(block), [int(c) for c in crcs],
+                   None if header is None else int(header))  # fmt: skip
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -142,7 +152,8 @@ def _write_partial(
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, path)
-    return WrittenFile(8 + len(text) + offset, block_bytes, crcs)
+    head = struct.pack("<Q", len(text)) + text
+    return WrittenFile(8 + len(text) + offset, block_bytes, crcs, zlib.crc32(head))
 
 
 class TensorFile:
@@ -167,8 +178,15 @@ class TensorFile:
             (length,) = struct.unpack("<Q", head)
             if length > size - 8:
                 raise CorruptFileError(f"{path}: header length {length} exceeds the file")
+            text = f.read(length)
+            recorded = expected.header_crc32 if expected is not None else None
+            if recorded is not None and zlib.crc32(head + text) != recorded:
+                raise CorruptFileError(
+                    f"{path}: its header (the names, dtypes, shapes and offsets of its "
+                    "tensors) does not match its checksum in the index: changed after saving"
+                )
             try:
-                self.header = json.loads(f.read(length))
+                self.header = json.loads(text)
             except ValueError as exc:
                 raise CorruptFileError(f"{path}: unreadable header ({exc})") from exc
         self.data_start = 8 + length
