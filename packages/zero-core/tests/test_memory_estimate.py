@@ -325,7 +325,6 @@ def test_the_step_in_backward_holds_one_bucket_slice_of_gradients_at_stage_3(
         (["--accumulation", "0"], "--accumulation 0 must be at least 1"),
         (["--tp", "2"], "--tp and --checkpoint shape the activations"),  # ignored before
         (["--checkpoint", "full"], "--tp and --checkpoint shape the activations"),
-        (["--offload-fraction", "0.5"], "--offload-fraction is the share in"),
         (["--optimizer-in-backward"], "cannot be combined with param_dtype=float16"),
         (["--optimizer-in-backward", "--dtype", "fp32", "--offload-params", "cpu"],
          "cannot be combined with offloaded model states"),

@@ -162,8 +162,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"-K {k_given} must be a number of bytes >= 0")
     if args.accumulation < 1:
         parser.error(f"--accumulation {args.accumulation} must be at least 1")
-    if args.offload_fraction != 1.0 and args.offload_optimizer == "none":
-        parser.error("--offload-fraction is the share in --offload-optimizer's tier: give one")
     if args.optimizer_in_backward:
         try:  # the engine's own refusal (fp16's loss scaling, the tiers)
             ZeroConfig(

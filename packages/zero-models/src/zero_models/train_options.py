@@ -341,8 +341,10 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         args.final_save = args.tp == 1  # a --tp run cannot save (above): it trains unsaved
     if args.lr <= 0 or not math.isfinite(args.lr):
         p.error(f"--lr {args.lr} must be a positive learning rate, e.g. --lr 3e-3")
-    if args.warmup < 0 or not args.clip >= 0 or not math.isfinite(args.clip):
-        p.error("--warmup and --clip must be 0 or more (--clip 0 turns clipping off)")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup} must be 0 or more steps")
+    if not 0 <= args.clip < math.inf:
+        p.error(f"--clip {args.clip} must be a gradient norm >= 0 (--clip 0 turns clipping off)")
     if args.sample_tokens < 0:
         p.error(f"--sample-tokens {args.sample_tokens} must be 0 (no sample) or more")
     cores = os.cpu_count() or 1
