@@ -190,6 +190,7 @@ class TensorFile:
             except ValueError as exc:
                 raise CorruptFileError(f"{path}: unreadable header ({exc})") from exc
         self.data_start = 8 + length
+        self.size = size
         if not isinstance(self.header, dict):
             raise CorruptFileError(f"{path}: its header is not a JSON object")
         self.metadata: dict[str, str] = self.header.pop("__metadata__", {}) or {}
@@ -206,11 +207,29 @@ class TensorFile:
         return list(self.header)
 
     def entry(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
+        """(dtype, shape, first byte, end byte in the data section) of tensor ``name``,
+        checked against itself and the file before anything is allocated for it: a
+        header claiming 4 TB in a small file is named, not a MemoryError."""
         if name not in self.header:
             raise CorruptFileError(f"{self.path}: has no tensor {name!r}")
         info = self.header[name]
-        begin, end = info["data_offsets"]
-        return NAME_DTYPES[info["dtype"]], list(info["shape"]), int(begin), int(end)
+        try:
+            dtype = NAME_DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptFileError(
+                f"{self.path}: the header entry of {name!r} is malformed: {info!r}"
+            ) from None
+        data = self.size - self.data_start
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data or (
+            end - begin != math.prod(shape) * dtype.itemsize
+        ):  # fmt: skip
+            raise CorruptFileError(
+                f"{self.path}: {name!r} claims {tuple(shape)} {dtype} at bytes {begin}..{end} "
+                f"of a data section of {data} bytes, which do not hold it"
+            )
+        return dtype, shape, begin, end
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Elements [start, stop) of tensor ``name``, flat (the whole tensor, shaped,
@@ -254,7 +273,7 @@ class TensorFile:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one at a time, in file order (memory: the largest tensor)."""
-        for name in sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0]):
+        for name in sorted(self.header, key=lambda n: self.entry(n)[2]):
             yield name, self.read(name)
 
 
