@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import pytest
 
-from zero_comm.launch import describe_exit, main, rank_environment
+from zero_comm.launch import describe_exit, launch, main, rank_environment
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -368,19 +368,43 @@ def test_usage_errors_exit_2_with_a_message(
 
 
 def test_a_file_that_cannot_run_is_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Not executable, or executable but not a program (no #! line): one line, exit 2."""
+    """Not executable: one usage line before anything starts, exit 2. Executable but not
+    a program (no #! line): each rank says so in one line, exit 127, and zero-launch adds
+    nothing (it was an OSError traceback once)."""
     plain = tmp_path / "notes.txt"
     plain.write_text("hello\n")
+    with pytest.raises(SystemExit) as info:
+        main(["-n", "2", str(plain)])
+    assert info.value.code == 2
+    assert f"{plain} is not an executable file" in capfd.readouterr().err
     bare = tmp_path / "bare"
     bare.write_text("hello\n")
     bare.chmod(0o755)
-    for path, message in ((plain, "is not an executable file"), (bare, "cannot be started")):
-        with pytest.raises(SystemExit) as info:
-            main(["-n", "2", str(path)])
-        assert info.value.code == 2
-        assert f"{path} {message}" in capsys.readouterr().err
+    assert launch([str(bare)], 2) == 127
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"zero-launch: {bare} cannot be started: Exec format error"] * 2, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killing_the_launcher_ends_every_rank(rank_dir: Path) -> None:
+    """SIGKILL to zero-launch (a scheduler's cleanup, a user's kill -9), which can forward
+    nothing: every rank is gone within seconds, not left training and writing (a probe's
+    ranks ran 3 minutes more and wrote into --out)."""
+    code = RANK_PRELUDE + f"time.sleep({LONG_SLEEP})\n"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "-n", "2", sys.executable, "-c", code], env=_env(rank_dir),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for_files([rank_dir / "pid.0", rank_dir / "pid.1"], timeout=LAUNCH_TIMEOUT)
+    pids = _rank_pids(rank_dir)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [pid for pid in pids if _alive(pid)], "ranks outlived their launcher by 5 s"
 
 
 def test_usage_error_as_a_command() -> None:

@@ -9,6 +9,13 @@ SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to every rank, and the ranks 
 as they choose (zero-train saves first). Otherwise, when a rank exits non-zero (or is
 killed), the others are sent SIGTERM, then SIGKILL after ``--grace`` seconds, and
 zero-launch exits non-zero naming that rank. It needs nothing but Python.
+
+No orphans: on Linux each rank asks the kernel to SIGKILL it when zero-launch itself dies
+(``prctl(PR_SET_PDEATHSIG)``, set by a small shim that then execs the command), so a
+launcher killed with SIGKILL, which can forward nothing, leaves no rank running and
+writing. Under torchrun, mpiexec and srun their own launchers do the same: torchrun's
+agent and Hydra's proxies kill their ranks when they are stopped, and srun's step ends
+with its tasks.
 """
 
 from __future__ import annotations
@@ -54,6 +61,30 @@ def rank_environment(base: dict[str, str], rank: int, world_size: int, port: int
     if "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
     return env
+
+
+# Run before each rank's command (Linux): die with the launcher, then become the command.
+# PR_SET_PDEATHSIG is 1; it survives exec. A launcher gone before the call is seen in the
+# parent pid. A command that cannot be executed is said in one line, exit code 127.
+DIE_WITH_LAUNCHER = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"zero-launch: {sys.argv[2]} cannot be started: {exc.strerror}", file=sys.stderr)
+    os._exit(127)
+"""
+CANNOT_START = 127  # the shim's code for a command that could not be executed (a shell's)
+
+
+def rank_command(command: Sequence[str]) -> list[str]:
+    """``command`` as a rank runs it: under the die-with-the-launcher shim on Linux."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-c", DIE_WITH_LAUNCHER, str(os.getpid()), *command]
 
 
 def describe_exit(returncode: int) -> str:
@@ -125,10 +156,7 @@ def launch(
     try:
         for rank in range(world_size):
             env = rank_environment(dict(os.environ), rank, world_size, port)
-            try:
-                procs.append(subprocess.Popen(list(command), env=env, start_new_session=True))
-            except OSError as exc:  # e.g. an executable text file with no #! line
-                raise ValueError(f"{command[0]} cannot be started: {exc.strerror}") from None
+            procs.append(subprocess.Popen(rank_command(command), env=env, start_new_session=True))
         while failure is None and any(p.poll() is None for p in procs):
             for rank, proc in enumerate(procs):
                 code = proc.poll()
@@ -151,7 +179,7 @@ def launch(
                 (RankFailure(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),
                 None,
             )
-        if failure is not None and failure.returncode in reported_codes:
+        if failure is not None and failure.returncode in (*reported_codes, CANNOT_START):
             _stop(procs, grace)  # the command has told the user why: no line of ours
             return failure.returncode
         if failure is not None:
