@@ -618,3 +618,39 @@ def test_a_run_far_beyond_the_nodes_memory_is_refused_before_launch(
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("zero-train: error: each rank would need about ") and "has about" in err
+
+
+def test_one_live_run_per_results_folder(tmp_path: Path) -> None:
+    """A live run holds OUT's lock: another run into OUT is refused before it touches
+    anything, naming the holder, even with --overwrite or --resume auto (two runs started
+    together once interleaved metrics.jsonl and died; with other seeds one replaced the
+    other's results). SIGKILL frees the lock (the kernel's flock); the next run takes it
+    over, saying once that its holder ended without letting go."""
+    from zero_models.run_lock import RunLock, holder_of
+    from zero_models.train_options import parse_options
+
+    out = tmp_path / "o"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+         "from zero_models.run_lock import RunLock\nheld = RunLock(Path(sys.argv[1]))\n"
+         "print('held', flush=True)\ntime.sleep(120)\n", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert holder_of(out).startswith(f"the run of pid {holder.pid} on ")
+        for extra in ([], ["--overwrite"], ["--resume", "auto"]):
+            with pytest.raises(SystemExit) as stop:
+                parse_options(["--out", str(out), *extra])
+            assert stop.value.code == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert holder_of(out) == ""
+    lock = RunLock(out)
+    assert lock.took_over.startswith(f"the run of pid {holder.pid} on ")
+    lock.release()
+    again = RunLock(out)
+    assert again.took_over == ""  # a run that ended well leaves no holder behind
+    again.release()

@@ -18,6 +18,7 @@ trainer.py's (built by run_setup.py, reported by run_report.py).
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
 from .out_of_memory import EXIT_OUT_OF_MEMORY
+from .run_lock import HOLDER_VARIABLE, ResultsFolderBusy, RunLock, owns_the_run
 from .run_setup import prelaunch_memory_problem
 from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
 from .trainer import Trainer
@@ -43,17 +45,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     if too_big:
         print(f"zero-train: error: {too_big}", file=sys.stderr)
         sys.exit(2)
-    if detect_launch_env().launcher == "none" and args.nproc > 1:
-        command = [
-            sys.executable,
-            "-m",
-            "zero_models.train",
-            *(sys.argv[1:] if argv is None else argv),
-        ]
-        reported = (EXIT_FAILED, EXIT_PREEMPTED, EXIT_OUT_OF_MEMORY)
-        sys.exit(launch(command, args.nproc, reported_codes=reported))
-    warnings.formatwarning = note_line
-    Trainer(args).fit()
+    lock = hold_results_folder(args.out) if owns_the_run(args.out) else None
+    try:
+        if detect_launch_env().launcher == "none" and args.nproc > 1:
+            command = [
+                sys.executable,
+                "-m",
+                "zero_models.train",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+            reported = (EXIT_FAILED, EXIT_PREEMPTED, EXIT_OUT_OF_MEMORY)
+            sys.exit(launch(command, args.nproc, reported_codes=reported))
+        warnings.formatwarning = note_line
+        Trainer(args).fit()
+    finally:
+        if lock is not None:
+            lock.release()
+            os.environ.pop(HOLDER_VARIABLE, None)
+
+
+def hold_results_folder(out: Path) -> RunLock:
+    """Take ``out``'s lock for this run and its ranks (ZERO_TRAIN_HOLDS_OUT), or stop
+    with one line naming the live run that holds it."""
+    try:
+        lock = RunLock(out)
+    except ResultsFolderBusy as exc:  # it began between the options' check and now
+        print(f"zero-train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if lock.took_over:
+        print(f"zero-train: note: --out {out} was held by {lock.took_over}, which ended "
+              "without letting go; this run takes it over", file=sys.stderr)  # fmt: skip
+    os.environ[HOLDER_VARIABLE] = str(out.resolve())  # its ranks, if it starts them
+    return lock
 
 
 def note_line(

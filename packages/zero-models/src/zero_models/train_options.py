@@ -31,6 +31,7 @@ from zero_core.hybrid_sharding import hierarchy_sizes
 from .checkpoint_plan import CHECKPOINT_MODES
 from .data import UINT16_SUFFIXES, load_tokens, token_count
 from .gpt import PRESETS, GPTConfig
+from .run_lock import holder_of, owns_the_run
 from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
 from .run_tensorboard import tensorboard_available
 from .tp_plan import check_tp_degree
@@ -369,6 +370,13 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--tensorboard needs the tensorboard package: {TENSORBOARD_HINT}")
         if args.tensorboard.exists() and not args.tensorboard.is_dir():
             p.error(f"--tensorboard {args.tensorboard} is a file; name a folder for the events")
+    if owns_the_run(args.out):  # before --resume auto or --overwrite may touch anything
+        holder = holder_of(args.out)
+        if holder:
+            p.error(
+                f"--out {args.out} is in use by {holder}: wait for it to end, stop it, or "
+                "name another --out (--overwrite and --resume do not take a live run's folder)"
+            )
     args.fresh_after_auto = False
     if str(args.resume) == "auto":
         args.resume = newest_checkpoint(args.out / CHECKPOINT)
