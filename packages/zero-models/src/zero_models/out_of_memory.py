@@ -53,6 +53,7 @@ import torch
 from torch import distributed as dist
 
 import zero_comm
+from zero_comm.peers import is_running
 from zero_core.activation_estimate import TransformerShape, activation_bytes
 from zero_core.config import ZeroConfig
 from zero_core.memory_estimate import state_bytes_per_param, tiered_state_bytes
@@ -270,6 +271,17 @@ def remove_swap_folders(offload_dir: str | None) -> None:
     engine built removes its own at close)."""
     if offload_dir is not None:
         for folder in Path(offload_dir).glob(f"zero-swap.rank*.pid{os.getpid()}.*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_dead_ranks_swap_folders(offload_dir: str | None) -> None:
+    """Remove the swap folders under ``offload_dir`` whose rank process is gone (ranks
+    ended by a signal could not remove their own); a live process's are left alone."""
+    if offload_dir is None:
+        return
+    for folder in Path(offload_dir).glob("zero-swap.rank*.pid*.*"):
+        pid = re.search(r"\.pid(\d+)\.", folder.name)
+        if pid is not None and not is_running(int(pid[1])):
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -19,6 +19,7 @@ trainer.py's (built by run_setup.py, reported by run_report.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -27,14 +28,33 @@ from pathlib import Path
 from zero_comm.launch import launch
 from zero_comm.launcher_env import detect_launch_env
 
-from .out_of_memory import EXIT_OUT_OF_MEMORY
+from .out_of_memory import EXIT_OUT_OF_MEMORY, remove_dead_ranks_swap_folders
 from .run_lock import HOLDER_VARIABLE, ResultsFolderBusy, RunLock, owns_the_run
 from .run_setup import prelaunch_memory_problem
 from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
 from .trainer import Trainer
 
+EXIT_INTERRUPTED = 130  # a shell's code for SIGINT
+
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """:func:`train_main`; Ctrl-C (SIGINT, which zero-launch passes to every rank) ends
+    each process with code 130 and one line in all, from rank 0, instead of a
+    KeyboardInterrupt traceback from every rank (79 lines, once)."""
+    try:
+        train_main(argv)
+    except KeyboardInterrupt:  # one process: no ranks of its own, no peers to wait for
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+
+
+INTERRUPTED = (
+    "zero-train: interrupted (SIGINT): stopped without saving; SIGTERM or SIGUSR1 makes "
+    "every rank finish its step and save first"
+)
+
+
+def train_main(argv: Sequence[str] | None = None) -> None:
     """Parse ``argv`` (default: sys.argv[1:]; a wrong option exits 2 with one line of
     usage). Without a launcher and with --nproc > 1, run ``--nproc`` ranks of this module
     under zero-launch and exit with its code (EXIT_FAILED, EXIT_PREEMPTED and
@@ -55,7 +75,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                 *(sys.argv[1:] if argv is None else argv),
             ]
             reported = (EXIT_FAILED, EXIT_PREEMPTED, EXIT_OUT_OF_MEMORY)
-            sys.exit(launch(command, args.nproc, reported_codes=reported))
+            code = launch(command, args.nproc, reported_codes=reported)
+            if code == EXIT_INTERRUPTED:  # every rank ended by the SIGINT passed on to it
+                print(INTERRUPTED, file=sys.stderr, flush=True)
+                setup = getattr(args, "deepspeed_setup", None)
+                offload_dir = setup.zero.offload_dir if setup is not None else args.offload_dir
+                remove_dead_ranks_swap_folders(None if offload_dir is None else str(offload_dir))
+            sys.exit(code)
+        if detect_launch_env().launcher != "none":
+            # A rank among others ends at SIGINT at once, as a program without a handler:
+            # Python's KeyboardInterrupt waits for the C call in flight (a collective
+            # whose peers are already gone), then prints a traceback on every rank.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         warnings.formatwarning = note_line
         Trainer(args).fit()
     finally:
