@@ -116,3 +116,25 @@ def test_an_empty_parameter_group_works_at_every_stage() -> None:
         return applied
 
     assert run_simulated(2, body)[0] == [True, True, True]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_without_backward_says_so_once(stage: int) -> None:
+    """step() with no backward since the last step applied nothing and returned False
+    without a word (found probing); now rank 0 warns, once per engine, and the second
+    rank and the next such step stay quiet."""
+    import warnings
+
+    def body(comm: Communicator) -> list[bool]:
+        engine = engine_for(torch.nn.Linear(3, 2), comm, stage=stage)
+        applied = [engine.step(), engine.step()]
+        engine.backward(engine(torch.ones(1, 3)).sum())
+        return [*applied, engine.step()]
+
+    with warnings.catch_warnings(record=True) as caught:  # ranks are threads: one record
+        warnings.simplefilter("always")
+        assert run_simulated(2, body) == [[False, False, True]] * 2
+    said = [
+        w for w in caught if "with no engine.backward(loss) since the last step" in str(w.message)
+    ]
+    assert len(said) == 1

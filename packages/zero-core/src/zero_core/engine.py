@@ -39,6 +39,7 @@ docs/architecture.md.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -110,6 +111,7 @@ class Engine:
             else NoLossScaler()
         )
         self.micro_steps = 0
+        self._said_step_without_backward = False  # step() with nothing to apply: said once
         self.micro_step_label = ""
         self.global_steps = 0
         self.skipped_steps = 0
@@ -239,6 +241,14 @@ class Engine:
                     f"[rank {self.comm.rank}] gradients are waiting in .grad but the engine "
                     "saw no backward: call engine.backward(loss), not loss.backward()"
                 )
+            if self.micro_steps == 0 and not self._said_step_without_backward:
+                self._said_step_without_backward = True
+                if self.comm.rank == 0:
+                    warnings.warn(
+                        "engine.step() with no engine.backward(loss) since the last step: "
+                        "nothing to apply, so nothing changed (said once)",
+                        stacklevel=2,
+                    )
             return False
         if self.backward_stepper is not None:  # backward stepped and published every bucket
             self.backward_stepper.check_options()
