@@ -536,3 +536,35 @@ def test_errors_form_one_family() -> None:
     assert issubclass(SwapSpaceError, SwapError)
     assert issubclass(SwapError, RuntimeError)
     assert swap_file.ALIGNMENT == 4096
+
+
+def test_ranks_sharing_an_offload_folder_are_checked_for_their_sum(tmp_path: Path) -> None:
+    """Two ranks of one host, each needing about 6 MiB of swap, on a 10 MiB filesystem:
+    each alone fits, both do not. The build refuses on every rank before any file is
+    written, naming both (each once passed its own check, then both died of ENOSPC with
+    99 lines of traceback); on 16 MiB both build."""
+    import zero_core
+    from zero_comm import Communicator, run_simulated
+
+    def build(folder: Path) -> Any:
+        def body(comm: Communicator) -> str:
+            model = torch.nn.Linear(1000, 1000)
+            config = zero_core.ZeroConfig(stage=3, offload_optimizer="disk",
+                                          offload_dir=str(folder))  # fmt: skip
+            try:
+                engine = zero_core.initialize(model, torch.optim.AdamW, config, comm)
+            except SwapSpaceError as exc:
+                return str(exc)
+            engine.close()
+            return "built"
+
+        return run_simulated(2, body)
+
+    with tmpfs(tmp_path / "small", "size=10m") as folder:
+        refused = build(folder)
+        assert not list(folder.iterdir())
+    for rank, message in enumerate(refused):
+        assert message.startswith(f"[rank {rank}] offload folder {folder} has no room"), message
+        assert "(2 ranks of this host write there" in message
+    with tmpfs(tmp_path / "roomy", "size=16m") as folder:
+        assert build(folder) == ["built", "built"]

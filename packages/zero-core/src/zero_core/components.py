@@ -94,7 +94,7 @@ def build_components(
     shard_rank = comm.rank if policy.shard_optimizer_states else 0
     slots.place(layouts, shard_rank)
     tiles = master_plan(layouts, config)
-    check_space(config, tiles, layouts, dtype)
+    check_space(config, tiles, layouts, dtype, world)
     folder = swap_folder(config, world.rank)  # replicas share a shard rank, not a folder
     parameters: ReplicatedParameters | ShardedParameters
     if plan is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from .offload_tiers import Tier, TileSpec, plan_tiles
 from .offloaded_masters import OffloadedMasters
 from .param_table import ParamTable
 from .parameter_shards import ParameterShards
-from .swap_file import check_offload_dir
+from .swap_file import SwapSpaceError, check_offload_dir
 from .swapped_tiles import SwappedTiles
 
 # Bytes per master element a disk tile needs: the float32 master and two float32 states
@@ -113,12 +114,37 @@ def master_plan(layouts: list[GroupLayout], config: ZeroConfig) -> list[list[Til
 
 def check_space(
     config: ZeroConfig, plan: list[list[TileSpec]] | None, layouts: list[GroupLayout],
-    dtype: torch.dtype,
+    dtype: torch.dtype, world: Communicator,
 ) -> None:  # fmt: skip
-    """Refuse a missing, read-only or too small offload_dir before anything is built."""
-    if "disk" in (config.offload_optimizer, config.offload_params):
-        assert config.offload_dir is not None
-        check_offload_dir(config.offload_dir, disk_bytes_needed(config, plan, layouts, dtype))
+    """Collective over ``world``: refuse a missing, read-only or too small offload_dir
+    before anything is built. The room asked for is what every rank writing into the same
+    filesystem of this host needs, agreed by all of them first: each checking its own
+    share alone once passed on a disk too small for both (then ENOSPC mid-build)."""
+    if "disk" not in (config.offload_optimizer, config.offload_params):
+        return
+    assert config.offload_dir is not None
+    needed = disk_bytes_needed(config, plan, layouts, dtype)
+    here = (socket.gethostname(), _filesystem(config.offload_dir))
+    everyone = world.all_gather_object((here, needed))
+    sharing = [bytes_ for where, bytes_ in everyone if where == here]
+    try:
+        check_offload_dir(config.offload_dir, sum(sharing))
+    except SwapSpaceError as exc:
+        if len(sharing) == 1:
+            raise
+        raise SwapSpaceError(
+            f"[rank {world.rank}] {exc} ({len(sharing)} ranks of this host write there, "
+            f"{needed} bytes each at most)"
+        ) from None
+
+
+def _filesystem(folder: str) -> int | None:
+    """The device number of ``folder``'s filesystem (None if it cannot be read: the
+    check that follows names why)."""
+    try:
+        return os.stat(folder).st_dev
+    except OSError:
+        return None
 
 
 def build_parameter_shards(
