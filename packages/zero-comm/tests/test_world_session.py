@@ -98,3 +98,22 @@ def test_a_rank_checks_out_with_a_call_the_store_answers() -> None:
     finally:
         _WorldSession._current = previous
     assert calls == [f"add {_check_out_key(1)} 1"]
+
+
+def test_a_rank_whose_store_host_is_gone_exits_without_a_traceback() -> None:
+    """Rank 0 (the store's host) died: the check-out at exit fails as TCPStore does,
+    with a DistNetworkError, and is let go; it was an "Exception ignored in atexit
+    callback" traceback under the survivor's one-line error."""
+    import torch.distributed as dist
+
+    class GoneStore:
+        def add(self, key: str, amount: int) -> int:
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was closed.")
+
+    previous = _WorldSession._current
+    try:
+        _WorldSession._current = _WorldSession(GoneStore(), 1, 2, [Peer("here", os.getpid())] * 2)
+        _WorldSession.release(0.1)  # raised DistNetworkError
+        assert _WorldSession._current is None
+    finally:
+        _WorldSession._current = previous

@@ -100,3 +100,28 @@ def test_the_loss_scale_crosses_precisions(saved: str, loaded: str, tmp_path: Pa
         assert dynamic and scale == 2.0**16 and after_overflows == 2.0**15
     else:
         assert not dynamic and scale == after_overflows == 1.0
+
+
+def test_a_checkpoint_from_before_header_checksums_loads_with_one_note(tmp_path: Path) -> None:
+    """The version 1 fixture has no header checksums: it loads, and rank 0 alone says once
+    that its headers are read unchecked; a checkpoint saved now records them and loads
+    without the note."""
+    import warnings
+
+    from zero_core.checkpoint_reader import CheckpointReader
+
+    case = normalised(V1_CASE)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        engine.load(V1)
+        engine.save(tmp_path / "now")
+        engine.load(tmp_path / "now")
+
+    with warnings.catch_warnings(record=True) as caught:  # the ranks are threads: one record
+        warnings.simplefilter("always")
+        run_simulated(2, body)
+    notes = [str(w.message) for w in caught if "read unchecked" in str(w.message)]
+    assert notes == [f"checkpoint {V1} was saved before its files' headers were checksummed: "
+                     "they are read unchecked (a save now records them)"]  # fmt: skip
+    assert CheckpointReader(tmp_path / "now").headers_unchecked == ""

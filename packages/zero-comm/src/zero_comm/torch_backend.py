@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import sys
 import threading
@@ -380,7 +381,11 @@ class _WorldSession:
         if session.rank != 0:
             # add, not set: it waits for the store's answer, so this rank is out before it
             # goes on to exit (a set is not answered; with it one exit in ~20 aborted).
-            session.store.add(_check_out_key(session.rank), 1)
+            # A RuntimeError (DistNetworkError): rank 0, which hosts the store, is gone,
+            # and the error that ends this rank said so; there is nothing to check out
+            # from, and a traceback at exit would only bury that line.
+            with contextlib.suppress(RuntimeError):
+                session.store.add(_check_out_key(session.rank), 1)
             return
         session.wait_for_check_outs(wait_limit)
 

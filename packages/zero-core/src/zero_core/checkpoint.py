@@ -253,6 +253,8 @@ def load(engine: Checkpointable, path: str | os.PathLike[str]) -> dict[str, Any]
     byte ranges of the pieces it holds, straight into the engine's master tiles."""
     reader = CheckpointReader(path)
     index, folder = reader.index, reader.folder
+    if reader.headers_unchecked and engine.comm.rank == 0:
+        warnings.warn(reader.headers_unchecked, stacklevel=3)
     state = engine.sharded_state()
     _check_compatible(state, index, folder)
     try:

@@ -73,6 +73,17 @@ class CheckpointReader:
             self._files[rank] = TensorFile(self.folder / shard_name(rank), expected)
         return self._files[rank]
 
+    @property
+    def headers_unchecked(self) -> str:
+        """A note when the index predates its shards' header checksums ("" otherwise):
+        such a checkpoint's headers are read without a check."""
+        if all("header_crc32" in entry["file"] for entry in self.index["ranks"]):
+            return ""
+        return (
+            f"checkpoint {self.folder} was saved before its files' headers were checksummed: "
+            "they are read unchecked (a save now records them)"
+        )
+
     def check_files(self) -> None:
         """Every saving rank's shard is there, of the size the index records, with a
         readable header and a checksum per block: what can be checked without reading a

@@ -83,6 +83,8 @@ class SavedModel(CheckpointReader):
 def consolidate(checkpoint: str | Path, out: str | Path, dtype: torch.dtype) -> int:
     """Write the checkpoint's full model to ``out`` (safetensors); returns its bytes."""
     saved = SavedModel(checkpoint)
+    if saved.headers_unchecked:
+        print(f"zero-consolidate: note: {saved.headers_unchecked}", file=sys.stderr)
     written = write_stream(Path(out), saved.specs(dtype), (t for _, t in saved.state_dict(dtype)),
                            {"format": "pt", "source": str(saved.folder)})  # fmt: skip
     return written.bytes
