@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,6 +52,7 @@ def run(
         (["--clip", "nan"], "--clip nan must be a gradient norm >= 0"),
         (["--warmup", "-1"], "--warmup -1 must be 0 or more steps"),
         (["--sample-tokens", "-1"], "--sample-tokens -1 must be 0 (no sample) or more"),
+        (["--comm-timeout", "0"], "--comm-timeout 0.0 must be a number of seconds > 0"),
         (["--threads", "100000"], "--threads 100000 is more than 4 per core"),
         (["--out", "afile/sub"], "--out afile/sub: cannot make the results folder"),
         (["--model", "test", "--data", "big.u16"], "token id 65000 is beyond the model's vocab"),
@@ -695,3 +697,32 @@ def processes_naming(text: str) -> list[int]:
         except OSError:  # ended while we looked
             continue
     return found
+
+
+def test_a_stopped_peer_is_named_within_the_comm_timeout(tmp_path: Path) -> None:
+    """kill -STOP of rank 1: with --comm-timeout 3, rank 0 stops in one line naming rank 1
+    as stopped, within seconds (the default waits 300 s; a probe met 316 s, and the line
+    said "Every rank on this host is still running")."""
+    out = tmp_path / "stuck"
+    command = [sys.executable, "-m", "zero_models.train", "--model", "test", "--steps", "100000",
+               "--sample-tokens", "1", "--comm-timeout", "3", "--out", str(out)]  # fmt: skip
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert run.stdout is not None
+    while not run.stdout.readline().startswith("step "):
+        assert run.poll() is None, run.communicate()
+    ranks = sorted(pid for pid in processes_naming(str(out)) if pid != run.pid)
+    assert len(ranks) == 2, ranks
+    stopped = ranks[-1]  # started second: rank 1
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        _, err = run.communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # zero-launch may have ended it
+            os.kill(stopped, signal.SIGKILL)
+    assert run.returncode == 3 and took < 30, (run.returncode, took, err)
+    last = err.strip().splitlines()[-1]
+    assert "CommTimeoutError" in last and "within 3.0s" in last, last
+    assert f"rank 1 (pid {stopped}) is stopped" in last, last

@@ -3,8 +3,9 @@
 At start-up every rank records ``(host, pid)``: gloo and nccl in their rendezvous check-in,
 MPI by an allgather. When a collective fails (a peer closed its connection, or the timeout
 passed), the communicator looks at the ranks on its own host: a pid that no longer exists,
-or a zombie (killed, not yet reaped by its launcher), is a dead rank, and the error names
-it. Ranks on other hosts cannot be checked from here; the error says so.
+or a zombie (killed, not yet reaped by its launcher), is a dead rank, and a process in the
+stopped state a stopped one; the error names them. Ranks on other hosts cannot be checked
+from here; the error says so.
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ def is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` of this host is stopped (SIGSTOP, Ctrl-Z, a debugger):
+    alive, but it will answer no collective until it is continued."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def stopped_ranks(peers: list[Peer], me: int) -> list[int]:
+    """The ranks on this host whose process is stopped."""
+    here = peers[me].host
+    return [r for r, p in enumerate(peers) if r != me and p.host == here and is_stopped(p.pid)]
+
+
 def dead_ranks(peers: list[Peer], me: int) -> tuple[list[int], list[int]]:
     """(ranks on this host whose process is gone, ranks on other hosts: unknown)."""
     here = peers[me].host
@@ -72,6 +89,11 @@ def describe_dead(peers: list[Peer] | None, me: int, settle_s: float = 1.0) -> s
     if dead:
         named = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in dead)
         parts.append(f"{named} {'is' if len(dead) == 1 else 'are'} dead")
+    stopped = stopped_ranks(peers, me)
+    if stopped:
+        named = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in stopped)
+        verb = "is" if len(stopped) == 1 else "are"
+        parts.append(f"{named} {verb} stopped (SIGSTOP or Ctrl-Z: kill -CONT to go on)")
     if elsewhere:
         parts.append(f"ranks {elsewhere} on other hosts could not be checked")
     if not parts:
