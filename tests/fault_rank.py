@@ -110,13 +110,15 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
         )
     elif where == "collective":
         gatherer: Any = engine.parameters.gatherer  # type: ignore[attr-defined]
-        start = gatherer._start_gather
+        # The one method that issues every gather (alone or coalesced); a hook on a name
+        # the gatherer no longer calls left this rank alive, and the test failing.
+        start = gatherer._start_gathers
 
-        def start_then_die(unit: Any) -> None:
-            start(unit)
+        def start_then_die(units: Any) -> None:
+            start(units)
             die(folder)
 
-        gatherer._start_gather = start_then_die
+        gatherer._start_gathers = start_then_die
     elif where == "step":
         engine.optimizer.register_step_pre_hook(lambda *_: die(folder))
     elif where == "save":
