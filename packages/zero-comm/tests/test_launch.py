@@ -384,7 +384,10 @@ def test_a_file_that_cannot_run_is_one_line(
     bare.chmod(0o755)
     assert launch([str(bare)], 2) == 127
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == [f"zero-launch: {bare} cannot be started: Exec format error"] * 2, err
+    # One line per rank that got that far: the first one's exit stops the other, which may
+    # not have reached its exec yet.
+    line = f"zero-launch: {bare} cannot be started: Exec format error"
+    assert err in ([line], [line, line]), err
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -74,7 +74,8 @@ if os.getppid() != int(sys.argv[1]):
 try:
     os.execvp(sys.argv[2], sys.argv[2:])
 except OSError as exc:
-    print(f"zero-launch: {sys.argv[2]} cannot be started: {exc.strerror}", file=sys.stderr)
+    # One write: the ranks' lines must not interleave mid-line (print writes in parts).
+    os.write(2, f"zero-launch: {sys.argv[2]} cannot be started: {exc.strerror}\\n".encode())
     os._exit(127)
 """
 CANNOT_START = 127  # the shim's code for a command that could not be executed (a shell's)
