@@ -34,11 +34,18 @@ def this_peer() -> Peer:
     return Peer(socket.gethostname(), os.getpid())
 
 
+def _state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (R, S, T, Z, ...); None if unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def is_running(pid: int) -> bool:
     """Whether process ``pid`` of this host is alive (a zombie is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    state = _state(pid)
+    if state is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -52,11 +59,7 @@ def is_running(pid: int) -> bool:
 def is_stopped(pid: int) -> bool:
     """Whether process ``pid`` of this host is stopped (SIGSTOP, Ctrl-Z, a debugger):
     alive, but it will answer no collective until it is continued."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in ("T", "t")
+    return _state(pid) in ("T", "t")
 
 
 def stopped_ranks(peers: list[Peer], me: int) -> list[int]:

@@ -50,12 +50,27 @@ def holder_of(out: Path) -> str:
     if not path.exists():
         return ""
     with path.open("a+") as probe:
-        try:
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            probe.seek(0)
-            return describe(probe.read())
-        fcntl.flock(probe, fcntl.LOCK_UN)
+        holder = _lock_or_holder(probe)
+        if not holder:
+            fcntl.flock(probe, fcntl.LOCK_UN)
+    return holder
+
+
+def busy_message(out: Path, holder: str) -> str:
+    """The refusal of a run into ``out`` while ``holder`` (holder_of's words) runs."""
+    return (
+        f"--out {out} is in use by {holder}: wait for it to end, stop it, or name another "
+        "--out (--overwrite and --resume do not take a live run's folder)"
+    )
+
+
+def _lock_or_holder(file: TextIO) -> str:
+    """Take ``file``'s lock without waiting: "" if taken, else who holds it, in words."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        return describe(file.read())
     return ""
 
 
@@ -74,17 +89,11 @@ class RunLock:
     def __init__(self, out: Path) -> None:
         self.path = out / LOCK_NAME
         self.file: TextIO | None = self.path.open("a+")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = describe(self.file.read())
+        holder = _lock_or_holder(self.file)
+        if holder:
             self.file.close()
             self.file = None
-            raise ResultsFolderBusy(
-                f"--out {out} is in use by {holder}: wait for it to end, stop it, or name "
-                "another --out (--overwrite and --resume do not take a live run's folder)"
-            ) from None
+            raise ResultsFolderBusy(busy_message(out, holder))
         self.file.seek(0)
         earlier = self.file.read().strip()
         self.took_over = describe(earlier) if earlier else ""

@@ -38,7 +38,7 @@ from .out_of_memory import (
     stop_in_one_line,
 )
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
-from .train_options import DTYPES, engine_settings, model_config
+from .train_options import DTYPES, model_config, run_zero_config
 
 
 class Run(NamedTuple):
@@ -78,7 +78,7 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     setup = getattr(args, "deepspeed_setup", None)
-    zero_config = setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
+    zero_config = run_zero_config(args)
     footprint = run_footprint(
         args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
     )
@@ -141,9 +141,9 @@ def footprint_of(
         zero_config.offload_params,
     )  # fmt: skip
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size, tokens)
-    local_ranks = detect_launch_env().local_world_size
-    if detect_launch_env().launcher == "none":
-        local_ranks = args.nproc  # before the launch: the ranks zero-train will start here
+    launch = detect_launch_env()
+    # Before the launch (no launcher): the ranks zero-train will start here.
+    local_ranks = args.nproc if launch.launcher == "none" else launch.local_world_size
     # The build holds one parameter's float32 initial value (build_model), the largest an
     # embedding or an MLP matrix; with tensor parallelism the whole model, until sliced.
     largest = max(config.vocab_size, config.context, 4 * config.width) * config.width
@@ -171,8 +171,7 @@ def prelaunch_memory_problem(args: argparse.Namespace) -> str:
     config = model_config(args)
     if args.data is None or Path(args.data).suffix not in UINT16_SUFFIXES:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
-    setup = getattr(args, "deepspeed_setup", None)
-    zero_config = setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
+    zero_config = run_zero_config(args)
     launcher = detect_launch_env()
     world = args.nproc if launcher.launcher == "none" else launcher.world_size
     run = footprint_of(args, config, world, world // args.tp, torch.device("cpu"), zero_config)

@@ -31,7 +31,7 @@ from zero_comm.launcher_env import detect_launch_env
 from .out_of_memory import EXIT_OUT_OF_MEMORY, remove_dead_ranks_swap_folders
 from .run_lock import HOLDER_VARIABLE, ResultsFolderBusy, RunLock, owns_the_run
 from .run_setup import prelaunch_memory_problem
-from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
+from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options, run_zero_config
 from .trainer import Trainer
 
 EXIT_INTERRUPTED = 130  # a shell's code for SIGINT
@@ -78,9 +78,7 @@ def train_main(argv: Sequence[str] | None = None) -> None:
             code = launch(command, args.nproc, reported_codes=reported)
             if code == EXIT_INTERRUPTED:  # every rank ended by the SIGINT passed on to it
                 print(INTERRUPTED, file=sys.stderr, flush=True)
-                setup = getattr(args, "deepspeed_setup", None)
-                offload_dir = setup.zero.offload_dir if setup is not None else args.offload_dir
-                remove_dead_ranks_swap_folders(None if offload_dir is None else str(offload_dir))
+                remove_dead_ranks_swap_folders(run_zero_config(args).offload_dir)
             sys.exit(code)
         if detect_launch_env().launcher != "none":
             # A rank among others ends at SIGINT at once, as a program without a handler:

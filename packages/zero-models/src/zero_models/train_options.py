@@ -32,7 +32,7 @@ from zero_core.hybrid_sharding import hierarchy_sizes
 from .checkpoint_plan import CHECKPOINT_MODES
 from .data import UINT16_SUFFIXES, load_tokens, token_count
 from .gpt import PRESETS, GPTConfig
-from .run_lock import holder_of, owns_the_run
+from .run_lock import busy_message, holder_of, owns_the_run
 from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
 from .run_tensorboard import tensorboard_available
 from .tp_plan import check_tp_degree
@@ -299,6 +299,13 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_zero_config(args: argparse.Namespace) -> zero_core.ZeroConfig:
+    """The engine's configuration of a parsed run: its --deepspeed config's, else the
+    command line's."""
+    setup = getattr(args, "deepspeed_setup", None)
+    return setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
+
+
 def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options from --config, then flags; every check that can fail before launching."""
     p = parser()
@@ -382,10 +389,7 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
     if owns_the_run(args.out):  # before --resume auto or --overwrite may touch anything
         holder = holder_of(args.out)
         if holder:
-            p.error(
-                f"--out {args.out} is in use by {holder}: wait for it to end, stop it, or "
-                "name another --out (--overwrite and --resume do not take a live run's folder)"
-            )
+            p.error(busy_message(args.out, holder))
     args.fresh_after_auto = False
     if str(args.resume) == "auto":
         args.resume = newest_checkpoint(args.out / CHECKPOINT)
