@@ -13,7 +13,7 @@ import torch
 
 import zero_comm
 import zero_core
-from zero_core.host_heap import heap_bytes
+from zero_core.memory.host_heap import heap_bytes
 from zero_models.checkpoint_plan import checkpoint_gpt_blocks
 from zero_models.gpt import GPT, GPTConfig
 

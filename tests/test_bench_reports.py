@@ -31,7 +31,7 @@ import bench_peers_report  # noqa: E402
 import bench_peers_search  # noqa: E402
 import bench_scaling  # noqa: E402
 
-from zero_core.activation_estimate import TransformerShape, activation_bytes  # noqa: E402
+from zero_core.estimate.activations import TransformerShape, activation_bytes  # noqa: E402
 
 MIB = 2**20
 MODEL = {"vocab_size": 256, "context": 32, "layers": 2, "heads": 2, "width": 32,

@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 
 from zero_comm.flight_recorder import RECORDER_SIZE_VARIABLES
-from zero_core.host_heap import heap_bytes
+from zero_core.memory.host_heap import heap_bytes
 
 RANK = Path(__file__).with_name("heap_growth_rank.py")
 STEPS = 12

@@ -83,7 +83,7 @@ def main() -> None:
         # The child reports its own peak (VmHWM): ru_maxrss of children would count the
         # pages of this large process that the child shares between fork and exec.
         probe = (
-            "import sys; from zero_core.consolidate import main; main(sys.argv[1:]); "
+            "import sys; from zero_core.checkpoint.consolidate import main; main(sys.argv[1:]); "
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0])"
         )
         command = [sys.executable, "-c", probe, str(args.out), str(out)]

@@ -75,7 +75,7 @@ from provenance import cpu_model, git_head, sources_digest
 import zero_comm
 import zero_core
 import zero_models
-from zero_core.host_heap import release_free_heap
+from zero_core.memory.host_heap import release_free_heap
 from zero_models.data import BatchSampler, load_tokens
 from zero_models.gpt import GPTConfig
 
@@ -88,7 +88,7 @@ MIB = 2**20
 # Untimed steps per block: the timed ones are the steady state of every variant. DDP
 # rebuilds its buckets after its first step and allocates them in its second; our engines
 # give the heap's free pages back after each of their first two steps
-# (zero_core.host_heap.StepHeapRelease), which the next step faults in again: at 19M on
+# (zero_core.memory.host_heap.StepHeapRelease), which the next step faults in again: at 19M on
 # 4 ranks, ~70 thousand minor faults a step at stage 0 and ~165 thousand at stage 3 in
 # steps 2-3 against 0.3-25 thousand from step 4 on (the per-launch tables print the
 # timed steps' faults, so a window that is not steady shows).
@@ -99,7 +99,7 @@ TOOLS = Path(__file__).resolve().parent
 # ------------------------------------------------------------------ process memory
 def status_kib(field: str) -> int:
     """A field of /proc/self/status in KiB (VmRSS, VmHWM, VmSize, VmPeak); 0 if absent."""
-    from zero_core.proc_status import process_status_kib
+    from zero_core.memory.proc_status import process_status_kib
 
     return process_status_kib(field) or 0
 

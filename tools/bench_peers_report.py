@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zero_core.memory_estimate import model_state_bytes, state_bytes_per_param
+from zero_core.estimate.model_states import model_state_bytes, state_bytes_per_param
 
 MIB = 2**20
 # Step time over DDP: issue 8 for stages 1-3, issue 17 added stage 0 (real data parallelism).

@@ -26,7 +26,7 @@ memory increase per rank (bench_peers: over the process's RSS just before the bu
 largest rank) as median [min - max]. Beside them, the paper's prediction per rank:
 16Ψ/N bytes of model states (fp32 parameters, gradients and Adam's two moments, all
 partitioned, zero_core.model_state_bytes) plus the activation peak of the rank's batch
-(zero_core.activation_estimate.activation_bytes). Peak RSS also holds what neither counts:
+(zero_core.estimate.activations.activation_bytes). Peak RSS also holds what neither counts:
 gathered parameters, communication buffers, allocator slack.
 """
 
@@ -48,7 +48,7 @@ from bench_peers import WARMUP_STEPS  # noqa: E402
 from bench_peers_report import paper_model_states_mib  # noqa: E402
 from bench_peers_search import MALLOC_ENV, peers_launch, run_launch  # noqa: E402
 
-from zero_core.activation_estimate import TransformerShape, activation_bytes  # noqa: E402
+from zero_core.estimate.activations import TransformerShape, activation_bytes  # noqa: E402
 
 MIB = 2**20
 VARIANTS = ("ours-3", "fsdp2")
@@ -202,7 +202,7 @@ def markdown(summary: dict[str, Any], command: str, wall_s: float | None) -> str
         "",
         "Step time and peak RSS increase: median [min - max] over rounds. Prediction: 16Ψ/N "
         "model states (zero_core.model_state_bytes, fp32 Adam) + the activation peak of the "
-        "rank's batch (zero_core.activation_estimate).",
+        "rank's batch (zero_core.estimate.activations).",
     ]
     for series in SERIES:
         rows = [r for r in summary["rows"] if r["series"] == series]

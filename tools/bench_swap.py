@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from zero_core.swap_file import ALIGNMENT, SwapFile, aligned_empty, check_offload_dir
+from zero_core.offload.swap_file import ALIGNMENT, SwapFile, aligned_empty, check_offload_dir
 
 MIB = 2**20
 DD_BLOCK = 4 * MIB
@@ -338,7 +338,8 @@ def markdown(
             f"{args.size_mib} MiB per contender per round, {args.rounds} rounds, the order of the "
             "contenders rotated each round, every file read after all three were written. "
             f"`dd` with `oflag=direct` / `iflag=direct`, bs=4M, from {source}; ours: "
-            f"zero_core.swap_file.SwapFile (O_DIRECT, crc32 per block) on {args.threads} threads, "
+            "zero_core.offload.swap_file.SwapFile (O_DIRECT, crc32 per block) "
+            f"on {args.threads} threads, "
             f"blocks of {args.block_mib} MiB, {args.buffers} buffers; raw: the same thread pool "
             "with bare pwritev/preadv, no checksums. MB/s, median [min-max].",
             "",

@@ -12,7 +12,7 @@ Then for each of ``--presets`` and stage: build the model on the meta device, tr
 ``--warmup`` + ``--steps`` steps of AdamW in bfloat16 on random tokens, and report tokens
 per second, model FLOPs utilisation (6Ψ + 12·layers·width·context FLOPs per token, over
 ``--peak-tflops``), peak CUDA memory, and the model-state memory zero_core.model_state_bytes
-predicts plus the activations zero_core.activation_estimate predicts (its head term counts
+predicts plus the activations zero_core.estimate.activations predicts (its head term counts
 bf16 logits and float32 log-probabilities; this loop also makes a float32 copy of the
 logits, so expect the peak a little above it). Then M_D: ``--fragmentation-preset`` with
 every block checkpointed, with and without the checkpoint arena: reserved minus allocated
@@ -60,7 +60,7 @@ from torch.nn import functional as F
 
 import zero_comm
 import zero_core
-from zero_core.activation_estimate import TransformerShape, activation_bytes
+from zero_core.estimate.activations import TransformerShape, activation_bytes
 from zero_models.gpt import GPT, PRESETS
 
 PRESET_BATCH = {"test": 4, "tiny": 16, "small": 16, "gpt2": 8, "gpt2-medium": 8, "gpt2-xl": 4}

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from zero_core import model_state_bytes
-from zero_core.activation_estimate import TransformerShape, activation_bytes
+from zero_core.estimate.activations import TransformerShape, activation_bytes
 from zero_models.gpt import GPT, GPTConfig
 
 MFU_GOAL = 0.40  # issue 17: stage 3, GPT-2 XL, on an H200
@@ -72,7 +72,7 @@ def device_values(
 def predicted_peak(config: GPTConfig, params: int, stage: int, batch: int) -> float:
     """Bytes one GPU holds at the peak of a bf16 step of ours (world size 1): model states
     (zero_core.model_state_bytes) plus the larger of the activations and what the optimizer
-    step adds. Activations: zero_core.activation_estimate (bf16), plus the float32 copy of
+    step adds. Activations: zero_core.estimate.activations (bf16), plus the float32 copy of
     the logits that the check's loss makes (n V 4 bytes), which that estimate leaves out."""
     states = model_state_bytes(params, 1, stage).total
     tokens = batch * config.context

@@ -10,11 +10,11 @@ sequences of 128 tokens per rank. Writes OUT/memory-table.md (every row: model s
 activation peak, predicted and measured, and the checkpoint bytes kept) and
 OUT/memory-by-stage.png: for TP 1 without checkpointing, one pair of stacked bars per stage,
 the prediction (model states from the paper's formula + activations from
-zero_core.activation_estimate) beside the measured peak.
+zero_core.estimate.activations) beside the measured peak.
 
 Set MALLOC_MMAP_THRESHOLD_ as above: glibc then maps each allocation over 64 KiB on its
 own, so a freed tensor leaves the resident set at once and the measured peak is tensors,
-not heap that glibc kept (see zero_core.memory_tracker).
+not heap that glibc kept (see zero_core.memory.tracker).
 """
 
 from __future__ import annotations

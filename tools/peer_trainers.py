@@ -257,7 +257,8 @@ class Ours(Trainer):
                 bucket_numel=int(os.environ.get("ZERO_BENCH_BUCKET_NUMEL", BUCKET_NUMEL)),
                 prefetch_numel=int(
                     os.environ.get(
-                        "ZERO_BENCH_PREFETCH_NUMEL", zero_core.config.DEFAULT_PREFETCH_NUMEL
+                        "ZERO_BENCH_PREFETCH_NUMEL",
+                        zero_core.config.zero_config.DEFAULT_PREFETCH_NUMEL,
                     )
                 ),
                 **tiers,

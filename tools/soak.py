@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero_core.consolidate import SavedModel
+from zero_core.checkpoint.consolidate import SavedModel
 from zero_models.run_metrics import read_metrics
 
 

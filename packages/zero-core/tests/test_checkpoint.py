@@ -15,7 +15,7 @@ from parity import ParityCase, build_engine, loss_of, micro_batch, normalised
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_comm.simulated import SimulatedRankError
-from zero_core.consolidate import SavedModel, consolidate
+from zero_core.checkpoint.consolidate import SavedModel, consolidate
 
 CASE = ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
                   dtype="bfloat16", bucket_numel=300, persistence_threshold=0)  # fmt: skip
@@ -295,7 +295,7 @@ def test_shards_are_plain_safetensors_that_other_readers_load(tmp_path: Path) ->
     """The reference safetensors library reads our shards and gets our values."""
     from safetensors.torch import load_file
 
-    from zero_core.safetensors_file import TensorFile
+    from zero_core.checkpoint.safetensors_file import TensorFile
 
     saved_once(tmp_path / "ckpt", stage=3)
     for shard in sorted((tmp_path / "ckpt").glob("rank-*.safetensors")):
@@ -311,7 +311,7 @@ def test_each_rank_reads_only_the_byte_ranges_it_holds(tmp_path: Path) -> None:
     each piece), not the whole file."""
     import threading
 
-    from zero_core import safetensors_file
+    from zero_core.checkpoint import safetensors_file
 
     case = normalised(ParityCase(widths=(64, 1024, 1024, 64), optimizer="adam",
                                  persistence_threshold=0, bucket_numel=1 << 16))  # fmt: skip

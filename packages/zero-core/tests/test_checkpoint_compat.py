@@ -108,7 +108,7 @@ def test_a_checkpoint_from_before_header_checksums_loads_with_one_note(tmp_path:
     without the note."""
     import warnings
 
-    from zero_core.checkpoint_reader import CheckpointReader
+    from zero_core.checkpoint.reader import CheckpointReader
 
     case = normalised(V1_CASE)
 

@@ -25,8 +25,8 @@ from test_checkpoint import CASE, run_steps
 
 from zero_comm import Communicator, run_simulated
 from zero_core import read_state_dict
-from zero_core.checkpoint_reader import INDEX_CHECKSUM, index_checksum
-from zero_core.consolidate import main
+from zero_core.checkpoint.consolidate import main
+from zero_core.checkpoint.reader import INDEX_CHECKSUM, index_checksum
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_read_state_dict_of_a_damaged_header_names_the_file(
     (MemoryError)."""
     import tempfile
 
-    from zero_core.safetensors_file import CorruptFileError, write_file
+    from zero_core.checkpoint.safetensors_file import CorruptFileError, write_file
 
     tensors = {
         "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),

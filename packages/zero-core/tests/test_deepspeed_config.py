@@ -14,7 +14,7 @@ import torch
 
 import zero_core
 from zero_comm import Communicator, run_simulated
-from zero_core.deepspeed_config import WarmupSchedule
+from zero_core.config.deepspeed_json import WarmupSchedule
 
 # Hugging Face's examples (docs/source/en/deepspeed.md), "auto" included.
 HF_ZERO2: dict[str, Any] = {

@@ -11,7 +11,7 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
-from zero_core.shard_gradient import ShardGradient
+from zero_core.reduced_gradient import ShardGradient
 
 # One Linear(64, 64) per bucket: 64 * 64 + 64 elements fit 4160.
 CASE = ParityCase(widths=(64,) * 7, bucket_numel=4160, persistence_threshold=0)

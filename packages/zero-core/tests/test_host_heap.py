@@ -1,6 +1,6 @@
 """The engine gives the C heap's free pages back after its build, and after a step when
 the heap has grown past the first step's (ZeroConfig.release_host_heap,
-zero_core.host_heap): steps that reuse the heap as it is keep their pages, since a
+zero_core.memory.host_heap): steps that reuse the heap as it is keep their pages, since a
 released page costs a fault when the next step touches it again.
 
 Found by tools/bench_peers.py: ours-3 at 101M parameters on 4 ranks, on a communicator
@@ -24,8 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_comm.launch import free_port
-from zero_core import host_heap
-from zero_core.host_heap import MIN_GROWTH_BYTES, REFERENCE_STEPS, StepHeapRelease, _malloc_trim
+from zero_core.memory.host_heap import (
+    MIN_GROWTH_BYTES,
+    REFERENCE_STEPS,
+    StepHeapRelease,
+    _malloc_trim,
+)
+from zero_core.memory import host_heap
 
 HOLES_MIB = 128  # freed below as many live MiB, before the build and again before the step
 STEADY_STEPS = 5  # steps between the build and the holes: only the first 2 may release

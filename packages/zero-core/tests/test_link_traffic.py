@@ -1,4 +1,4 @@
-"""Measured bytes per link class equal zero_core.link_traffic's formulas, exactly.
+"""Measured bytes per link class equal zero_core.estimate.link_traffic's formulas, exactly.
 
 Simulated worlds with a node topology (zero_comm.topology): the sum over ranks of what
 every communicator of the engine recorded in one step (after a first step that records
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
-from zero_core.link_traffic import backward_head_buckets, even_buckets, step_link_bytes
+from zero_core.estimate.link_traffic import backward_head_buckets, even_buckets, step_link_bytes
 
 CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam",
                   bucket_numel=60_000, persistence_threshold=0)  # fmt: skip
@@ -127,7 +127,7 @@ def test_zero_estimate_reports_bytes_per_link_class(capsys: pytest.CaptureFixtur
     are link_traffic's, per rank; hpZ adds its secondary copy (2 bytes x Psi / P)."""
     import json
 
-    from zero_core.estimate_cli import main
+    from zero_core.estimate.command import main
 
     def estimate(*extra: str) -> dict[str, Any]:
         main(["--params", "1e8", "--json", *extra])
@@ -172,7 +172,7 @@ def test_zero_estimate_counts_the_backward_head_at_stage_3(
     backward's first bucket."""
     import json
 
-    from zero_core.estimate_cli import main
+    from zero_core.estimate.command import main
 
     def stage3(*extra: str) -> dict[str, Any]:
         main(["--params", "1e8", "--json", "--world-size", "16", "--ranks-per-node", "4",
@@ -217,7 +217,7 @@ def test_zero_estimate_counts_micro_steps_and_native_sums(
     deterministic per-micro-step chain, and both are link_traffic's figures."""
     import json
 
-    from zero_core.estimate_cli import main
+    from zero_core.estimate.command import main
 
     def inter(*extra: str) -> float:
         main(["--params", "1e8", "--json", "--world-size", "16", "--ranks-per-node", "4",

@@ -14,15 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_core import model_state_bytes
-from zero_core.activation_estimate import (
+from zero_core.config.zero_config import DEFAULT_PREFETCH_NUMEL
+from zero_core.estimate.activations import (
     TransformerShape,
     activation_bytes,
     paper_activation_elements,
 )
-from zero_core.config import DEFAULT_PREFETCH_NUMEL
-from zero_core.estimate_cli import main
+from zero_core.estimate.command import main
+from zero_core.estimate.model_states import SLICE_ALIGNMENT, TIERS, tiered_state_bytes
 from zero_core.grad_norm import BLOCK
-from zero_core.memory_estimate import SLICE_ALIGNMENT, TIERS, tiered_state_bytes
 
 
 def test_paper_figure_1() -> None:
@@ -52,7 +52,7 @@ def test_bad_input_is_named(kwargs: dict[str, int], message: str) -> None:
 
 def test_cli_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "zero_core.estimate_cli", "--params", "7.5e9",
+        [sys.executable, "-m", "zero_core.estimate.command", "--params", "7.5e9",
          "--world-size", "64", "--json"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
@@ -63,7 +63,7 @@ def test_cli_dtype_and_optimizer_set_the_bytes_per_parameter() -> None:
     """fp32 SGD with momentum: 4 + 4 bytes of parameters and gradients, K = 4 (the
     momentum; fp32 parameters are their own master weights at every stage)."""
     out = subprocess.run(
-        [sys.executable, "-m", "zero_core.estimate_cli", "--params", "1000", "--world-size",
+        [sys.executable, "-m", "zero_core.estimate.command", "--params", "1000", "--world-size",
          "4", "--dtype", "fp32", "--optimizer", "sgd-momentum", "--json"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip

@@ -45,8 +45,8 @@ from torch import nn
 
 import zero_core
 from zero_comm import Communicator, run_simulated
-from zero_core import swap_file
-from zero_core.estimate_cli import main as zero_estimate
+from zero_core.estimate.command import main as zero_estimate
+from zero_core.offload import swap_file
 
 WORLD_SIZE = 2
 TOLERANCE = 0.10

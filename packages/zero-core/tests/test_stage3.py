@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import zero_core
 from zero_comm import CollectiveMismatchError, Communicator, run_simulated
 from zero_comm.simulated import SimulatedRankError
-from zero_core.link_traffic import backward_head_buckets
+from zero_core.estimate.link_traffic import backward_head_buckets
 
 
 class Branchy(nn.Module):

@@ -28,8 +28,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_core import swap_file
-from zero_core.swap_file import (
+from zero_core.offload import swap_file
+from zero_core.offload.swap_file import (
     ALIGNMENT,
     HUGE_PAGE,
     STAGING_BYTES,

@@ -1,5 +1,5 @@
 """ZeRO-R on the GPT: P_a (partitioned activation checkpoints), M_D (the checkpoint arena),
-and the activation-memory prediction of zero_core.activation_estimate, against what the
+and the activation-memory prediction of zero_core.estimate.activations, against what the
 GPT really keeps and what a rank's resident memory really peaks at."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from zero_comm import Communicator, run_simulated
 from zero_comm.testing import run_on_ranks
-from zero_core.activation_estimate import (
+from zero_core.estimate.activations import (
     TransformerShape,
     block_saved_bytes,
     checkpoint_bytes,

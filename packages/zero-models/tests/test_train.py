@@ -126,7 +126,7 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     assert kept > 0 and less == paper - kept // 2, result.stdout
     # The README's next steps: the run saved its end (--final-save is the default), so
     # zero-consolidate reads it and --resume auto finds nothing left to train.
-    from zero_core.consolidate import main as consolidate
+    from zero_core.checkpoint.consolidate import main as consolidate
 
     checkpoint = tmp_path / "out" / "checkpoint"
     assert json.loads((checkpoint / "index.json").read_text())["extra"]["step"] == 12
@@ -168,7 +168,7 @@ def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
     rows = [line.split() for line in table[3:7]]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     assert all(r[4] == f"{8192 / 2**20:.1f}" for r in rows), table
-    assert "predicted (zero_core.activation_estimate): kept 0.0" in result.stdout
+    assert "predicted (zero_core.estimate.activations): kept 0.0" in result.stdout
 
 
 def test_options_from_a_json_config_and_unknown_keys(tmp_path: Path) -> None:
@@ -410,7 +410,7 @@ import resource, sys
 import torch._dynamo  # imported on first use in the build: not the model's memory
 import zero_models.run_setup as run_setup
 import zero_models.train as train
-from zero_core.proc_status import process_status_kib
+from zero_core.memory.proc_status import process_status_kib
 
 budget, footprint, launch = int(sys.argv[1]) << 20, run_setup.run_footprint, train.launch
 
@@ -455,7 +455,7 @@ def test_out_of_memory_in_the_build_ends_in_one_line_per_rank(tmp_path: Path) ->
     """GPT-2 small at stage 3 on 2 ranks holds 0.92 GiB of model states per rank (fp32
     Adam: 16 bytes x 124M / 2): under a 300 MiB cap its build fails, and each rank
     says so in one line, with zero-estimate's bytes and the tiers that keep the least."""
-    from zero_core.memory_estimate import model_state_bytes
+    from zero_core.estimate.model_states import model_state_bytes
     from zero_models.gpt import PRESETS
 
     result = run_capped(300, "--model", "gpt2", "--context", "64", "--batch-size", "2",
@@ -506,8 +506,8 @@ def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits()
     = 2.64 GiB of model states per rank: only the disk tiers and activation checkpointing
     together fit (on a GPU, whose host memory is another place, the host tier does)."""
     import zero_core
-    from zero_core.activation_estimate import TransformerShape
-    from zero_core.memory_estimate import model_state_bytes
+    from zero_core.estimate.activations import TransformerShape
+    from zero_core.estimate.model_states import model_state_bytes
     from zero_models.gpt import PRESETS
     from zero_models.out_of_memory import Footprint, Placement, out_of_memory_line
 

@@ -9,20 +9,20 @@
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
-from .activation_checkpoint import ActivationCheckpointing
-from .checkpoint import CheckpointError, DeterminismWarning
-from .checkpoint_reader import complete_checkpoint
-from .config import AVAILABLE_STAGES, ZeroConfig
-from .deepspeed_config import DeepSpeedSetup, read_deepspeed
+from .checkpoint.reader import complete_checkpoint
+from .checkpoint.safetensors_file import read_state_dict
+from .checkpoint.save_load import CheckpointError, DeterminismWarning
+from .checkpoint.sharded_state import ShardedState
+from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
+from .config.zero_config import AVAILABLE_STAGES, ZeroConfig
 from .engine import Engine, ZeroEngine
+from .estimate.model_states import ModelStateBytes, model_state_bytes
 from .initialize import initialize
-from .memory import MemoryReport
-from .memory_estimate import ModelStateBytes, model_state_bytes
-from .memory_tracker import MemoryTracker
+from .memory.report import MemoryReport
+from .memory.tracker import MemoryTracker
 from .model_parallel import ModelParallel
-from .safetensors_file import read_state_dict
-from .sharded_state import ShardedState
-from .swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
+from .offload.swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
+from .zero_r.activation_checkpoint import ActivationCheckpointing
 
 __version__ = "0.1.0"
 

@@ -28,12 +28,12 @@ import torch
 from zero_comm import Communicator, Handle
 
 from .backward_overlap import LaunchOrder, register_gradient_hooks
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .grad_norm import param_row_sums
 from .group_layout import MIN_PIECE_NUMEL, GroupLayout
-from .memory import tensor_bytes
+from .memory.report import tensor_bytes
 from .param_table import ParamSlot, ParamTable
-from .shard_gradient import GroupGradient
+from .reduced_gradient import GroupGradient
 
 
 class AllReducedGradients:

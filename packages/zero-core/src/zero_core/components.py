@@ -21,7 +21,7 @@ from zero_comm import BlockQuantizer, Communicator
 from zero_comm.hierarchy import HybridGroups
 
 from .allreduced_gradients import AllReducedGradients
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .fetch_units import plan_units
 from .grad_reducer import ScatterReduction
 from .group_layout import GroupLayout
@@ -29,14 +29,14 @@ from .hybrid_sharding import gradient_reduction
 from .init_values import InitValues
 from .initial_state import take_initial_state
 from .master_weights import MasterWeights
-from .offload_build import (
+from .offload.build import (
     build_offloaded_masters,
     build_parameter_shards,
     check_space,
     master_plan,
     swap_folder,
 )
-from .offloaded_masters import OffloadedMasters
+from .offload.masters import OffloadedMasters
 from .param_table import ParamSlot, ParamTable
 from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters

@@ -51,8 +51,9 @@ from torch import nn
 from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint, current_fingerprint
 
+from .checkpoint.sharded_state import ShardedGroupState, ShardedState
 from .components import build_components, close_components, refuse_eager_state_on_disk
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .gradient_checks import (
@@ -61,20 +62,19 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
-from .host_heap import StepHeapRelease, release_free_heap
 from .hybrid_sharding import hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import whole_tensors
 from .loss_scaler import LossScaler, NoLossScaler
 from .master_weights import MasterWeights
-from .memory import MemoryReport, tensor_bytes
+from .memory.host_heap import StepHeapRelease, release_free_heap
+from .memory.report import MemoryReport, tensor_bytes
 from .model_parallel import ModelParallel
 from .optimizer_in_backward import BackwardStepper
 from .optimizer_spec import ParamGroups
 from .param_table import ParamTable
 from .reduce_scattered_gradients import ReduceScatteredGradients
-from .shard_gradient import pieces_of
-from .sharded_state import ShardedGroupState, ShardedState
+from .reduced_gradient import pieces_of
 from .stage_policy import ParameterPlacement, StagePolicy
 from .zeropp import gradient_quantization, weight_quantizer
 
@@ -318,7 +318,7 @@ class Engine:
 
     def _release_heap_after_step(self) -> None:
         """Free heap pages back to the system if the heap has grown past the first steps'
-        (zero_core.host_heap.StepHeapRelease)."""
+        (zero_core.memory.host_heap.StepHeapRelease)."""
         if self._heap_release_on():
             self._step_heap_release.after_step()
 
@@ -332,7 +332,7 @@ class Engine:
 
     # ------------------------------------------------------------ checkpoints
     def sharded_state(self) -> ShardedState:
-        """This rank's part of the training state (see zero_core.sharded_state): views of
+        """This rank's part of the training state (see zero_core.checkpoint.sharded_state): views of
         the master weights and the optimizer's own state dicts, no copies."""
         groups = []
         for g in range(len(self.masters.tiles)):
@@ -385,9 +385,9 @@ class Engine:
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see
-        zero_core.checkpoint). ``extra`` (JSON values, e.g. the data position) comes back
+        zero_core.checkpoint.save_load). ``extra`` (JSON values, e.g. the data position) comes back
         from :meth:`load`. Call it after ``step()``."""
-        from .checkpoint import CheckpointError, save
+        from .checkpoint.save_load import CheckpointError, save
 
         if self.model_parallel is not None and self.model_parallel.comm.world_size > 1:
             # Every data-parallel group would write its own slices into one folder under
@@ -403,7 +403,7 @@ class Engine:
         """Collective: restore the state saved at ``path`` by any world size and stage;
         returns the ``extra`` given to :meth:`save`. Raises CheckpointError naming the
         file for a missing, corrupt or mismatched checkpoint."""
-        from .checkpoint import load
+        from .checkpoint.save_load import load
 
         return load(self, path)
 

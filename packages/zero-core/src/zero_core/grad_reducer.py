@@ -58,7 +58,7 @@ from .coalescing import coalesced_groups
 from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
-from .shard_gradient import materialize
+from .reduced_gradient import materialize
 
 
 @dataclass

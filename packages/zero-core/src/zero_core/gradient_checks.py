@@ -15,7 +15,7 @@ from zero_comm import Communicator, ReduceOp
 
 from .model_parallel import ModelParallel
 from .param_table import ParamTable
-from .shard_gradient import GroupGradient
+from .reduced_gradient import GroupGradient
 
 RowSums = Callable[[list[GroupGradient]], torch.Tensor]
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from zero_comm import Communicator
 from zero_comm.hierarchy import HybridGroups
 
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 
 
 class HierarchySizes(NamedTuple):

@@ -10,8 +10,8 @@ from torch import nn
 
 from zero_comm import Communicator
 
-from .config import ZeroConfig
-from .deepspeed_config import DeepSpeedSetup, read_deepspeed
+from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
+from .config.zero_config import ZeroConfig
 from .engine import Engine
 from .init_values import InitValues
 from .model_parallel import ModelParallel

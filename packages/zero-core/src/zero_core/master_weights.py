@@ -37,12 +37,12 @@ from torch import nn
 
 from zero_comm import Communicator
 
+from .checkpoint.sharded_state import MasterPiece
 from .group_layout import GroupLayout
-from .memory import optimizer_state_bytes, tensor_bytes
+from .memory.report import optimizer_state_bytes, tensor_bytes
 from .optimizer_parts import step_part, steps_in_parts
 from .param_table import ParamSlot
-from .shard_gradient import GroupGradient
-from .sharded_state import ShardPiece
+from .reduced_gradient import GroupGradient
 
 Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in the master
 # On the CPU: the most elements of one tile (1 MiB of float32, a few L2 caches' worth).
@@ -139,7 +139,7 @@ class MasterWeights:
                 piece.param_range.start : piece.param_range.stop
             ]
 
-    def shard_pieces(self, group: int) -> list[ShardPiece]:
+    def shard_pieces(self, group: int) -> list[MasterPiece]:
         """Which elements of which parameter sit where in this rank's master of ``group``."""
         return shard_pieces(self.layouts[group], self.rank)
 
@@ -271,10 +271,10 @@ class MasterWeights:
         return None
 
 
-def shard_pieces(layout: GroupLayout, rank: int) -> list[ShardPiece]:
+def shard_pieces(layout: GroupLayout, rank: int) -> list[MasterPiece]:
     """Which elements of which parameter sit where in ``rank``'s master of a group."""
     return [
-        ShardPiece(p.param_index, p.param_range, p.local_range.start)
+        MasterPiece(p.param_index, p.param_range, p.local_range.start)
         for p in layout.local_pieces(rank)
     ]
 

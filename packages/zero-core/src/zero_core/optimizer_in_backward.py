@@ -50,7 +50,7 @@ import torch
 
 from zero_comm import Communicator, ReduceOp
 
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .gradient_checks import any_model_parallel_rank
 from .master_weights import MasterWeights, TileVisitor
 from .model_parallel import ModelParallel

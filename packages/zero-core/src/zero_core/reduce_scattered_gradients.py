@@ -34,13 +34,13 @@ from zero_comm import Communicator, ReduceOp
 
 from .allreduced_gradients import drop_grad_views, restore_grad_view
 from .backward_overlap import register_gradient_hooks
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, BucketSlot, ScatterReduction
 from .group_layout import GroupLayout
-from .memory import tensor_bytes
+from .memory.report import tensor_bytes
 from .param_table import ParamSlot, ParamTable
-from .shard_gradient import GroupGradient, ShardGradient, pieces_of
+from .reduced_gradient import GroupGradient, ShardGradient, pieces_of
 
 
 class ReduceScatteredGradients:

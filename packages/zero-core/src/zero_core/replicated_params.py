@@ -34,7 +34,7 @@ from torch import nn
 
 from zero_comm import Communicator, Handle
 
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .group_layout import GroupLayout, piece_numel
 from .init_values import become
 from .master_weights import VisitsTiles

@@ -20,15 +20,15 @@ from torch import nn
 
 from zero_comm import BlockQuantizer, Communicator
 
-from .config import ZeroConfig
+from .config.zero_config import ZeroConfig
 from .fetch_units import UnitPlan
 from .gather_unit import GatherUnit
 from .group_layout import GroupLayout
 from .init_values import become
 from .master_weights import VisitsTiles
+from .offload.tiered_parameters import ParameterShards
 from .param_gatherer import ParameterGatherer, Pass
 from .param_table import ParamSlot, ParamTable
-from .parameter_shards import ParameterShards
 
 
 class ShardedParameters:

@@ -27,7 +27,7 @@ def offload_parity_suite(comm: Communicator, examples: int) -> int:
 
 
 def _rss_kib(field: str) -> int:
-    from zero_core.proc_status import process_status_kib
+    from zero_core.memory.proc_status import process_status_kib
 
     found = process_status_kib(field)
     if found is None:

@@ -6,7 +6,7 @@ above the step's resident start, plus the tensors resident then: model states,
 communication buffers, the checkpoint arena) next to the prediction: model states from
 the paper's formula (float32 parameters and gradients; K = 8 for AdamW's moments: the
 float32 parameters are the master weights at every stage), the communicator's buffers as
-counted, and zero_core.activation_estimate.
+counted, and zero_core.estimate.activations.
 Used by the memory tests and tools/memory_chart.py (run it on real ranks: resident memory
 is per process).
 """
@@ -20,8 +20,8 @@ from torch.nn import functional as F
 
 import zero_core
 from zero_comm import Communicator
-from zero_core.activation_estimate import TransformerShape, activation_bytes
-from zero_core.memory_estimate import state_bytes_per_param
+from zero_core.estimate.activations import TransformerShape, activation_bytes
+from zero_core.estimate.model_states import state_bytes_per_param
 from zero_models.checkpoint_plan import checkpoint_gpt_blocks
 from zero_models.gpt import GPT, PRESETS
 from zero_models.tp_layers import vocab_parallel_cross_entropy

@@ -17,9 +17,9 @@ collective fails because a peer ended so (PeerFailureError, or the rendezvous st
 dead rank 0) says so in one line too, and waits to be stopped, so that the job's exit
 code and last word are the peer's.
 
-The prediction is zero-estimate's (zero_core.memory_estimate.tiered_state_bytes) for this
+The prediction is zero-estimate's (zero_core.estimate.model_states.tiered_state_bytes) for this
 run's parameters per tensor-parallel rank Ψ, data-parallel ranks N, stage, dtype and tiers,
-with AdamW's K, and zero_core.activation_estimate's peak for one micro-step. A tier moves
+with AdamW's K, and zero_core.estimate.activations's peak for one micro-step. A tier moves
 bytes off the device (the host *is* the device on a CPU-only machine, so there only
 "disk" moves any):
 
@@ -54,10 +54,10 @@ from torch import distributed as dist
 
 import zero_comm
 from zero_comm.peers import is_running
-from zero_core.activation_estimate import TransformerShape, activation_bytes
-from zero_core.config import ZeroConfig
-from zero_core.memory_estimate import state_bytes_per_param, tiered_state_bytes
-from zero_core.proc_status import process_status_kib
+from zero_core.config.zero_config import ZeroConfig
+from zero_core.estimate.activations import TransformerShape, activation_bytes
+from zero_core.estimate.model_states import state_bytes_per_param, tiered_state_bytes
+from zero_core.memory.proc_status import process_status_kib
 
 from .train_options import EXIT_FAILED
 
@@ -146,7 +146,7 @@ class Footprint(NamedTuple):
         return held.model_states, device
 
     def activations(self, placement: Placement) -> float:
-        """Peak activation bytes of one micro-step (zero_core.activation_estimate)."""
+        """Peak activation bytes of one micro-step (zero_core.estimate.activations)."""
         return activation_bytes(
             self.shape, tp=self.tp, checkpoint=placement.checkpoint,  # type: ignore[arg-type]
             dtype_bytes=DTYPE_BYTES[self.dtype],
@@ -267,7 +267,7 @@ def out_of_memory_line(rank: int, phase: str, run: Footprint, exc: BaseException
 
 def remove_swap_folders(offload_dir: str | None) -> None:
     """Remove this process's swap folders under ``offload_dir``, those of an engine whose
-    build did not finish (zero_core.offload_build.swap_folder names them by pid; an
+    build did not finish (zero_core.offload.build.swap_folder names them by pid; an
     engine built removes its own at close)."""
     if offload_dir is not None:
         for folder in Path(offload_dir).glob(f"zero-swap.rank*.pid{os.getpid()}.*"):

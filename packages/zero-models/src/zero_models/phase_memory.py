@@ -3,7 +3,7 @@
 Each rank measures its last step with zero_core.MemoryTracker; the activation peak of a
 step is the highest phase peak above the resident memory at the step's start, plus the
 checkpoint arena (allocated once and resident between steps). The prediction is
-zero_core.activation_estimate for the same shape, tensor-parallel degree and checkpoint
+zero_core.estimate.activations for the same shape, tensor-parallel degree and checkpoint
 mode; on the CPU the peak includes what glibc's heap keeps after tensors are freed
 (run with MALLOC_MMAP_THRESHOLD_=65536 to measure tensors alone).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zero_core.activation_checkpoint import ActivationCheckpointing
-from zero_core.activation_estimate import TransformerShape, activation_bytes
-from zero_core.memory_tracker import MemoryTracker
+from zero_core.estimate.activations import TransformerShape, activation_bytes
+from zero_core.memory.tracker import MemoryTracker
+from zero_core.zero_r.activation_checkpoint import ActivationCheckpointing
 
 from .gpt import GPTConfig
 
@@ -59,7 +59,7 @@ def phase_table(
             f"{above.get('step', 0) / MIB:9.1f} {r['kept'] / MIB:11.1f} {peak / MIB:17.1f}"
         )
     lines.append(
-        f"predicted (zero_core.activation_estimate): kept {predicted.kept / MIB:.1f}, "
+        f"predicted (zero_core.estimate.activations): kept {predicted.kept / MIB:.1f}, "
         f"activation peak {predicted.peak / MIB:.1f} MiB; the paper's 12 x width x tokens x "
         f"layers = {12 * config.width * tokens * config.layers * 4 / MIB:.1f} MiB in float32"
     )

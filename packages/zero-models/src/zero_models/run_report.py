@@ -15,7 +15,7 @@ import torch
 
 import zero_comm
 import zero_core
-from zero_core.memory_estimate import state_bytes_per_param
+from zero_core.estimate.model_states import state_bytes_per_param
 
 from .run_metrics import read_metrics
 from .run_plots import write_run_plots

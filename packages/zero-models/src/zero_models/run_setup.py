@@ -22,8 +22,8 @@ import torch
 import zero_comm
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
-from zero_core.activation_checkpoint import ActivationCheckpointing
-from zero_core.activation_estimate import TransformerShape
+from zero_core.estimate.activations import TransformerShape
+from zero_core.zero_r.activation_checkpoint import ActivationCheckpointing
 
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import UINT16_SUFFIXES, BatchSampler, load_tokens

@@ -20,7 +20,7 @@ from typing import NamedTuple, cast
 from torch import nn
 
 from zero_comm import Communicator
-from zero_core.activation_estimate import TransformerShape, shape_problem
+from zero_core.estimate.activations import TransformerShape, shape_problem
 
 from .gpt import GPT, Block
 from .tp_layers import (

@@ -24,9 +24,9 @@ import torch
 import zero_core
 from zero_comm.comm_options import DEFAULT_TIMEOUT_S
 from zero_comm.launcher_env import detect_launch_env
-from zero_core.checkpoint_reader import CheckpointReader
+from zero_core.checkpoint.reader import CheckpointReader
 from zero_core.command_line import CommandLineParser
-from zero_core.config import SHORT_DTYPE_NAMES, offload_stage_error
+from zero_core.config.zero_config import SHORT_DTYPE_NAMES, offload_stage_error
 from zero_core.hybrid_sharding import hierarchy_sizes
 
 from .checkpoint_plan import CHECKPOINT_MODES

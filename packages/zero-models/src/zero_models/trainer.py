@@ -33,7 +33,7 @@ from tqdm import tqdm
 import zero_comm
 import zero_core
 from zero_comm.launcher_env import detect_launch_env
-from zero_core.proc_status import process_status_kib
+from zero_core.memory.proc_status import process_status_kib
 
 from .out_of_memory import stop_in_one_line
 from .phase_memory import phase_record, phase_table

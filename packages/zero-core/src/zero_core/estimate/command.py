@@ -1,6 +1,6 @@
 """``zero-estimate``: per-rank memory of every ZeRO stage: model states on the device, in
 host memory and on disk (offload tiers), and with a model shape, the activations of one
-step (zero_core.activation_estimate).
+step (zero_core.estimate.activations).
 
 zero-estimate --params 7.5e9 --world-size 64
 zero-estimate --params 7.5e9 --world-size 64 --offload-optimizer disk --offload-params cpu
@@ -10,7 +10,7 @@ zero-estimate --params 7.5e9 --world-size 64 --ranks-per-node 8 --hpz 8 --quanti
     --quantize-gradients int4
 
 With --ranks-per-node, every stage's row also gives the bytes one step sends per rank over
-intra-node and inter-node links (zero_core.link_traffic; zero_comm's ring convention). At
+intra-node and inter-node links (zero_core.estimate.link_traffic; zero_comm's ring convention). At
 stage 3 forward keeps backward's first buckets gathered (--backward-head-numel, as the
 engine's default): backward does not gather those again, so the figure is under the
 paper's 3Ψ(N-1)/N unless --no-backward-head.
@@ -25,22 +25,22 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .activation_estimate import (
-    ActivationBytes,
-    TransformerShape,
-    activation_bytes,
-    shape_problem,
-)
-from .command_line import CommandLineParser
-from .config import (
+from ..command_line import CommandLineParser
+from ..config.zero_config import (
     DEFAULT_BACKWARD_HEAD_NUMEL,
     DEFAULT_PREFETCH_NUMEL,
     SHORT_DTYPE_NAMES,
     ZeroConfig,
 )
-from .hybrid_sharding import hierarchy_sizes
+from ..hybrid_sharding import hierarchy_sizes
+from .activations import (
+    ActivationBytes,
+    TransformerShape,
+    activation_bytes,
+    shape_problem,
+)
 from .link_traffic import backward_head_buckets, even_buckets, step_link_bytes
-from .memory_estimate import (
+from .model_states import (
     OPTIMIZER_STATE_BYTES,
     STAGES,
     TIERS,

@@ -25,8 +25,9 @@ from torch import nn
 
 from zero_comm import Communicator
 
-from .group_layout import GroupLayout
-from .master_weights import (
+from ..checkpoint.sharded_state import MasterPiece
+from ..group_layout import GroupLayout
+from ..master_weights import (
     Tile,
     TileVisitor,
     check_tile_counts,
@@ -34,13 +35,12 @@ from .master_weights import (
     load_tiles,
     shard_pieces,
 )
-from .memory import tensor_bytes
-from .offload_tiers import Tier, TileSpec, host_device, host_empty
-from .param_table import ParamSlot
+from ..memory.report import tensor_bytes
+from ..param_table import ParamSlot
+from ..reduced_gradient import GroupGradient
 from .partial_blocks import PartialBlocks
-from .shard_gradient import GroupGradient
-from .sharded_state import ShardPiece
 from .swapped_tiles import MASTER, ResidentTile, SwappedTiles
+from .tiers import Tier, TileSpec, host_device, host_empty
 
 Placement = tuple[Tier, int]  # (tier, index into the tier's own list of tiles)
 
@@ -135,7 +135,7 @@ class OffloadedMasters:
         if self.swap is not None:
             self._filling.finish()
 
-    def shard_pieces(self, group: int) -> list[ShardPiece]:
+    def shard_pieces(self, group: int) -> list[MasterPiece]:
         return shard_pieces(self.layouts[group], self.rank)
 
     # -------------------------------------------------------------- step

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_reader import CheckpointError, CheckpointReader
-from .command_line import CommandLineParser
-from .config import SHORT_DTYPE_NAMES
+from ..command_line import CommandLineParser
+from ..config.zero_config import SHORT_DTYPE_NAMES
+from .reader import CheckpointError, CheckpointReader
 from .safetensors_file import CorruptFileError, write_stream
 
 DTYPES = SHORT_DTYPE_NAMES

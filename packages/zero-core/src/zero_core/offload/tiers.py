@@ -32,7 +32,7 @@ from enum import Enum
 
 import torch
 
-from .group_layout import GroupLayout
+from ..group_layout import GroupLayout
 
 
 class Tier(Enum):

@@ -1,5 +1,5 @@
 """Reading a sharded checkpoint folder: where it is, its index, and any range of the
-elements of any parameter, from whichever shards hold them (see zero_core.checkpoint for
+elements of any parameter, from whichever shards hold them (see zero_core.checkpoint.save_load for
 the layout). Used by the engine's load and by zero-consolidate alike.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .flat_layout import Range
+from ..flat_layout import Range
 from .safetensors_file import CorruptFileError, TensorFile, WrittenFile
-from .sharded_state import ShardPiece
+from .sharded_state import MasterPiece
 
 FORMAT = "zero-checkpoint"
 VERSION = 1
@@ -110,7 +110,7 @@ class CheckpointReader:
                 saved.setdefault(i, []).append((rank, start, stop, offset))
         return saved
 
-    def fill(self, target: torch.Tensor, needed: list[ShardPiece], group: int, name: str) -> None:
+    def fill(self, target: torch.Tensor, needed: list[MasterPiece], group: int, name: str) -> None:
         """Copy into ``target`` (flat) each needed piece of ``group`` from the saved tensor
         ``name`` (``master.G`` or ``state.G.KEY``) of the ranks whose pieces overlap it."""
         saved = self.saved_pieces(group)
@@ -132,7 +132,7 @@ class CheckpointReader:
     def read_whole(self, group: int, param: int, numel: int, name: str) -> torch.Tensor:
         """All ``numel`` elements of parameter ``param`` of ``group`` from tensor ``name``."""
         value = torch.empty(numel, device="cpu")  # a consolidated copy lives on the host
-        self.fill(value, [ShardPiece(param, Range(0, numel), 0)], group, name)
+        self.fill(value, [MasterPiece(param, Range(0, numel), 0)], group, name)
         return value
 
 

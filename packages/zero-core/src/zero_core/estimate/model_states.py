@@ -12,7 +12,7 @@ parameters on N data-parallel ranks (Rajbhandari et al. 2019, Figure 1):
 
 Paper check, Ψ = 7.5e9, N = 64, K = 12: 120, 31.4, 16.6 and 1.9 GB (1 GB = 1e9 bytes).
 
-Tiers (ZeRO-Offload, ZeRO-Infinity; zero_core.offload_tiers). With S the rank's shard of
+Tiers (ZeRO-Offload, ZeRO-Infinity; zero_core.offload.tiers). With S the rank's shard of
 the model states (Ψ / N at stages 1-3), a fraction f of S in the ``offload_optimizer`` tier,
 s = K - 4 the optimizer's own state bytes (K for float32 parameters, which are their own
 master without offload) and p, g the parameter and gradient bytes, one rank holds
@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
+from ..config.zero_config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
 
 STAGES = (0, 1, 2, 3)
 TIERS = ("none", "cpu", "disk")

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .offload_tiers import TileSpec
 from .swap_file import SwapFile, aligned_empty
+from .tiers import TileSpec
 
 MASTER = "master"
 

@@ -1,12 +1,12 @@
 """What one rank holds of the training state, as plain data: the contract between an engine
 (:meth:`Engine.sharded_state`, :meth:`Engine.load_sharded_state`) and whatever
-saves or restores it (zero_core.checkpoint), which needs nothing else of the engine.
+saves or restores it (zero_core.checkpoint.save_load), which needs nothing else of the engine.
 
 Per optimizer group, the rank's float32 master is a flat tensor that the optimizer steps
 in *tiles* (views, in order; one tile at stage 0, one per bucket slice at stages 1-3),
 and the master and every optimizer state as large as it are laid out by *pieces*:
 
-    ShardPiece(param=i, elements=Range(a, b), offset=o)
+    MasterPiece(param=i, elements=Range(a, b), offset=o)
         elements [a, b) of parameter i of the group (flattened) sit at [o, o + b - a)
 
     16 elements, 2 parameters (p0: 10, p1: 6), N = 2, one bucket, no padding:
@@ -27,11 +27,11 @@ from torch import nn
 from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint
 
-from .config import ZeroConfig
-from .flat_layout import Range
+from ..config.zero_config import ZeroConfig
+from ..flat_layout import Range
 
 
-class ShardPiece(NamedTuple):
+class MasterPiece(NamedTuple):
     """Elements ``elements`` of parameter ``param`` (its index in the group) at
     ``offset`` in the rank's flat master of that group."""
 
@@ -51,7 +51,7 @@ class ShardedGroupState:
     Adam's step); empty dicts before the first step."""
 
     params: list[tuple[str, tuple[int, ...]]]  # name and shape of each parameter
-    pieces: list[ShardPiece]
+    pieces: list[MasterPiece]
     master_tiles: list[tuple[torch.Tensor, slice]]
     tile_states: list[dict[str, Any]]
     options: dict[str, Any]  # the param group's hyper-parameters (lr, betas, ...)
@@ -83,7 +83,7 @@ class ShardedState:
 
 
 class Checkpointable(Protocol):
-    """What zero_core.checkpoint uses of an engine."""
+    """What zero_core.checkpoint.save_load uses of an engine."""
 
     comm: Communicator
     shard_comm: Communicator  # the ranks the states are partitioned over (comm, or a group)

@@ -36,7 +36,7 @@ import torch
 
 from zero_comm import Communicator
 
-from .checkpoint_arena import CheckpointArena
+from .activation_arena import CheckpointArena
 
 
 class _Kept:

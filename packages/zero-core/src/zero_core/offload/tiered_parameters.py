@@ -27,10 +27,10 @@ import torch
 
 from zero_comm import Communicator
 
-from .group_layout import GroupLayout
-from .offload_tiers import Tier, host_empty
+from ..group_layout import GroupLayout
 from .partial_blocks import PartialBlocks
 from .swap_file import SwapFile, aligned_empty
+from .tiers import Tier, host_empty
 
 BLOCK = "shard"
 

@@ -17,14 +17,14 @@ import torch
 
 from zero_comm import Communicator
 
-from .config import ZeroConfig
-from .group_layout import GroupLayout
-from .offload_tiers import Tier, TileSpec, plan_tiles
-from .offloaded_masters import OffloadedMasters
-from .param_table import ParamTable
-from .parameter_shards import ParameterShards
+from ..config.zero_config import ZeroConfig
+from ..group_layout import GroupLayout
+from ..param_table import ParamTable
+from .masters import OffloadedMasters
 from .swap_file import SwapSpaceError, check_offload_dir
 from .swapped_tiles import SwappedTiles
+from .tiered_parameters import ParameterShards
+from .tiers import Tier, TileSpec, plan_tiles
 
 # Bytes per master element a disk tile needs: the float32 master and two float32 states
 # (Adam's); an optimizer with more states makes its files when it first steps.

@@ -34,7 +34,8 @@ import torch
 
 from zero_comm.determinism import fingerprint_differences
 
-from .checkpoint_reader import (
+from ..flat_layout import Range
+from .reader import (
     FORMAT,
     INDEX,
     INDEX_CHECKSUM,
@@ -45,9 +46,8 @@ from .checkpoint_reader import (
     index_checksum,
     shard_name,
 )
-from .flat_layout import Range
 from .safetensors_file import CorruptFileError, write_file
-from .sharded_state import Checkpointable, ShardedGroupState, ShardedState, ShardPiece
+from .sharded_state import Checkpointable, MasterPiece, ShardedGroupState, ShardedState
 
 __all__ = ["CheckpointError", "DeterminismWarning", "load", "save"]
 
@@ -368,7 +368,7 @@ def _fill_master(reader: CheckpointReader, group: ShardedGroupState, g: int) -> 
             b = min(stop, piece.offset + piece.elements.size)
             if a < b:
                 first = piece.elements.start + a - piece.offset
-                inside.append(ShardPiece(piece.param, Range(first, first + b - a), a - start))
+                inside.append(MasterPiece(piece.param, Range(first, first + b - a), a - start))
         reader.fill(tile, inside, g, f"master.{g}")
 
 

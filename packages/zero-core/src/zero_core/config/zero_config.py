@@ -189,7 +189,7 @@ class ZeroConfig:
         disk, give the C heap's free pages back to the system at the end of the build and
         of the first two optimizer steps, and after a later step (applied or skipped, not
         a micro-step) when the heap has grown (glibc's ``malloc_trim``; the rule is
-        zero_core.host_heap.StepHeapRelease): without it, resident memory can grow step
+        zero_core.memory.host_heap.StepHeapRelease): without it, resident memory can grow step
         after step with pages the allocator holds but nobody uses. Steps that reuse the
         heap as it is do not release, since each released page costs
         a fault when touched again. A no-op with another C library.
@@ -428,7 +428,7 @@ DEEPSPEED_KEYS: dict[str, str | dict[str, str | None]] = {
     "gradient_clipping": "clip_grad_norm",
     "zero_allow_untested_optimizer": "allow_untested_optimizer",
 }
-# Read by zero_core.deepspeed_config (they configure the training loop, not the engine).
+# Read by zero_core.config.deepspeed_json (they configure the training loop, not the engine).
 TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "scheduler")
 # Accepted and without effect here: logging and profiling, and what zero_core always does
 # (contiguous buckets, reduce-scatter) or does its own way.
@@ -490,7 +490,7 @@ def canonical_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
 def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The ZeroConfig settings of a DeepSpeed config's engine keys, and one line for each
     key accepted without effect (or whose "auto" means zero_core's default). The
-    trainer's keys (TRAINER_KEYS) are skipped: zero_core.deepspeed_config reads them."""
+    trainer's keys (TRAINER_KEYS) are skipped: zero_core.config.deepspeed_json reads them."""
     config = canonical_deepspeed(config)
     out: dict[str, Any] = {}
     notes: list[str] = []

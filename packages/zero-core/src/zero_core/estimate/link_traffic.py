@@ -38,8 +38,8 @@ from fractions import Fraction
 
 from zero_comm import BlockQuantizer, CommStats, Topology
 
-from .param_gatherer import backward_head_length
-from .zeropp import GRADIENT_BLOCK_NUMEL, WEIGHT_BLOCK_NUMEL
+from ..param_gatherer import backward_head_length
+from ..zeropp import GRADIENT_BLOCK_NUMEL, WEIGHT_BLOCK_NUMEL
 
 
 @dataclass(frozen=True)

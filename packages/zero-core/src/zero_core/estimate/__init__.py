@@ -1,0 +1,9 @@
+"""Predictions from formulas: memory per rank and link traffic per step, before a run.
+
+    model_states.py  model-state bytes per rank of each stage (the paper's formulas)
+    activations.py   activation bytes of a GPT-2-style step from its shape
+    link_traffic.py  bytes a step sends over intra- and inter-node links
+    command.py       zero-estimate, the command line over the three
+
+Sits above the engine: nothing outside estimate/ imports it but the package's front door.
+"""
