@@ -122,7 +122,7 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
     elif where == "step":
         engine.optimizer.register_step_pre_hook(lambda *_: die(folder))
     elif where == "save":
-        from zero_core.checkpoint import save_load as checkpoint
+        from zero_core.checkpoint import writer as checkpoint
 
         write = checkpoint.write_file
 

@@ -9,9 +9,10 @@
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
 """
 
+from .checkpoint.format import CheckpointError
+from .checkpoint.loader import DeterminismWarning
 from .checkpoint.reader import complete_checkpoint
 from .checkpoint.safetensors_file import read_state_dict
-from .checkpoint.save_load import CheckpointError, DeterminismWarning
 from .checkpoint.sharded_state import ShardedState
 from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import AVAILABLE_STAGES, ZeroConfig

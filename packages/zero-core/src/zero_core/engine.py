@@ -20,7 +20,7 @@ One step, for every stage, in this order (the order is part of the bit-for-bit c
 The engine runs this protocol only. Where each state lives and which collectives move it
 is its components' business, chosen by the stage's frozen StagePolicy (stage_policy):
 
-    Engine
+    Engine (its parts built in one place: builder.build_engine_parts)
       slots       ParamTable            one ParamSlot per trainable parameter (param_table)
       layouts     [GroupLayout]         per optimizer group: buckets, each rank's shard
       parameters  ReplicatedParameters  whole, views of bucket buffers (replicated_params)
@@ -48,12 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint, current_fingerprint
 
+from .builder import EngineParts, close_components
+from .checkpoint.format import CheckpointError
+from .checkpoint.loader import load as load_checkpoint
 from .checkpoint.sharded_state import ShardedGroupState, ShardedState
-from .components import build_components, close_components, refuse_eager_state_on_disk
-from .config.zero_config import ZeroConfig
+from .checkpoint.writer import save as save_checkpoint
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .gradient_checks import (
@@ -62,54 +63,41 @@ from .gradient_checks import (
     first_nonfinite_message,
     model_parallel_rows,
 )
-from .hybrid_sharding import hybrid_groups, secondary_group
-from .init_values import InitValues
 from .initial_state import whole_tensors
-from .loss_scaler import LossScaler, NoLossScaler
-from .master_weights import MasterWeights
 from .memory.host_heap import StepHeapRelease, release_free_heap
 from .memory.report import MemoryReport, tensor_bytes
-from .model_parallel import ModelParallel
-from .optimizer_in_backward import BackwardStepper
-from .optimizer_spec import ParamGroups
-from .param_table import ParamTable
-from .reduce_scattered_gradients import ReduceScatteredGradients
 from .reduced_gradient import pieces_of
-from .stage_policy import ParameterPlacement, StagePolicy
-from .zeropp import gradient_quantization, weight_quantizer
+from .stage_policy import ParameterPlacement
 
 
 class Engine:
     """A model, its optimizer and a communicator, trained as one data-parallel replica."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        groups: ParamGroups,
-        config: ZeroConfig,
-        comm: Communicator,
-        policy: StagePolicy,
-        model_parallel: ModelParallel | None = None,
-        init_values: InitValues | None = None,
-    ) -> None:
-        self.model_parallel = model_parallel
-        self.module = module
-        self.config = config
-        self.comm = comm
-        self.groups = groups
-        self.policy = policy
-        self.dtype = config.param_dtype
-        self.loss_scaler: LossScaler = (
-            LossScaler(
-                config.loss_scale or config.initial_loss_scale,
-                dynamic=config.loss_scale == 0,
-                window=config.loss_scale_window,
-                hysteresis=config.hysteresis,
-                minimum=config.min_loss_scale,
-            )
-            if self.dtype is torch.float16
-            else NoLossScaler()
-        )
+    def __init__(self, parts: EngineParts) -> None:
+        """Takes what builder.build_engine_parts built and wired (zero_core.initialize
+        does both); only the training loop's counters start here."""
+        self.module = parts.module
+        self.config = parts.config
+        self.comm = parts.comm
+        self.policy = parts.policy
+        self.model_parallel = parts.model_parallel
+        self.dtype = parts.config.param_dtype
+        self.loss_scaler = parts.loss_scaler
+        self.slots = parts.slots
+        self.hybrid = parts.hybrid  # hybrid sharding's groups, or None
+        self.shard_comm = parts.shard_comm  # the ranks the states are partitioned over
+        self.secondary = parts.secondary  # hpZ: stage 3's backward gathers stay in it
+        # Declared here, with their layouts; see component_contracts for when each is called.
+        self.layouts = parts.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
+        self.parameters = parts.parameters  # compute params: whole views, or shard + gatherer
+        self.gradients = parts.gradients  # whole all-reduced, or this rank's reduced slice
+        self.masters = parts.masters  # float32 shard per group; tiles the optimizer steps
+        self.optimizer = parts.optimizer
+        # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
+        self.backward_stepper = parts.backward_stepper
+        self._module_hooks = parts.module_hooks
+        self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
+        self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self.micro_steps = 0
         self._said_step_without_backward = False  # step() with nothing to apply: said once
         self.micro_step_label = ""
@@ -119,39 +107,6 @@ class Engine:
         # A learning-rate scheduler over self.optimizer that step() advances after every
         # applied update (a DeepSpeed config's; or set your own); saved in checkpoints.
         self.lr_scheduler: Any = None
-        split = model_parallel.sharded if model_parallel is not None else ()
-        self.slots = ParamTable(module, groups.params, split)
-        self._frozen = [not p.requires_grad for p in module.parameters()]
-        # Hybrid sharding: states over a shard group, replicated across groups (issue 16).
-        self.hybrid = hybrid_groups(comm, config)
-        # The ranks this engine's states are partitioned over: comm, or its shard group.
-        self.shard_comm = comm if self.hybrid is None else self.hybrid.shard
-        # hpZ: stage 3's backward gathers stay inside this group (one node).
-        self.secondary = secondary_group(comm, config, self.hybrid)
-        # ZeRO++'s qgZ reduces the gradients, qwZ codes the parameter gathers.
-        quantized_gradients = gradient_quantization(comm, config)
-        built = build_components(
-            module, self.slots, policy, config, comm, self.dtype, init_values, self.hybrid,
-            self.secondary, quantized_gradients, weight_quantizer(config),
-        )  # fmt: skip
-        # Declared here, with their layouts; see each module's docstring.
-        self.layouts = built.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
-        self.parameters = built.parameters  # compute params: whole views, or shard + gatherer
-        self.gradients = built.gradients  # whole all-reduced, or this rank's reduced slice
-        self.masters = built.masters  # float32 shard per group; tiles the optimizer steps
-        self._module_hooks = built.module_hooks
-        self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
-        self.optimizer = groups.build([[tile for tile, _ in tiles] for tiles in self.masters.tiles])
-        refuse_eager_state_on_disk(self.masters, self.optimizer)
-        # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
-        self.backward_stepper: BackwardStepper | None = None
-        if config.optimizer_in_backward:
-            assert isinstance(self.gradients, ReduceScatteredGradients)
-            assert isinstance(self.masters, MasterWeights)
-            self.backward_stepper = BackwardStepper(
-                comm, config, self.gradients, self.masters, self.optimizer,
-                self.parameters.take_master_values, model_parallel,
-            )  # fmt: skip
         self._step_heap_release = StepHeapRelease()
         if self._heap_release_on():
             release_free_heap()  # the build's temporaries (whole values, full buffers)
@@ -356,6 +311,12 @@ class Engine:
             skipped_steps=self.skipped_steps,
             loss_scaler=self.loss_scaler.state_dict(),
             lr_scheduler=None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            stage=self.config.stage,
+            param_dtype=self.dtype,
+            fingerprint=self.fingerprint(),
+            whole=self.whole_tensors(),
+            aliases=self.tied_parameter_names(),
+            first_replica=self.shard_comm.rank == self.comm.rank,
         )
 
     def load_sharded_state(self, state: ShardedState) -> None:
@@ -385,10 +346,13 @@ class Engine:
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """Collective: write a sharded checkpoint to directory ``path``, atomically (see
-        zero_core.checkpoint.save_load). ``extra`` (JSON values, e.g. the data position) comes back
-        from :meth:`load`. Call it after ``step()``."""
-        from .checkpoint.save_load import CheckpointError, save
-
+        zero_core.checkpoint.writer). ``extra`` (JSON values, e.g. the data position) comes
+        back from :meth:`load`. Call it after ``step()``."""
+        if self.micro_steps:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
+                "without step(): save at an accumulation boundary, after step()"
+            )
         if self.model_parallel is not None and self.model_parallel.comm.world_size > 1:
             # Every data-parallel group would write its own slices into one folder under
             # the same file names: refused, never a checkpoint mixed from two of them.
@@ -397,15 +361,18 @@ class Engine:
                 f"({self.model_parallel.comm.world_size} model-parallel ranks) is not "
                 "supported yet: checkpoints hold data-parallel shards only"
             )
-        save(self, path, extra)
+        save_checkpoint(self.sharded_state(), self.comm, path, extra)
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Collective: restore the state saved at ``path`` by any world size and stage;
         returns the ``extra`` given to :meth:`save`. Raises CheckpointError naming the
         file for a missing, corrupt or mismatched checkpoint."""
-        from .checkpoint.save_load import load
-
-        return load(self, path)
+        state = self.sharded_state()
+        extra = load_checkpoint(
+            state, self.comm, path
+        )  # fills state's views of this engine in place
+        self.load_sharded_state(state)
+        return extra
 
     def fingerprint(self) -> Fingerprint:
         """What this rank's bits depend on now (torch build, BLAS, CPU, threads, ...): two

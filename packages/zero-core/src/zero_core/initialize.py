@@ -10,6 +10,7 @@ from torch import nn
 
 from zero_comm import Communicator
 
+from .builder import build_engine_parts
 from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import ZeroConfig
 from .engine import Engine
@@ -77,7 +78,8 @@ def initialize(
         model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
     )
     policy = POLICIES[config.stage]
-    engine = Engine(model, groups, config, comm, policy, model_parallel, init_values)
+    parts = build_engine_parts(model, groups, config, comm, policy, model_parallel, init_values)
+    engine = Engine(parts)
     if setup is not None:
         engine.lr_scheduler = setup.build_scheduler(engine.optimizer)
         if setup.no_effect and comm.rank == 0:

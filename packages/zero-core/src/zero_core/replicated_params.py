@@ -34,17 +34,18 @@ from torch import nn
 
 from zero_comm import Communicator, Handle
 
+from .component_contracts import ParametersAlwaysWhole
 from .config.zero_config import ZeroConfig
 from .group_layout import GroupLayout, piece_numel
 from .init_values import become
-from .master_weights import VisitsTiles
 from .param_table import ParamSlot, ParamTable
 
 InFlight = tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
-class ReplicatedParameters:
-    """Whole parameters on every rank, as views of per-bucket buffers."""
+class ReplicatedParameters(ParametersAlwaysWhole):
+    """Whole parameters on every rank, as views of per-bucket buffers (what they have
+    nothing to do for: ParametersAlwaysWhole)."""
 
     def __init__(
         self,
@@ -212,39 +213,9 @@ class ReplicatedParameters:
                     "model before zero_core.initialize"
                 )
 
-    # The parameters are whole already: nothing to gather for the user, nothing to free.
-    def gather_for_user(self, slots: list[ParamSlot]) -> None:
-        return None
-
-    def release_for_user(self, slots: list[ParamSlot]) -> None:
-        return None
-
-    def after_write_back(self, masters: VisitsTiles) -> None:
-        return None  # the whole parameters hold what the user wrote
-
     def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         return self.buckets[group][bucket]
 
     def report_tensors(self, module: nn.Module) -> list[torch.Tensor]:
         """What the memory report counts as parameters: every parameter, whole."""
         return list(module.parameters())
-
-    # Backward needs nothing of whole parameters.
-    def before_backward(self) -> None:
-        return None
-
-    def end_backward(self) -> None:
-        return None
-
-    def gradient_arrived(self, slot: ParamSlot) -> None:
-        return None
-
-    def reduce_order(self) -> tuple[list[int], list[str]] | None:
-        return None
-
-    # Whole parameters stay on the device: no tier, nothing to close.
-    host_bytes = 0
-    disk_bytes = 0
-
-    def close(self) -> None:
-        return None

@@ -212,6 +212,10 @@ class ShardedParameters:
         frozen = [p for p in module.parameters() if self.slots.get(p) is None]
         return [*self.store.device_tensors(), *fulls, *frozen]
 
+    def backward_head_numel(self) -> int:
+        """Elements kept gathered from forward into backward (the gatherer's backward head)."""
+        return sum(self.gatherer.backward_head_numels())
+
     @property
     def host_bytes(self) -> int:
         return self.store.host_bytes

@@ -2,10 +2,13 @@
 
     sharded_state.py    ShardedState: what one rank holds, as plain data (the engine's side
                         of the contract)
-    save_load.py        save and load over a ShardedState
+    writer.py           save(state, comm, path): the layout, written atomically
+    loader.py           load(state, comm, path): any world size and stage, into a state
+    format.py           names, format marks and the index checksum, writer's and readers'
     reader.py           the checkpoint folder: where it is, its index, any range of the shards
     safetensors_file.py safetensors files written as a stream, read by byte range, checksummed
     consolidate.py      zero-consolidate: a sharded checkpoint to one plain state dict
 
-Depends on config/ and flat_layout only; the engine's modules import it, never the reverse.
+Depends on flat_layout and zero_comm only; the engine's modules import it, never the
+reverse: save and load receive plain data and call nothing back.
 """

@@ -19,7 +19,8 @@ import torch
 
 from ..command_line import CommandLineParser
 from ..config.zero_config import SHORT_DTYPE_NAMES
-from .reader import CheckpointError, CheckpointReader
+from .format import CheckpointError
+from .reader import CheckpointReader
 from .safetensors_file import CorruptFileError, write_stream
 
 DTYPES = SHORT_DTYPE_NAMES

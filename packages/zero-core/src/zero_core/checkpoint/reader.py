@@ -1,5 +1,5 @@
 """Reading a sharded checkpoint folder: where it is, its index, and any range of the
-elements of any parameter, from whichever shards hold them (see zero_core.checkpoint.save_load for
+elements of any parameter, from whichever shards hold them (see writer.py for
 the layout). Used by the engine's load and by zero-consolidate alike.
 """
 
@@ -8,29 +8,23 @@ from __future__ import annotations
 import json
 import math
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..flat_layout import Range
+from .format import (
+    FORMAT,
+    INDEX,
+    INDEX_CHECKSUM,
+    VERSION,
+    CheckpointError,
+    index_checksum,
+    shard_name,
+)
 from .safetensors_file import CorruptFileError, TensorFile, WrittenFile
 from .sharded_state import MasterPiece
-
-FORMAT = "zero-checkpoint"
-VERSION = 1
-INDEX_CHECKSUM = "index_crc32"  # the index's own checksum (index_checksum), since 2026-12
-INDEX = "index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this engine: missing, incomplete, corrupt,
-    or saved from another model; the message names the file and what is wrong."""
-
-
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
 
 
 def complete_checkpoint(folder: Path) -> Path | None:
@@ -161,14 +155,6 @@ def _read_index(folder: Path) -> dict[str, Any]:
             "from a copy, or use another checkpoint"
         )
     return index
-
-
-def index_checksum(index: dict[str, Any]) -> int:
-    """CRC-32 of the index's contents (without its own checksum), key order aside: the
-    index tells a reader where every tensor is and what shape it has, so an edit to it
-    could otherwise load wrong values without an error. Indexes written before it was
-    recorded are read without it, checked for their shape only."""
-    return zlib.crc32(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _is_int(value: Any) -> bool:

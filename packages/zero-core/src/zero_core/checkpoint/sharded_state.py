@@ -1,6 +1,6 @@
 """What one rank holds of the training state, as plain data: the contract between an engine
-(:meth:`Engine.sharded_state`, :meth:`Engine.load_sharded_state`) and whatever
-saves or restores it (zero_core.checkpoint.save_load), which needs nothing else of the engine.
+(:meth:`Engine.sharded_state`, :meth:`Engine.load_sharded_state`) and whatever saves or
+restores it (writer.save, loader.load), which read this and the communicator, nothing else.
 
 Per optimizer group, the rank's float32 master is a flat tensor that the optimizer steps
 in *tiles* (views, in order; one tile at stage 0, one per bucket slice at stages 1-3),
@@ -19,15 +19,12 @@ Stage 0 ranks all hold the whole master (``replicated``): one copy is enough to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
-from zero_comm import Communicator
 from zero_comm.determinism import Fingerprint
 
-from ..config.zero_config import ZeroConfig
 from ..flat_layout import Range
 
 
@@ -70,34 +67,23 @@ class ShardedGroupState:
 
 @dataclass
 class ShardedState:
-    """This rank's whole training state, apart from what every rank holds whole
-    (frozen parameters and buffers: :meth:`Engine.whole_tensors`)."""
+    """This rank's whole training state, and what a checkpoint records of how it was made.
+
+    ``whole``: what every rank holds whole (frozen parameters and buffers, by state-dict
+    name; :meth:`Engine.whole_tensors`), the engine's own tensors, not copies.
+    ``first_replica``: this rank writes its slices; False on the later replicas of a
+    hybrid-sharding shard group, which hold the same slices."""
 
     groups: list[ShardedGroupState]
     replicated: bool  # every rank holds the same master and states (stage 0)
     optimizer: str  # the optimizer's class name
     global_steps: int
     skipped_steps: int
+    stage: int
+    param_dtype: torch.dtype  # the compute dtype
+    fingerprint: Fingerprint  # what this rank's bits depend on (zero_comm.determinism)
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> first name
+    first_replica: bool = True
     loss_scaler: dict[str, float | int] = field(default_factory=dict)
     lr_scheduler: dict[str, Any] | None = None  # the scheduler's state_dict(), if any
-
-
-class Checkpointable(Protocol):
-    """What zero_core.checkpoint.save_load uses of an engine."""
-
-    comm: Communicator
-    shard_comm: Communicator  # the ranks the states are partitioned over (comm, or a group)
-    config: ZeroConfig
-    dtype: torch.dtype
-    module: nn.Module
-    micro_steps: int
-
-    def sharded_state(self) -> ShardedState: ...
-
-    def load_sharded_state(self, state: ShardedState) -> None: ...
-
-    def whole_tensors(self) -> dict[str, torch.Tensor]: ...
-
-    def tied_parameter_names(self) -> dict[str, str]: ...
-
-    def fingerprint(self) -> Fingerprint: ...

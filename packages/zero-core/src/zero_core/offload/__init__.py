@@ -8,5 +8,5 @@
     swap_file.py          a preallocated swap file in checksummed blocks
     partial_blocks.py     blocks written piece by piece, sent to a swap file when whole
 
-Built by components.py; imports the core's layouts and master weights, never the engine.
+Built by builder.py; imports the core's layouts and master weights, never the engine.
 """

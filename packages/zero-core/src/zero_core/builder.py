@@ -1,4 +1,16 @@
-"""Build an engine's components as its StagePolicy chooses them.
+"""Build everything an Engine runs, in one place, as its StagePolicy and config choose.
+
+build_engine_parts(module, groups, config, comm, policy) -> EngineParts, collective:
+
+    loss scaler     float16: dynamic or static; else none
+    slots           ParamTable: one ParamSlot per trainable parameter
+    groups of ranks hybrid sharding's shard/replica groups, hpZ's secondary group
+    codecs          ZeRO++: qgZ reduces gradient buckets, qwZ codes stage 3's gathers
+    components      (build_components below, typed by component_contracts)
+    optimizer       the user's optimizer class over the master tiles
+    fused step      optimizer_in_backward: a BackwardStepper, wired to the bucket reducer
+
+The engine receives the parts and wires nothing itself. Components, in build order:
 
 slots --plan_units (sharded parameters)--> fetch unit per slot
       --policy.group_layout-------------> GroupLayout per optimizer group
@@ -12,6 +24,8 @@ module hooks (stage 3)
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -21,14 +35,17 @@ from zero_comm import BlockQuantizer, Communicator
 from zero_comm.hierarchy import HybridGroups
 
 from .allreduced_gradients import AllReducedGradients
+from .component_contracts import GradientComponent, MasterComponent, ParameterComponent
 from .config.zero_config import ZeroConfig
 from .fetch_units import plan_units
 from .grad_reducer import ScatterReduction
 from .group_layout import GroupLayout
-from .hybrid_sharding import gradient_reduction
+from .hybrid_sharding import gradient_reduction, hybrid_groups, secondary_group
 from .init_values import InitValues
 from .initial_state import take_initial_state
+from .loss_scaler import LossScaler, NoLossScaler
 from .master_weights import MasterWeights
+from .model_parallel import ModelParallel
 from .offload.build import (
     build_offloaded_masters,
     build_parameter_shards,
@@ -37,18 +54,121 @@ from .offload.build import (
     swap_folder,
 )
 from .offload.masters import OffloadedMasters
+from .optimizer_in_backward import BackwardStepper
+from .optimizer_spec import ParamGroups
 from .param_table import ParamSlot, ParamTable
 from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters
 from .sharded_params import ShardedParameters
 from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
+from .zeropp import gradient_quantization, weight_quantizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What an Engine runs, built and wired (build_engine_parts); see engine.py for
+    how each is used. ``shard_comm``: the ranks the states are partitioned over (``comm``,
+    or hybrid sharding's shard group); ``secondary``: stage 3's hpZ group, or None."""
+
+    module: nn.Module
+    config: ZeroConfig
+    comm: Communicator
+    policy: StagePolicy
+    model_parallel: ModelParallel | None
+    loss_scaler: LossScaler | NoLossScaler
+    slots: ParamTable
+    hybrid: HybridGroups | None
+    shard_comm: Communicator
+    secondary: Communicator | None
+    layouts: list[GroupLayout]
+    parameters: ParameterComponent
+    gradients: GradientComponent
+    masters: MasterComponent
+    module_hooks: list[Any]
+    optimizer: torch.optim.Optimizer
+    backward_stepper: BackwardStepper | None
+
+
+def build_engine_parts(
+    module: nn.Module,
+    groups: ParamGroups,
+    config: ZeroConfig,
+    comm: Communicator,
+    policy: StagePolicy,
+    model_parallel: ModelParallel | None = None,
+    init_values: InitValues | None = None,
+) -> EngineParts:
+    """Collective over ``comm`` (the data-parallel world): every part, in the order above."""
+    dtype = config.param_dtype
+    split = model_parallel.sharded if model_parallel is not None else ()
+    slots = ParamTable(module, groups.params, split)
+    hybrid = hybrid_groups(comm, config)  # states over a shard group, replicated across
+    secondary = secondary_group(comm, config, hybrid)  # hpZ: backward gathers in one node
+    components = build_components(
+        module, slots, policy, config, comm, dtype, init_values, hybrid, secondary,
+        gradient_quantization(comm, config), weight_quantizer(config),
+    )  # fmt: skip
+    masters = components.masters
+    optimizer = groups.build([[tile for tile, _ in tiles] for tiles in masters.tiles])
+    refuse_eager_state_on_disk(masters, optimizer)
+    stepper = None
+    if config.optimizer_in_backward:  # ZeroConfig allows it only where these hold
+        gradients, fused_masters = components.gradients, components.masters
+        assert isinstance(gradients, ReduceScatteredGradients)
+        assert isinstance(fused_masters, MasterWeights)
+        stepper = BackwardStepper(
+            comm, config, gradients, fused_masters, optimizer,
+            components.parameters.take_master_values, model_parallel,
+        )  # fmt: skip
+        gradients.reducer.on_reduced = stepper.bucket_reduced  # each bucket, as it lands
+    log.debug(
+        "rank %d: stage %d, %s parameters, %s gradients, %s masters, %s%s",
+        comm.rank, config.stage, type(components.parameters).__name__,
+        type(components.gradients).__name__, type(masters).__name__, type(optimizer).__name__,
+        ", optimizer in backward" if stepper is not None else "",
+    )  # fmt: skip
+    return EngineParts(
+        module=module,
+        config=config,
+        comm=comm,
+        policy=policy,
+        model_parallel=model_parallel,
+        loss_scaler=loss_scaler(config),
+        slots=slots,
+        hybrid=hybrid,
+        shard_comm=comm if hybrid is None else hybrid.shard,
+        secondary=secondary,
+        layouts=components.layouts,
+        parameters=components.parameters,
+        gradients=components.gradients,
+        masters=masters,
+        module_hooks=components.module_hooks,
+        optimizer=optimizer,
+        backward_stepper=stepper,
+    )
+
+
+def loss_scaler(config: ZeroConfig) -> LossScaler | NoLossScaler:
+    """float16's loss scaler as configured (a fixed ``loss_scale``, or dynamic when it is
+    0); other dtypes need none."""
+    if config.param_dtype is not torch.float16:
+        return NoLossScaler()
+    return LossScaler(
+        config.loss_scale or config.initial_loss_scale,
+        dynamic=config.loss_scale == 0,
+        window=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+        minimum=config.min_loss_scale,
+    )
 
 
 class Components(NamedTuple):
     layouts: list[GroupLayout]
-    parameters: ReplicatedParameters | ShardedParameters
-    gradients: AllReducedGradients | ReduceScatteredGradients
-    masters: MasterWeights | OffloadedMasters
+    parameters: ParameterComponent
+    gradients: GradientComponent
+    masters: MasterComponent
     module_hooks: list[Any]
 
 
@@ -95,8 +215,13 @@ def build_components(
     slots.place(layouts, shard_rank)
     tiles = master_plan(layouts, config)
     check_space(config, tiles, layouts, dtype, world)
+    log.debug(
+        "rank %d: %d groups, %d buckets, %d elements per rank's shard, bucket_numel %d",
+        world.rank, len(layouts), sum(len(lay.buckets) for lay in layouts),
+        sum(lay.shard_numel for lay in layouts), config.bucket_numel,
+    )  # fmt: skip
     folder = swap_folder(config, world.rank)  # replicas share a shard rank, not a folder
-    parameters: ReplicatedParameters | ShardedParameters
+    parameters: ReplicatedParameters | ShardedParameters  # concrete: owned_slices below
     if plan is not None:
         store = build_parameter_shards(layouts, slots, shard_rank, config, comm, dtype, folder)
         parameters = ShardedParameters(
@@ -104,7 +229,7 @@ def build_components(
         )
     else:
         parameters = ReplicatedParameters(slots, layouts, dtype, comm, config)
-    masters: MasterWeights | OffloadedMasters
+    masters: MasterComponent
     if tiles is not None:
         masters = build_offloaded_masters(layouts, slots, shard_rank, config, comm, tiles, folder)
     else:
@@ -120,12 +245,12 @@ def build_components(
     take_initial_state(module, slots, init_values, world, dtype, keep)
     parameters.finish_build()
     masters.finish_fill()
-    gradients: AllReducedGradients | ReduceScatteredGradients
+    gradients: GradientComponent
     per_micro_step, at_boundary = gradient_reduction(hybrid, config)
     if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
         gradients = AllReducedGradients(slots, layouts, dtype, comm, config)
     else:
-        gradients = ReduceScatteredGradients(
+        scattered = ReduceScatteredGradients(
             slots,
             layouts,
             dtype,
@@ -136,22 +261,19 @@ def build_components(
             reduction=reduction if reduction is not None else per_micro_step,
             across_replicas=None if reduction is not None else at_boundary,
         )
-        gradients.gradient_listeners.append(parameters.gradient_arrived)
+        scattered.gradient_listeners.append(parameters.gradient_arrived)
+        gradients = scattered
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)
     return Components(layouts, parameters, gradients, masters, hooks)
 
 
-def close_components(
-    masters: MasterWeights | OffloadedMasters, parameters: ReplicatedParameters | ShardedParameters
-) -> None:
+def close_components(masters: MasterComponent, parameters: ParameterComponent) -> None:
     """Remove swap files and stop I/O threads (an engine's finalizer)."""
     masters.close()
     parameters.close()
 
 
-def refuse_eager_state_on_disk(
-    masters: MasterWeights | OffloadedMasters, optimizer: torch.optim.Optimizer
-) -> None:
+def refuse_eager_state_on_disk(masters: MasterComponent, optimizer: torch.optim.Optimizer) -> None:
     """A disk tile's optimizer state must appear at its first step, not at construction."""
     if not isinstance(masters, OffloadedMasters) or masters.swap is None:
         return
