@@ -41,6 +41,7 @@ from torch import nn
 import zero_comm
 import zero_core
 from zero_comm.testing.threads import pin_test_threads
+from zero_core.component_access import disk_swap, sharded_parameters
 
 WHERE = ("forward", "backward", "collective", "step", "save", "swap")
 KILL_STEP = 3
@@ -109,7 +110,7 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
             lambda _m, _i, out: out.register_hook(lambda g: die(folder)) and None
         )
     elif where == "collective":
-        gatherer: Any = engine.parameters.gatherer  # type: ignore[attr-defined]
+        gatherer: Any = sharded_parameters(engine).gatherer
         # The one method that issues every gather (alone or coalesced); a hook on a name
         # the gatherer no longer calls left this rank alive, and the test failing.
         start = gatherer._start_gathers
@@ -132,7 +133,7 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
 
         checkpoint.write_file = write_then_die  # type: ignore[assignment]
     elif where == "swap":
-        swap: Any = engine.masters.swap  # type: ignore[union-attr]
+        swap: Any = disk_swap(engine)
         swap_write = swap.write  # the pipeline's threads call the instance's attribute
 
         def swap_write_then_die(index: int, key: str, value: torch.Tensor) -> None:

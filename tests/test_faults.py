@@ -20,6 +20,7 @@ import zero_comm
 from zero_comm import run_simulated
 from zero_comm.launch import free_port, rank_environment
 from zero_comm.testing import find_mpiexec, is_open_mpi
+from zero_core.component_access import disk_swap
 from zero_models.run_metrics import read_metrics
 
 HERE = Path(__file__).parent
@@ -119,7 +120,7 @@ def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_pa
 
     def resume_on_disk(comm: zero_comm.Communicator) -> dict[str, torch.Tensor]:
         engine = build(comm, swap)
-        fresh = engine.masters.swap.folder  # type: ignore[union-attr]
+        fresh = disk_swap(engine).folder
         assert fresh.name not in victims and any(fresh.iterdir())
         for step in range(engine.load(checkpoint)["steps"], 6):
             train_step(engine, step)

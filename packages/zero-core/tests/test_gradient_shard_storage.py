@@ -11,27 +11,29 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
+from zero_core.component_access import reduce_scattered_gradients
+from zero_core.engine import Engine
 from zero_core.reduced_gradient import ShardGradient
 
 # One Linear(64, 64) per bucket: 64 * 64 + 64 elements fit 4160.
 CASE = ParityCase(widths=(64,) * 7, bucket_numel=4160, persistence_threshold=0)
 
 
-def held_bytes(engine: object) -> int:
-    shards = engine.gradients.grad_shards  # type: ignore[attr-defined]
+def held_bytes(engine: Engine) -> int:
+    shards = reduce_scattered_gradients(engine).grad_shards
     return sum(shard.held_bytes() for shard in shards)
 
 
 def storage_by_phase(comm: Communicator, stage: int, accumulation: int) -> dict[str, list[int]]:
     case = ParityCase(**{**CASE.__dict__, "accumulation": accumulation})
     engine = build_engine(case, comm, stage)
-    whole = sum(s.nbytes() for s in engine.gradients.grad_shards)  # type: ignore[attr-defined]
+    whole = sum(s.nbytes() for s in reduce_scattered_gradients(engine).grad_shards)
     seen: dict[str, list[int]] = {"whole": [whole], "in backward": []}
 
     def in_backward(slot: object) -> None:
         seen["in backward"].append(held_bytes(engine))
 
-    engine.gradients.gradient_listeners.append(in_backward)  # type: ignore[attr-defined]
+    reduce_scattered_gradients(engine).gradient_listeners.append(in_backward)
     for step in range(2):
         for micro in range(accumulation):
             x, target = micro_batch(case, (step * accumulation + micro) * 2 + comm.rank)

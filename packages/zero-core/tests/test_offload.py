@@ -24,6 +24,7 @@ from test_checkpoint import run_steps
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_comm.simulated import SimulatedRankError
+from zero_core.component_access import disk_swap
 
 CASE = ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
                   dtype="bfloat16", bucket_numel=300, persistence_threshold=0,
@@ -64,7 +65,7 @@ def test_the_tiers_hold_what_they_say(tmp_path: Path) -> None:
         shard = plain.master_weights // 4
         assert report.disk >= shard * (4 + 4 + 4 + 2)
         assert report.parameters < plain.parameters
-        folder = engine.masters.swap.folder  # type: ignore[union-attr]
+        folder = disk_swap(engine).folder
         assert any(folder.iterdir())
         engine.close()
         assert not folder.exists(), "closing the engine removes its swap files"
@@ -79,7 +80,7 @@ def test_a_corrupt_swap_file_is_named_not_consumed(tmp_path: Path) -> None:
     def body(comm: Communicator) -> None:
         engine = build_engine(case, comm, 2)
         run_steps(engine, case, comm, 0, 1)
-        swap = engine.masters.swap  # type: ignore[union-attr]
+        swap = disk_swap(engine)
         victim = sorted(swap.folder.glob("*.exp_avg.swap"))[0]
         with open(victim, "r+b") as file:
             file.seek(8)

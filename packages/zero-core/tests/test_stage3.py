@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import zero_core
 from zero_comm import CollectiveMismatchError, Communicator, run_simulated
 from zero_comm.simulated import SimulatedRankError
+from zero_core.component_access import sharded_parameters
 from zero_core.estimate.link_traffic import backward_head_buckets
 
 
@@ -92,7 +93,7 @@ def test_a_change_of_module_order_is_detected_and_results_stay_exact() -> None:
             engine.module.order = order
             engine.backward(engine(torch.ones(2, 8)).sum())
             engine.step()
-        return engine.parameters.gatherer.order_changes  # type: ignore[attr-defined,no-any-return]
+        return sharded_parameters(engine).gatherer.order_changes
 
     changes = run_simulated(3, body, defer_outputs=True)
     assert changes[0] >= 1 and len(set(changes)) == 1
@@ -179,14 +180,14 @@ def test_the_working_set_is_bounded_by_the_configuration() -> None:
     def peak(comm: Communicator, prefetch: int, max_live: int) -> int:
         case = ParityCase(widths=widths, persistence_threshold=0)
         engine = build_engine(case, comm, 3)
-        engine.parameters.gatherer.prefetch_numel = prefetch  # type: ignore[attr-defined]
-        engine.parameters.gatherer.max_live_numel = max_live  # type: ignore[attr-defined]
-        engine.parameters.gatherer.backward_head_numel = prefetch  # type: ignore[attr-defined]
+        sharded_parameters(engine).gatherer.prefetch_numel = prefetch
+        sharded_parameters(engine).gatherer.max_live_numel = max_live
+        sharded_parameters(engine).gatherer.backward_head_numel = prefetch
         for step in range(3):
             x, target = micro_batch(case, step * 2 + comm.rank)
             engine.backward(loss_of(case, engine(x), target))
             engine.step()
-        return engine.parameters.gatherer.peak_live_numel  # type: ignore[attr-defined,no-any-return]
+        return sharded_parameters(engine).gatherer.peak_live_numel
 
     assert run_simulated(2, lambda comm: peak(comm, 0, 1 << 30))[0] <= 2 * unit
     assert run_simulated(2, lambda comm: peak(comm, 1 << 30, 3 * unit))[0] <= 3 * unit + unit
@@ -213,7 +214,7 @@ def steps_with_head(
         engine.step()
         gathered.append(comm.stats["all_gather"].buffer_elements)
         states.append(engine.full_state_dict())
-    gatherer = engine.parameters.gatherer  # type: ignore[attr-defined]
+    gatherer = sharded_parameters(engine).gatherer
     return states, gathered, gatherer.peak_live_numel, gatherer.backward_head_numels()
 
 
@@ -262,7 +263,7 @@ def test_the_head_starts_at_backwards_first_unit_that_is_not_persistent() -> Non
             x, target = micro_batch(case, step * comm.world_size + comm.rank)
             engine.backward(loss_of(case, engine(x), target))
             engine.step()
-        return engine.parameters.gatherer.backward_head_numels()  # type: ignore[attr-defined,no-any-return]
+        return sharded_parameters(engine).gatherer.backward_head_numels()
 
     assert run_simulated(2, head)[0] == [64 * 64]  # a weight; biases are whole (persistent)
 
@@ -282,7 +283,7 @@ def test_a_shard_write_releases_the_units_kept_for_backward() -> None:
                 engine.save(folder)
                 saved = engine.full_state_dict()
         engine(micro_batch(case, comm.rank)[0])  # keeps the head, no backward follows
-        assert engine.parameters.gatherer.backward_head_numels()  # type: ignore[attr-defined]
+        assert sharded_parameters(engine).gatherer.backward_head_numels()
         engine.load(folder)
         with engine.gathered_parameters():
             for name, param in engine.module.named_parameters():
@@ -385,8 +386,8 @@ def test_memory_report_counts_persistent_parameters_whole() -> None:
         engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), target))
         engine.step()
         shard = sum(layout.shard_numel for layout in engine.layouts)  # type: ignore[attr-defined]
-        plan = engine.parameters.plan  # type: ignore[attr-defined]
-        persistent = engine.parameters.gatherer.units[plan.persistent]  # type: ignore[attr-defined]
+        plan = sharded_parameters(engine).plan
+        persistent = sharded_parameters(engine).gatherer.units[plan.persistent]
         assert sorted(slot.numel for slot in persistent.slots) == [5, 129]
         return engine.memory_report().parameters, shard, persistent.numel
 

@@ -10,6 +10,7 @@ import torch
 from parity import ParityCase, build_engine, loss_of, micro_batch
 
 from zero_comm import Communicator, run_simulated
+from zero_core.component_access import reduce_scattered_gradients, sharded_parameters
 from zero_core.gather_unit import UnitState
 
 WIDTHS = (64, 64, 64, 64, 64, 64)
@@ -20,7 +21,7 @@ def unit_storage_after_its_gradients(comm: Communicator, prefetch: int) -> list[
     and no running module, but still hold storage (each entry names one)."""
     case = ParityCase(widths=WIDTHS, persistence_threshold=0)
     engine = build_engine(case, comm, 3)
-    gatherer = engine.parameters.gatherer  # type: ignore[attr-defined]
+    gatherer = sharded_parameters(engine).gatherer
     gatherer.prefetch_numel = prefetch
     outlived: list[str] = []
     checked = [0]
@@ -35,7 +36,7 @@ def unit_storage_after_its_gradients(comm: Communicator, prefetch: int) -> list[
                 outlived.append(f"{unit.label}: {unit.state.value}, {held} bytes")
 
     # After the stage's own listener (which releases the unit), as a user's would run.
-    engine.gradients.gradient_listeners.append(after_gradient)  # type: ignore[attr-defined]
+    reduce_scattered_gradients(engine).gradient_listeners.append(after_gradient)
     for step in range(3):
         x, target = micro_batch(case, step * 2 + comm.rank)
         engine.backward(loss_of(case, engine(x), target))
@@ -62,7 +63,7 @@ def pool_bytes_by_phase(comm: Communicator) -> list[tuple[str, int]]:
     def during_backward(slot: object) -> None:
         in_backward[0] = max(in_backward[0], comm.buffers.bytes_held)
 
-    engine.gradients.gradient_listeners.append(during_backward)  # type: ignore[attr-defined]
+    reduce_scattered_gradients(engine).gradient_listeners.append(during_backward)
     seen = []
     for step in range(3):
         x, target = micro_batch(case, step * 2 + comm.rank)

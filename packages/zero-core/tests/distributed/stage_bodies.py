@@ -7,6 +7,7 @@ from pathlib import Path
 
 from zero_comm import Communicator
 from zero_comm.testing.properties import run_property_in_step
+from zero_core.component_access import sharded_parameters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # parity.py lives one level up
 from parity import offloaded_parity_cases, parity_cases, stages_equal_stage0, tiers_equal_stage0
@@ -93,13 +94,13 @@ def peak_memory_of_a_step(comm: Communicator, layers: int, width: int) -> dict[s
         ),
         "bucket_numel": engine.config.bucket_numel,
         # (2 + 2 + K)Ψ/N: shards only, whatever happens to be gathered right now
-        "model_states": sum(shard.numel() * 4 for shard in engine.parameters.store.shards)  # type: ignore[union-attr]
+        "model_states": sum(shard.numel() * 4 for shard in sharded_parameters(engine).store.shards)
         + held.gradients
         + report.master_weights
         + report.optimizer_states,
         "optimizer_states": report.optimizer_states,
         "comm_buffers": report.comm_buffers,
-        "working_set": engine.parameters.gatherer.peak_live_numel * 4,  # type: ignore[attr-defined]
+        "working_set": sharded_parameters(engine).gatherer.peak_live_numel * 4,
         "whole_model": sum(p.numel() for p in model.parameters()) * 4,
     }
 
