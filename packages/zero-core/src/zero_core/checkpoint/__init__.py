@@ -9,6 +9,7 @@
     safetensors_file.py safetensors files written as a stream, read by byte range, checksummed
     consolidate.py      zero-consolidate: a sharded checkpoint to one plain state dict
 
-Depends on flat_layout and zero_comm only; the engine's modules import it, never the
-reverse: save and load receive plain data and call nothing back.
+Depends on flat_layout, config/ and command_line only (and zero_comm); the engine's
+modules import it, never the reverse: save and load receive plain data and call nothing
+back.
 """
