@@ -61,8 +61,8 @@ from .reduce_scattered_gradients import ReduceScatteredGradients
 class BackwardStepper:
     """Steps this rank's master tiles bucket by bucket as backward reduces them.
 
-    Wired as the bucket reducer's ``on_reduced`` callback (its buckets are every group's
-    buckets, group by group, in layout order)."""
+    The builder wires ``bucket_reduced`` as the bucket reducer's ``on_reduced`` callback
+    (its buckets are every group's buckets, group by group, in layout order)."""
 
     def __init__(
         self,
@@ -97,7 +97,6 @@ class BackwardStepper:
         self.options: list[dict[str, str]] = []  # each group's, when backward began
         self.landed: list[int] = []  # buckets in the order they were stepped
         self.sums: list[torch.Tensor] = []  # each one's float64 sum (on the device)
-        gradients.reducer.on_reduced = self.bucket_reduced
 
     def held_bytes(self) -> int:
         """The most gradient bytes held at once: one bucket slice (its float32 copy too,
