@@ -101,7 +101,7 @@ def saved_checkpoint(tmp: Path, config: GPTConfig) -> Path:
         model = GPT(config)
         e = zero_core.initialize(model, torch.optim.AdamW(model.parameters()),
                                  ZeroConfig(stage=2), comm)  # fmt: skip
-        e.save(folder)
+        e.save(folder.parent, tag=folder.name)
 
     run_simulated(2, body)
     return folder
@@ -438,7 +438,8 @@ def test_a_full_disk_during_a_save_names_the_intact_checkpoint(small_disk: Path)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("zero-train: error: [rank 0] saving checkpoint "), last
     assert "No space left on device" in last
-    assert f"the previous checkpoint {out / 'checkpoint'} is intact" in last
-    assert not (out / "checkpoint.saving").exists()
-    index = json.loads((out / "checkpoint" / "index.json").read_text())
+    assert f"the previous checkpoint {out / 'checkpoint' / 'global_step2'} is intact" in last
+    assert not (out / "checkpoint" / "global_step4.saving").exists()
+    assert (out / "checkpoint" / "latest").read_text().strip() == "global_step2"
+    index = json.loads((out / "checkpoint" / "global_step2" / "index.json").read_text())
     assert index["extra"]["step"] == 2

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import zero_comm
+import zero_core
 from zero_comm import run_simulated
 from zero_comm.launch import free_port, rank_environment
 from zero_comm.testing import find_mpiexec, is_open_mpi
@@ -270,7 +271,7 @@ def test_zero_train_stops_naming_a_killed_rank_and_resumes_bit_for_bit(tmp_path:
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)  # fmt: skip
     deadline = time.monotonic() + 120
-    while not (tmp_path / "a/checkpoint/index.json").exists() and time.monotonic() < deadline:
+    while not (tmp_path / "a/checkpoint/latest").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     victim = rank_pid(tmp_path / "a", 1) or rank_pid(Path("a"), 1)
     assert victim is not None
@@ -279,7 +280,9 @@ def test_zero_train_stops_naming_a_killed_rank_and_resumes_bit_for_bit(tmp_path:
     _, stderr = run.communicate(timeout=120)
     assert run.returncode != 0 and time.monotonic() - killed < 30
     assert "zero-launch: rank 1 was killed by SIGKILL" in stderr, stderr[-2000:]
-    steps = json.loads((tmp_path / "a/checkpoint/index.json").read_text())["extra"]["step"]
+    saved = zero_core.complete_checkpoint(tmp_path / "a/checkpoint")
+    assert saved is not None
+    steps = json.loads((saved / "index.json").read_text())["extra"]["step"]
     resumed = subprocess.run([*common, "--steps", str(steps + 3), "--resume", "a/checkpoint",
                               "--out", "b"], cwd=tmp_path, capture_output=True, text=True,
                              timeout=300)  # fmt: skip

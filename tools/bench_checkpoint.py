@@ -33,7 +33,10 @@ MIB = 2**20
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir())
+    """Bytes of the checkpoint saved at ``path`` (the one ``path/latest`` names)."""
+    found = zero_core.complete_checkpoint(path)
+    assert found is not None, f"no checkpoint at {path}"
+    return sum(f.stat().st_size for f in found.iterdir())
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ def train_and_save(comm: Communicator, folder: Path | None, steps: int) -> dict[
     for step in range(steps):
         run_steps(engine, CASE, comm, step, 1)
         if folder is not None:
-            engine.save(folder, extra={"steps": step + 1})
+            engine.save(folder.parent, extra={"steps": step + 1}, tag=folder.name)
     return engine.full_state_dict()
 
 

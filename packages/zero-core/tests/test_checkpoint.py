@@ -134,7 +134,7 @@ def saved_once(folder: Path, stage: int = 2, world_size: int = 2) -> None:
     def body(comm: Communicator) -> None:
         engine = build_engine(case, comm, stage)
         run_steps(engine, case, comm, 0, 1)
-        engine.save(folder)
+        engine.save(folder.parent, tag=folder.name)  # the checkpoint is ``folder`` itself
 
     run_simulated(world_size, body)
 
@@ -319,7 +319,7 @@ def test_each_rank_reads_only_the_byte_ranges_it_holds(tmp_path: Path) -> None:
     def save_body(comm: Communicator) -> None:
         engine = build_engine(case, comm, 0)
         run_steps(engine, case, comm, 0, 1)
-        engine.save(tmp_path / "ckpt")
+        engine.save(tmp_path, tag="ckpt")
 
     run_simulated(1, save_body)
     shard_bytes = (tmp_path / "ckpt" / "rank-00000.safetensors").stat().st_size

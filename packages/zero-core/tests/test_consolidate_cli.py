@@ -39,7 +39,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     def body(comm: Communicator) -> None:
         engine = build_engine(case, comm, 3)
         run_steps(engine, case, comm, 0, 1)
-        engine.save(folder)
+        engine.save(folder.parent, tag=folder.name)
 
     run_simulated(2, body)
     assert main([str(folder), str(folder.parent / "good.safetensors")]) == 0

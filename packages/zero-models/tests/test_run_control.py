@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from test_train import losses_of, run
 
+import zero_core
+
 
 def test_sigterm_saves_exits_75_and_resume_auto_continues_bit_for_bit(tmp_path: Path) -> None:
     """SLURM's preemption: SIGTERM to zero-train (which relays it to its ranks) finishes
@@ -41,7 +43,9 @@ def test_sigterm_saves_exits_75_and_resume_auto_continues_bit_for_bit(tmp_path: 
     assert job.returncode == 75, stderr[-2000:]
     assert "SIGTERM received: stopped after step" in stdout and "--resume auto" in stdout
     assert "zero-launch" not in stderr  # the ranks ended alike: no blame line
-    stopped_at = json.loads((tmp_path / "job/checkpoint/index.json").read_text())["extra"]["step"]
+    saved = zero_core.complete_checkpoint(tmp_path / "job/checkpoint")
+    assert saved is not None
+    stopped_at = json.loads((saved / "index.json").read_text())["extra"]["step"]
     assert 5 <= stopped_at < 60
     requeued = run(*common, "--out", "job", "--resume", "auto", cwd=tmp_path)
     assert requeued.returncode == 0, requeued.stderr

@@ -129,7 +129,9 @@ def test_a_short_run_on_two_ranks_trains_and_reports(tmp_path: Path) -> None:
     from zero_core.checkpoint.consolidate import main as consolidate
 
     checkpoint = tmp_path / "out" / "checkpoint"
-    assert json.loads((checkpoint / "index.json").read_text())["extra"]["step"] == 12
+    assert (checkpoint / "latest").read_text().strip() == "global_step12"
+    saved = checkpoint / "global_step12" / "index.json"
+    assert json.loads(saved.read_text())["extra"]["step"] == 12
     assert consolidate([str(checkpoint), str(tmp_path / "model.safetensors")]) == 0
     assert (tmp_path / "model.safetensors").stat().st_size > 0
     again = run("--model", "test", "--steps", "12", "--batch-size", "8", "--lr", "1e-2",

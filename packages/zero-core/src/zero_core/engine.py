@@ -43,6 +43,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from .builder import EngineParts, close_components
 from .checkpoint.format import CheckpointError
 from .checkpoint.loader import load as load_checkpoint
 from .checkpoint.sharded_state import ShardedGroupState, ShardedState
-from .checkpoint.writer import save as save_checkpoint
+from .checkpoint.tags import DEFAULT_TAG, check_tag, save_tagged
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .gradient_checks import (
@@ -344,10 +345,20 @@ class Engine:
         self.masters.visit(self.parameters.take_master_values)
         self.parameters.publish()
 
-    def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
-        """Collective: write a sharded checkpoint to directory ``path``, atomically (see
-        zero_core.checkpoint.writer). ``extra`` (JSON values, e.g. the data position) comes
-        back from :meth:`load`. Call it after ``step()``."""
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        extra: dict[str, Any] | None = None,
+        *,
+        tag: str | None = None,
+        keep_last: int | None = None,
+    ) -> Path:
+        """Collective: write a sharded checkpoint to ``path/<tag>/`` (default tag
+        ``global_step<N>``) atomically, then point ``path/latest`` at it; every other file
+        in ``path`` is left alone (zero_core.checkpoint.tags). ``keep_last=K`` removes this
+        folder's older checkpoints beyond the newest K. ``extra`` (JSON values, e.g. the
+        data position) comes back from :meth:`load`. Call it after ``step()``. Returns
+        the checkpoint's folder."""
         if self.micro_steps:
             raise RuntimeError(
                 f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
@@ -361,16 +372,20 @@ class Engine:
                 f"({self.model_parallel.comm.world_size} model-parallel ranks) is not "
                 "supported yet: checkpoints hold data-parallel shards only"
             )
-        save_checkpoint(self.sharded_state(), self.comm, path, extra)
+        tag = DEFAULT_TAG.format(steps=self.global_steps) if tag is None else tag
+        return save_tagged(self.sharded_state(), self.comm, Path(path), tag, extra, keep_last)
 
-    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Collective: restore the state saved at ``path`` by any world size and stage;
-        returns the ``extra`` given to :meth:`save`. Raises CheckpointError naming the
-        file for a missing, corrupt or mismatched checkpoint."""
+    def load(self, path: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
+        """Collective: restore the state saved at ``path`` by any world size and stage:
+        the checkpoint ``path/latest`` names, ``path/<tag>`` with ``tag``, or ``path``
+        itself when it is one checkpoint (as saved before tags). Returns the ``extra``
+        given to :meth:`save`. Raises CheckpointError naming the file for a missing,
+        corrupt or mismatched checkpoint."""
+        if tag is not None:
+            check_tag(tag)
+        folder = Path(path) if tag is None else Path(path) / tag
         state = self.sharded_state()
-        extra = load_checkpoint(
-            state, self.comm, path
-        )  # fills state's views of this engine in place
+        extra = load_checkpoint(state, self.comm, folder)  # fills the state's views in place
         self.load_sharded_state(state)
         return extra
 

@@ -49,8 +49,10 @@ DESCRIPTION = "Train a GPT with ZeRO on the default corpus, or on your data."
 
 
 def newest_checkpoint(folder: Path) -> Path | None:
-    """``folder`` if a complete checkpoint was saved there (engine.load falls back to its
-    ``.old`` twin by itself if a save was cut off while swapping them); None if not."""
+    """``folder`` if a complete checkpoint was saved there: the one ``folder/latest``
+    names, or ``folder`` itself as saved before tags (engine.load follows the same rule,
+    and falls back to a ``.old`` twin if a save was cut off while swapping); None if not.
+    Raises CheckpointError where ``latest`` names a checkpoint that is not complete."""
     return folder if zero_core.complete_checkpoint(folder) is not None else None
 
 
@@ -169,8 +171,14 @@ def parser() -> argparse.ArgumentParser:
         "--save-every",
         type=int,
         default=0,
-        help="also save a checkpoint to OUT/checkpoint every N steps (0: only at the end)",
+        help="also save a checkpoint to OUT/checkpoint/global_step<N> every N steps (0: only "
+        "at the end); OUT/checkpoint/latest names the last",
     )
+    p.add_argument(
+        "--keep-checkpoints", type=int, default=1, metavar="K",
+        help="keep the newest K checkpoints in OUT/checkpoint, removing older ones after "
+        "each save (default 1; 0 keeps every one)",
+    )  # fmt: skip
     p.add_argument(
         "--final-save", action=argparse.BooleanOptionalAction,
         help="save OUT/checkpoint after the last step, for --resume auto and "
@@ -347,6 +355,8 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
     if not 0 < args.comm_timeout < math.inf:
         p.error(f"--comm-timeout {args.comm_timeout} must be a number of seconds > 0")
+    if args.keep_checkpoints < 0:
+        p.error(f"--keep-checkpoints {args.keep_checkpoints} must be 0 (keep all) or more")
     if args.save_every < 0:
         p.error(f"--save-every {args.save_every} must be 0 (only at the end) or a number of steps")
     if args.tp > 1 and (args.save_every or args.final_save or args.resume is not None):
@@ -391,13 +401,18 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         if holder:
             p.error(busy_message(args.out, holder))
     args.fresh_after_auto = False
+    wanted = args.out / CHECKPOINT if str(args.resume) == "auto" else args.resume
+    try:
+        found_checkpoint = None if wanted is None else newest_checkpoint(wanted)
+    except zero_core.CheckpointError as exc:  # a 'latest' naming a missing checkpoint
+        p.error(f"--resume {args.resume}: {exc}")
     if str(args.resume) == "auto":
-        args.resume = newest_checkpoint(args.out / CHECKPOINT)
+        args.resume = found_checkpoint
         # No checkpoint to go on from: start over, in place of what is there (a job
         # requeued before its first save; the help's promise).
         args.fresh_after_auto = args.resume is None
-    elif args.resume is not None and newest_checkpoint(args.resume) is None:
-        p.error(f"--resume {args.resume}: no checkpoint there (no index.json)")
+    elif args.resume is not None and found_checkpoint is None:
+        p.error(f"--resume {args.resume}: no checkpoint there (no latest, no index.json)")
     if args.resume is not None:
         try:  # its index and files, before the ranks start (their values: in the load)
             CheckpointReader(args.resume).check_files()

@@ -327,7 +327,8 @@ class Trainer:
         # functions of those, so a resumed run continues bit for bit.
         extra = {"step": step + 1, "seed": self.args.seed}
         try:
-            self.engine.save(self.args.out / CHECKPOINT, extra=extra)
+            keep = self.args.keep_checkpoints or None  # 0: keep every checkpoint
+            self.engine.save(self.args.out / CHECKPOINT, extra=extra, keep_last=keep)
         except zero_core.CheckpointError as exc:
             if self.lead:
                 print(f"zero-train: error: {exc}", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
     CKPT/index.json               INDEX, carrying FORMAT, VERSION and INDEX_CHECKSUM
     CKPT/rank-00000.safetensors   shard_name(0), one per saving rank
+    DIR/latest                    LATEST: the tag (CKPT = DIR/<tag>) saved last
 
 The index's checksum is index_checksum over everything else in it.
 """
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import json
 import zlib
+from pathlib import Path
 from typing import Any
 
 FORMAT = "zero-checkpoint"
 VERSION = 1
 INDEX_CHECKSUM = "index_crc32"  # the index's own checksum (index_checksum), since 2026-12
 INDEX = "index.json"
+LATEST = "latest"  # DIR/latest: the tag of the last checkpoint saved into DIR (tags.py)
 
 
 class CheckpointError(ValueError):
@@ -33,3 +36,19 @@ def index_checksum(index: dict[str, Any]) -> int:
     could otherwise load wrong values without an error. Indexes written before it was
     recorded are read without it, checked for their shape only."""
     return zlib.crc32(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+
+
+def read_latest(folder: Path) -> str | None:
+    """The tag ``folder/latest`` names, or None where there is no such file."""
+    try:
+        tag = (folder / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (NotADirectoryError, IsADirectoryError):
+        return None
+    if not tag or "/" in tag or "\\" in tag or tag.startswith("."):
+        raise CheckpointError(
+            f"{folder / LATEST} names {tag!r}, which is not a checkpoint tag of {folder}: "
+            "write the tag of a checkpoint folder there, or load with tag=..."
+        )
+    return tag

@@ -18,9 +18,11 @@ from .format import (
     FORMAT,
     INDEX,
     INDEX_CHECKSUM,
+    LATEST,
     VERSION,
     CheckpointError,
     index_checksum,
+    read_latest,
     shard_name,
 )
 from .safetensors_file import CorruptFileError, TensorFile, WrittenFile
@@ -28,8 +30,19 @@ from .sharded_state import MasterPiece
 
 
 def complete_checkpoint(folder: Path) -> Path | None:
-    """Where the complete checkpoint saved at ``folder`` is: ``folder`` itself if it has
-    an index, else ``folder.old`` if a save was killed while swapping the two, else None."""
+    """Where the complete checkpoint saved at ``folder`` is. A folder of tags (tags.py):
+    the one ``folder/latest`` names, and a CheckpointError if that one is not complete.
+    Otherwise ``folder`` itself if it has an index, else ``folder.old`` if a save was killed
+    while swapping the two, else None."""
+    tag = read_latest(folder)
+    if tag is not None:
+        found = complete_checkpoint(folder / tag)
+        if found is None:
+            raise CheckpointError(
+                f"{folder / LATEST} names checkpoint {tag}, but {folder / tag} holds no "
+                f"complete checkpoint: load another tag (load(..., tag=...)) or restore it"
+            )
+        return found
     if (folder / INDEX).exists():
         return folder
     old = folder.with_name(folder.name + ".old")

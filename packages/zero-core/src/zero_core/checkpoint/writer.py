@@ -41,6 +41,7 @@ from .format import (
     VERSION,
     CheckpointError,
     index_checksum,
+    read_latest,
     shard_name,
 )
 from .reader import complete_checkpoint
@@ -114,7 +115,7 @@ def _write_index(staging: Path, index: dict[str, Any]) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, staging / INDEX)
-    _fsync_dir(staging)
+    fsync_dir(staging)
 
 
 def _swap_into_place(staging: Path, final: Path) -> None:
@@ -123,7 +124,7 @@ def _swap_into_place(staging: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -133,7 +134,7 @@ def _abandon(staging: Path, final: Path, failure: str, rank: int) -> None:
     (the swap is the last step and each of its renames is atomic)."""
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    intact = complete_checkpoint(final)
+    intact = complete_checkpoint(final) or _latest_in(final.parent)
     kept = f"the previous checkpoint {intact} is intact" if intact else "no earlier checkpoint"
     raise CheckpointError(
         f"[rank {rank}] saving checkpoint {final} failed on {failure}; the partial copy "
@@ -142,7 +143,7 @@ def _abandon(staging: Path, final: Path, failure: str, rank: int) -> None:
     )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -245,3 +246,11 @@ def _index(
         },
         "extra": extra or {},
     }
+
+
+def _latest_in(folder: Path) -> Path | None:
+    """The checkpoint ``folder/latest`` names (a folder of tags), if it is complete."""
+    try:
+        return complete_checkpoint(folder) if read_latest(folder) is not None else None
+    except CheckpointError:
+        return None
