@@ -322,6 +322,11 @@ def test_gathered_parameters_read_and_modify_at_every_stage(stage: int, dtype: t
             weight.data.fill_(float(comm.rank + 1))  # rank 1's values win
         after = engine.full_state_dict()
         assert torch.equal(after["a.weight"], torch.full((8, 8), 2.0))
+        with engine.gathered_parameters([weight], modifier_rank=0):  # DeepSpeed's habit
+            weight.data.fill_(float(comm.rank + 5))  # without modify=True: kept all the same
+        assert torch.equal(engine.full_state_dict()["a.weight"], torch.full((8, 8), 5.0))
+        with engine.gathered_parameters([weight], modify=True, modifier_rank=1):
+            weight.data.fill_(float(comm.rank + 1))
         assert all(torch.equal(after[k], before[k]) for k in before if k != "a.weight")
         with engine.gathered_parameters():  # every parameter, e.g. to print or save
             assert torch.equal(model.a.bias.float(), before["a.bias"].to(dtype).float())  # type: ignore[union-attr]

@@ -413,10 +413,12 @@ class Engine:
 
         With ``modify``, each rank writes its part of those parameters (and nothing else:
         the float32 master values of the others are untouched) back into the master
-        weights on exit; with ``modifier_rank``, that rank's values are broadcast first.
+        weights on exit; with ``modifier_rank``, that rank's values are broadcast first
+        (a modifier rank means ``modify``, as in DeepSpeed's ``GatheredParameters``).
         Without ``modify`` the values are for reading: changes are not kept (stage 3
         drops them on exit, the others at the next step; but float32 parameters at stages
         0-2 are master weights, so do not change them there without ``modify``)."""
+        modify = modify or modifier_rank is not None  # as DeepSpeed's GatheredParameters
         every = list(self.slots)
         wanted = every if params is None else [s for s in map(self.slots.get, params) if s]
         self.parameters.gather_for_user(wanted)
