@@ -86,6 +86,26 @@ def test_loss_backward_instead_of_engine_backward_is_named(stage: int) -> None:
     run_simulated(1, body)
 
 
+def test_loss_backward_at_stage_3_with_freed_parameters_is_named() -> None:
+    """Stage 3 frees each module's parameters after forward: a plain loss.backward() used
+    to fail inside autograd with 'setStorage: ... out of bounds for storage of size 0'."""
+
+    def body(comm: Communicator) -> None:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        engine = zero_core.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1),
+            ZeroConfig(stage=3, persistence_threshold=0), comm,
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"at stage 3.*call engine.backward\(loss\)"):
+            engine(torch.ones(2, 16)).sum().backward()
+        engine.backward(engine(torch.ones(2, 16)).sum())  # the engine goes on
+        assert engine.step()
+
+    run_simulated(2, body)
+
+
 def test_a_deleted_engine_is_not_kept_alive_by_its_hooks() -> None:
     model = torch.nn.Linear(3, 2)
     engine = run_simulated(1, lambda comm: engine_for(model, comm))[0]

@@ -93,8 +93,18 @@ def _after_module(parameters: ShardedParameters, units: Sequence[int], output: A
 
     def on_output_gradient(grad: torch.Tensor) -> None:
         alive = owner()
-        if alive is not None and alive.gatherer.phase is Pass.BACKWARD:
-            alive.gatherer.fetch(units)
+        if alive is None:
+            return
+        if alive.gatherer.phase is not Pass.BACKWARD:
+            # Backward outside engine.backward: the module's parameters were freed after
+            # forward and nothing gathers them, so autograd would fail on empty storage.
+            raise RuntimeError(
+                f"[rank {alive.comm.rank}] a backward pass outside engine.backward(loss) "
+                "(loss.backward() or torch.autograd.grad) at stage 3: its parameters are "
+                "partitioned and only engine.backward gathers them; call "
+                "engine.backward(loss)"
+            )
+        alive.gatherer.fetch(units)
 
     for tensor in _tensors(output):
         if tensor.requires_grad:
