@@ -25,7 +25,8 @@ defined next to it, built from this module's geometry buckets (``Bucket.base``):
     ReplicatedBucket   replicated_params   full_buffer (compute dtype, whole), owned
                                            (this rank's slice of it), received (count)
     GradBucket         grad_reducer        target (this rank's reduced slice), full_buffer
-                                           (stage 1's gradient bucket; None when sharded)
+                                           (stage 1's gradient bucket; None when sharded),
+                                           the reducer's staging, held, pieces_left
     MasterBucket       master_weights      values (this rank's float32 slice), tiles
     UnitBucket         gather_unit         full_buffer (a stage-3 unit's gathered bucket)
 
