@@ -75,7 +75,7 @@ def reduce_scatters_per_backward(coalesce_numel: int) -> Reduced:
         engine.backward(loss_of(case, engine(x), target))
         calls = comm.stats["reduce_scatter"].calls
         reducer = engine.gradients.reducer
-        groups, numels = reducer.groups, [slot.numel for slot in reducer.slots]
+        groups, numels = reducer.groups, [bucket.padded_numel for bucket in reducer.buckets]
         engine.close()
         return calls, groups, numels
 

@@ -50,19 +50,20 @@ def test_tiles_cover_each_bucket_slice_within_the_limit(
     def body(comm: Communicator) -> None:
         engine = build_engine(case, comm, stage)
         masters: Any = engine.masters
-        for group, (tiles, buckets) in enumerate(
-            zip(masters.tiles, masters.tile_buckets, strict=True)
-        ):
-            layout = masters.layouts[group]
+        for group, tiles in zip(masters.buckets.groups, masters.tiles, strict=True):
+            if len(group):  # each tile is listed by its bucket, in order
+                listed = [tile for bucket in group for tile, _ in bucket.tiles]
+                assert [id(t) for t in listed] == [id(tile) for tile, _ in tiles]
             covered = 0
-            for (tile, where), bucket in zip(tiles, buckets, strict=True):
-                b = layout.buckets[bucket]
-                end = b.local_offset + b.slice_numel
-                assert b.local_offset <= where.start and where.stop <= end
-                assert tile.numel() == where.stop - where.start <= tile_numel
-                assert where.start == covered or tile.numel() == 0
-                covered = where.stop
-            assert covered == layout.shard_numel
+            for bucket in group:
+                assert bucket.tiles, "every bucket slice has a tile"
+                end = bucket.local_offset + bucket.slice_numel
+                for tile, where in bucket.tiles:
+                    assert bucket.local_offset <= where.start and where.stop <= end
+                    assert tile.numel() == where.stop - where.start <= tile_numel
+                    assert where.start == covered or tile.numel() == 0
+                    covered = where.stop
+            assert covered == group.layout.shard_numel
         engine.close()
 
     with mock.patch.object(master_weights, "CPU_TILE_NUMEL", tile_numel):

@@ -104,8 +104,9 @@ def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n:
         }, "the optimizer steps a tensor that is not the parameters' storage"
         if stage in (1, 2):
             assert isinstance(engine.parameters, ReplicatedParameters)
-            for layout, buckets in zip(engine.layouts, engine.parameters.buckets, strict=True):
-                padding = [full.clone() for full in buckets]
+            groups = engine.parameters.buckets.groups
+            for layout, group in zip(engine.layouts, groups, strict=True):
+                padding = [bucket.full_buffer.clone() for bucket in group]
                 for k, flat in layout.param_places():
                     padding[k][flat.start : flat.stop] = 0.0
                 assert all(not pad.any() for pad in padding), "padding is not zero"

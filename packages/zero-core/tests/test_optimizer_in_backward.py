@@ -288,7 +288,7 @@ def reduction_events(case: ParityCase) -> list[tuple[str, int]]:
         def logged_finish() -> None:
             index = reducer._in_flight[0].members[0][0]
             finish()
-            if reducer._pieces_left[index] == 0:
+            if reducer.buckets[index].pieces_left == 0:
                 events.append(("wait", index))
 
         reducer.on_reduced, reducer._launch = logged_step, logged_launch  # type: ignore[method-assign]

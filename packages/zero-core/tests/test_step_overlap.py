@@ -177,7 +177,7 @@ def train_recording(case: ParityCase, comm: Communicator, stage: int) -> Recorde
             if engine.step():
                 states.append(engine.full_state_dict())
                 params.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-    tiles = sum(len(set(buckets)) for buckets in engine.masters.tile_buckets)
+    tiles = len(engine.masters.buckets)  # each bucket slice has its tiles
     recorded = Recorded(states, params, calls[0], tiles, engine.optimizer.state_dict())
     engine.close()
     return recorded

@@ -1,5 +1,11 @@
-"""One stage-3 fetch unit at run time: its full buffers, its parameters' views into them,
-and its state (param_gatherer drives the transitions and says what each state means)."""
+"""One stage-3 fetch unit at run time: its buckets (each with its full buffer), its
+parameters' views into them, and its state (param_gatherer drives the transitions and says
+what each state means).
+
+    unit u      | bucket (g, k): full_buffer | bucket (g, k+1): full_buffer | ...
+    gathered    every rank's slice of each bucket (all-gathered from the compute shards)
+    released    the full buffers keep their shape and views but have no storage
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch
 
 from zero_comm import Handle, QuantizedHandle
 
+from .buckets import Bucket
 from .param_table import ParamSlot
 
 
@@ -21,15 +28,20 @@ class UnitState(Enum):
 
 
 @dataclass(eq=False)
+class UnitBucket(Bucket):
+    """A bucket of a fetch unit (a unit's buckets never hold another unit's parameters):
+    ``full_buffer`` is the whole bucket, every rank's slice, in the compute dtype; it has
+    storage only while its unit is gathered (always, for the persistent unit)."""
+
+    full_buffer: torch.Tensor
+
+
+@dataclass(eq=False)
 class GatherUnit:
-    """One unit: its buckets' full buffers and (group, bucket) keys of this rank's
-    shards, its slots (and the bucket, within the unit, of each), and its run-time state."""
+    """One unit: its buckets, their slots in bucket order, and its run-time state."""
 
     label: str
-    fulls: list[torch.Tensor]
-    shards: list[tuple[int, int]]
-    slots: list[ParamSlot]
-    slot_buckets: list[int]
+    buckets: list[UnitBucket]
     persistent: bool = False
     state: UnitState = UnitState.RELEASED
     users: int = 0  # modules running now that need the unit
@@ -40,12 +52,15 @@ class GatherUnit:
     inputs: list[torch.Tensor] = field(default_factory=list)  # shards taken, while GATHERING
     views: list[torch.Tensor] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
+    slots: list[ParamSlot] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        self.slots = [slot for bucket in self.buckets for slot in bucket.slots]
         self.numel = sum(full.numel() for full in self.fulls)
         self.views = [
-            self.fulls[k][s.flat.start : s.flat.stop].view(s.shape)
-            for s, k in zip(self.slots, self.slot_buckets, strict=True)
+            bucket.full_buffer[s.flat.start : s.flat.stop].view(s.shape)
+            for bucket in self.buckets
+            for s in bucket.slots
         ]
         self.placeholders = [
             torch.full((1,), float("nan"), dtype=s.param.dtype, device=s.param.device).expand(
@@ -56,6 +71,17 @@ class GatherUnit:
         if not self.persistent:  # views are made while the storage exists, then it goes
             for full in self.fulls:
                 full.untyped_storage().resize_(0)
+
+    @property
+    def fulls(self) -> list[torch.Tensor]:
+        """Each bucket's full buffer, in order (what the all-gathers write)."""
+        return [bucket.full_buffer for bucket in self.buckets]
+
+    @property
+    def shards(self) -> list[tuple[int, int]]:
+        """(group, bucket) of each bucket, in order: which slice of this rank's compute
+        shard each all-gather reads (ParameterShards.take)."""
+        return [(bucket.group, bucket.index) for bucket in self.buckets]
 
     def expect(self, *states: UnitState, doing: str) -> None:
         """Raise unless the unit is in one of ``states``."""

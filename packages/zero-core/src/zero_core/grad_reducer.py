@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
@@ -54,6 +54,7 @@ import torch
 from zero_comm import Communicator
 
 from .backward_overlap import LaunchOrder
+from .buckets import Bucket
 from .coalescing import coalesced_groups
 from .flat_layout import Range
 from .group_layout import piece_numel
@@ -61,18 +62,28 @@ from .param_table import ParamSlot
 from .reduced_gradient import materialize
 
 
-@dataclass
-class BucketSlot:
-    """One bucket: its parameters (each slot's ``flat`` is its place in the bucket), where
-    its reduced slice goes, its staging."""
+@dataclass(eq=False)
+class GradBucket(Bucket):
+    """A gradient bucket: its slots (each one's ``flat`` is its place in the bucket), where
+    its reduced slice goes, stage 1's full gradient buffer, and the reducer's state of it
+    in this micro-step."""
 
-    numel: int  # padded bucket elements
-    slice_numel: int
-    params: list[ParamSlot]
     # slice_numel elements: this rank's accumulated gradient slice (storage may come only
-    # with the first reduced slice of a step: shard_gradient.materialize)
+    # with the first reduced slice of a step: reduced_gradient.materialize)
     target: torch.Tensor
-    persistent: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
+    full_buffer: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
+    # The elements no parameter slot covers (alignment padding, and any parameter the
+    # table does not hold): zeroed when the staging is taken. A slot's own region is
+    # written by its gradient's copy, or zeroed if it has none, so the staging is never
+    # zeroed whole.
+    padding: list[Range] = field(init=False)
+    # Run-time, from the first gradient to the last reduction of a micro-step:
+    staging: torch.Tensor | None = None  # pooled padded_numel elements (stage 1: full_buffer)
+    held: torch.Tensor | None = None  # oversized: its one parameter's gradient, reduced from here
+    pieces_left: int = 0  # its reductions in flight
+
+    def __post_init__(self) -> None:
+        self.padding = _uncovered(self.padded_numel, [slot.flat for slot in self.slots])
 
 
 class Pending(Protocol):
@@ -108,7 +119,7 @@ class BucketReducer:
     def __init__(
         self,
         comm: Communicator,
-        slots: list[BucketSlot],
+        buckets: list[GradBucket],
         dtype: torch.dtype,
         max_in_flight: int,
         launch_order: list[int] | None = None,
@@ -120,8 +131,8 @@ class BucketReducer:
         reduction: ScatterReduction | None = None,
         coalesce_numel: int = 0,
     ) -> None:
-        """``launch_order``: slot indices in the order their reduce-scatters are issued
-        (default: last slot first); ``labels``: each slot's label for the communicator's
+        """``launch_order``: bucket indices in the order their reduce-scatters are issued
+        (default: last bucket first); ``labels``: each bucket's label for the communicator's
         consistency check; ``chunk_numel``: the most elements one collective stages (buckets
         larger than this are reduced in pieces; None: never); ``overlap``: launch complete
         buckets during backward (False: all in ``finish``); ``remedy``: the advice of the
@@ -134,35 +145,28 @@ class BucketReducer:
         self.reduction: ScatterReduction = comm if reduction is None else reduction
         self.chunk_numel = chunk_numel
         self.overlap = overlap
-        self.order = LaunchOrder([slot.params for slot in slots], comm.rank, remedy, launch_order)
-        self.labels = labels or [""] * len(slots)
-        self.slots = slots
+        members = [list(bucket.slots) for bucket in buckets]
+        self.order = LaunchOrder(members, comm.rank, remedy, launch_order)
+        self.labels = labels or [""] * len(buckets)
+        self.buckets = buckets
         self.dtype = dtype
-        self._empty = torch.zeros(0, dtype=dtype, device=comm.device)  # a slot with no gradient
+        self._empty = torch.zeros(0, dtype=dtype, device=comm.device)  # a bucket with no gradient
         self.max_in_flight = max_in_flight
         # By slot index (param_table): the bucket of every parameter.
         self._bucket_of: dict[int, int] = {
-            member.index: index for index, slot in enumerate(slots) for member in slot.params
+            member.index: index for index, bucket in enumerate(buckets) for member in bucket.slots
         }
-        self._staging: list[torch.Tensor | None] = [None] * len(slots)
-        # Per bucket, the elements no parameter slot covers (alignment padding, and any
-        # parameter the table does not hold): zeroed when the staging is taken. A slot's
-        # own region is written by its gradient's copy, or zeroed if it has none, so the
-        # staging is never zeroed whole.
-        self._padding = [_uncovered(slot.numel, [m.flat for m in slot.params]) for slot in slots]
         self._in_flight: deque[Launched] = deque()
-        self._held: list[torch.Tensor | None] = [None] * len(slots)  # oversized: the gradient
-        self._pieces_left = [0] * len(slots)
         # Per bucket, the group it is reduced with (itself alone unless coalesced).
-        self._group: list[list[int]] = [[index] for index in range(len(slots))]
+        self._group: list[list[int]] = [[index] for index in range(len(buckets))]
         if chunk_numel is not None:  # a group's staging stays within the buffers' bound
             coalesce_numel = min(coalesce_numel, chunk_numel)
         if coalesce_numel > 0:
             alone = [
-                slot.persistent is not None or self._oversized(index)
-                for index, slot in enumerate(slots)
+                bucket.full_buffer is not None or self._oversized(index)
+                for index, bucket in enumerate(buckets)
             ]
-            numels = [slot.numel for slot in slots]
+            numels = [bucket.padded_numel for bucket in buckets]
             for group in coalesced_groups(self.order.order, numels, alone, coalesce_numel):
                 for index in group:
                     self._group[index] = group
@@ -187,16 +191,16 @@ class BucketReducer:
         self.order.begin()
 
     def _stage(self, index: int) -> torch.Tensor:
-        staging = self._staging[index]
+        bucket = self.buckets[index]
+        staging = bucket.staging
         if staging is None:
-            slot = self.slots[index]
-            if slot.persistent is not None:
-                staging = slot.persistent
+            if bucket.full_buffer is not None:
+                staging = bucket.full_buffer
             else:
-                staging = self.comm.buffers.take(slot.numel, self.dtype)
-                for gap in self._padding[index]:
+                staging = self.comm.buffers.take(bucket.padded_numel, self.dtype)
+                for gap in bucket.padding:
                     staging[gap.start : gap.stop].zero_()
-            self._staging[index] = staging
+            bucket.staging = staging
         return staging
 
     def grad_ready(self, member: ParamSlot) -> None:
@@ -205,11 +209,11 @@ class BucketReducer:
         index, flat, param = self._bucket_of[member.index], member.flat, member.param
         again = not self.order.arrive(member)  # raises if its bucket was launched
         if param.grad is not None and self._oversized(index):
-            held = self._held[index]
-            if again and held is not None:
-                held.add_(param.grad.reshape(-1))
+            bucket = self.buckets[index]
+            if again and bucket.held is not None:
+                bucket.held.add_(param.grad.reshape(-1))
             else:
-                self._held[index] = param.grad.reshape(-1)  # reduced from here, in pieces
+                bucket.held = param.grad.reshape(-1)  # reduced from here, in pieces
             param.grad = None
         elif param.grad is not None:
             region = self._stage(index)[flat.start : flat.stop]
@@ -266,23 +270,23 @@ class BucketReducer:
     def _oversized(self, index: int) -> bool:
         if self.chunk_numel is None:
             return False
-        slot = self.slots[index]
-        if slot.persistent is None and len(slot.params) > 1:
+        bucket = self.buckets[index]
+        if bucket.full_buffer is None and len(bucket.slots) > 1:
             # Several parameters fit bucket_numel by construction; only the alignment
             # padding can take the bucket past it. Such a bucket goes whole: the piecewise
             # path reduces from one parameter's own .grad, which would drop the others.
             return False
-        return self._width(slot) < slot.slice_numel
+        return self._width(bucket) < bucket.slice_numel
 
-    def _width(self, slot: BucketSlot) -> int:
+    def _width(self, bucket: GradBucket) -> int:
         assert self.chunk_numel is not None
-        return piece_numel(slot.numel, self.chunk_numel, self.comm.world_size)
+        return piece_numel(bucket.padded_numel, self.chunk_numel, self.comm.world_size)
 
     def _launch(self, index: int) -> None:
         if self._oversized(index):
             self._launch_in_pieces(index)
             return
-        slot = self.slots[index]
+        bucket = self.buckets[index]
         self._make_room()
         staging = self._staged_for_launch(index)
         # The first micro-step's slice is reduced straight into the target, which it would
@@ -290,22 +294,22 @@ class BucketReducer:
         # the target: a collective must not write where it reads), nor where each slice is
         # stepped and freed as it lands (on_reduced): there a slice held from launch would
         # make max_in_flight slices of the shard live at once instead of one.
-        direct = self._first and slot.persistent is None and self.on_reduced is None
+        direct = self._first and bucket.full_buffer is None and self.on_reduced is None
         if direct:
-            materialize(slot.target)
-        out = slot.target if direct else self.comm.buffers.take(slot.slice_numel, self.dtype)
+            materialize(bucket.target)
+        out = bucket.target if direct else self.comm.buffers.take(bucket.slice_numel, self.dtype)
         handle = self.reduction.reduce_scatter(
             out, staging, async_op=True, label=self.labels[index] + self._tag
         )
-        self._pieces_left[index] = 1
-        whole = Range(0, slot.slice_numel)
+        bucket.pieces_left = 1
+        whole = Range(0, bucket.slice_numel)
         members = [(index, whole, whole)]
         self._in_flight.append(Launched(handle, members, None if direct else out, None))
 
     def _staged_for_launch(self, index: int) -> torch.Tensor:
         """The bucket's staging, with zeros for the parameters that got no gradient."""
         staging = self._stage(index)
-        for member in self.slots[index].params:
+        for member in self.buckets[index].slots:
             if not self.order.has_arrived(member):  # no gradient this micro-step: zeros
                 staging[member.flat.start : member.flat.stop].zero_()
         return staging
@@ -315,17 +319,18 @@ class BucketReducer:
         stagings go side by side, rank by rank, into one send buffer and back to the pool."""
         self._make_room()
         n = self.comm.world_size
-        total = sum(self.slots[index].slice_numel for index in group)
+        total = sum(self.buckets[index].slice_numel for index in group)
         send = self.comm.buffers.take(n * total, self.dtype)
         columns = send.view(n, total)
         members, at = [], 0
         for index in group:
-            width = self.slots[index].slice_numel
+            bucket = self.buckets[index]
+            width = bucket.slice_numel
             staging = self._staged_for_launch(index)
             columns[:, at : at + width].copy_(staging.view(n, width))
             self.comm.buffers.give_back(staging)
-            self._staging[index] = None
-            self._pieces_left[index] = 1
+            bucket.staging = None
+            bucket.pieces_left = 1
             members.append((index, Range(at, at + width), Range(0, width)))
             at += width
         out = self.comm.buffers.take(total, self.dtype)
@@ -336,22 +341,21 @@ class BucketReducer:
     def _launch_in_pieces(self, index: int) -> None:
         """Reduce-scatter an oversized bucket in pieces of ``chunk_numel // N`` columns."""
         assert self.chunk_numel is not None
-        slot, n = self.slots[index], self.comm.world_size
-        if slot.persistent is not None:  # stage 1: the whole bucket, padding included
-            source, offset = slot.persistent, 0
+        bucket, n = self.buckets[index], self.comm.world_size
+        if bucket.full_buffer is not None:  # stage 1: the whole bucket, padding included
+            source, offset = bucket.full_buffer, 0
         else:
-            held = self._held[index]
-            source = held if held is not None else self._empty
-            offset = slot.params[0].flat.start  # an oversized bucket holds one parameter
-        width = self._width(slot)
-        starts = range(0, slot.slice_numel, width)
-        self._pieces_left[index] = len(starts)
+            source = bucket.held if bucket.held is not None else self._empty
+            offset = bucket.slots[0].flat.start  # an oversized bucket holds one parameter
+        width = self._width(bucket)
+        starts = range(0, bucket.slice_numel, width)
+        bucket.pieces_left = len(starts)
         for a in starts:
-            piece = Range(a, min(a + width, slot.slice_numel))
+            piece = Range(a, min(a + width, bucket.slice_numel))
             self._make_room()
             send = self.comm.buffers.take(n * piece.size, self.dtype)
             for r, row in enumerate(send.view(n, piece.size)):
-                _copy_bucket_range(row, source, offset, r * slot.slice_numel + piece.start)
+                _copy_bucket_range(row, source, offset, r * bucket.slice_numel + piece.start)
             out = self.comm.buffers.take(piece.size, self.dtype)
             label = f"{self.labels[index]}{self._tag} [{piece.start}:{piece.stop}]"
             handle = self.reduction.reduce_scatter(out, send, async_op=True, label=label)
@@ -368,24 +372,23 @@ class BucketReducer:
         launched = self._in_flight.popleft()
         launched.handle.wait()
         for index, within, piece in launched.members:
-            slot = self.slots[index]
+            bucket = self.buckets[index]
             if launched.out is not None:
                 if self._first:  # a ShardGradient piece has storage from its first slice
-                    materialize(slot.target)
-                target = slot.target[piece.start : piece.stop]
+                    materialize(bucket.target)
+                target = bucket.target[piece.start : piece.stop]
                 source = launched.out[within.start : within.stop]
                 if self._first:
                     target.copy_(source)
                 else:
                     target.add_(source)
-            self._pieces_left[index] -= 1
-            if self._pieces_left[index]:
+            bucket.pieces_left -= 1
+            if bucket.pieces_left:
                 continue
-            self._held[index] = None
-            staging = self._staging[index]
-            if staging is not None and slot.persistent is None:
-                self.comm.buffers.give_back(staging)
-            self._staging[index] = None
+            bucket.held = None
+            if bucket.staging is not None and bucket.full_buffer is None:
+                self.comm.buffers.give_back(bucket.staging)
+            bucket.staging = None
             if self.on_reduced is not None:
                 self._reduced.append(index)
         for buffer in (launched.out, launched.send):

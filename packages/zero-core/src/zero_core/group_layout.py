@@ -53,9 +53,10 @@ class LocalPiece(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """One bucket: which parameters (group indices), their layout, and where this bucket's
-    slice starts in every rank's local shard."""
+class BucketLayout:
+    """One bucket's geometry: which parameters (group indices), their layout, and where
+    this bucket's slice starts in every rank's local shard (buckets.Bucket adds the
+    slots and a component's state)."""
 
     param_indices: tuple[int, ...]
     layout: FlatLayout
@@ -70,7 +71,7 @@ class Bucket:
 class GroupLayout:
     numels: tuple[int, ...]
     world_size: int
-    buckets: tuple[Bucket, ...]
+    buckets: tuple[BucketLayout, ...]
 
     @classmethod
     def build(
@@ -128,7 +129,7 @@ class GroupLayout:
                 alignment=alignment,
                 param_alignment=alignment,
             )
-            buckets.append(Bucket(tuple(bucket_members), layout, offset))
+            buckets.append(BucketLayout(tuple(bucket_members), layout, offset))
             offset += layout.shard_numel
         return cls(tuple(numels), world_size, tuple(buckets))
 

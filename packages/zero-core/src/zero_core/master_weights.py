@@ -30,6 +30,7 @@ while the parameters gather the buckets already stepped (``step``, optimizer_par
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +38,7 @@ from torch import nn
 
 from zero_comm import Communicator
 
+from .buckets import B, Bucket, BucketTable, GroupBuckets, build_buckets
 from .checkpoint.sharded_state import MasterPiece
 from .group_layout import GroupLayout
 from .memory.report import optimizer_state_bytes, tensor_bytes
@@ -49,6 +51,17 @@ Tile = tuple[torch.Tensor, slice]  # an optimizer tensor and where it sits in th
 CPU_TILE_NUMEL = 2**18
 # Called with each tile's updated values: (group, start in the master, float32 values).
 TileVisitor = Callable[[int, int, torch.Tensor], None]
+
+
+@dataclass(eq=False)
+class MasterBucket(Bucket):
+    """A bucket's part of this rank's master: ``values`` (float32, slice_numel elements: a
+    view of the group's separate master, or the aliased compute slice) and ``tiles`` (the
+    optimizer tensors over it, in order: views of ``values``, or the group's whole master
+    when that is one tile)."""
+
+    values: torch.Tensor
+    tiles: list[Tile] = field(default_factory=list)
 
 
 class VisitsTiles(Protocol):
@@ -71,58 +84,50 @@ class MasterWeights:
         (aliased masters); None for separate float32 masters, allocated here (zeros)."""
         self.layouts = layouts
         self.tile_numel = CPU_TILE_NUMEL if device.type == "cpu" else None
-        # Per group, the bucket of each tile (tiles are in bucket order).
-        self.tile_buckets: list[list[int]] = []
         self.rank = rank
         self.aliased = aliases is not None
-        # Separate masters: one float32 tensor per group, and its bucket slices.
+        # Separate masters: one float32 tensor per group; each bucket's values view it.
         self.shards: list[nn.Parameter] = []
-        self.slices: list[list[torch.Tensor]] = []
-        if aliases is not None:
-            self.slices = aliases
-        else:
+        if aliases is None:
             for layout in layouts:
-                shard = nn.Parameter(torch.zeros(layout.shard_numel, device=device))
-                self.shards.append(shard)
-                self.slices.append(
-                    [
-                        shard.detach()[b.local_offset : b.local_offset + b.slice_numel]
-                        for b in layout.buckets
-                    ]
-                )
-        self.tiles: list[list[Tile]] = [self._tiles(g) for g in range(len(layouts))]
-        # Per group and bucket, the tiles of that bucket slice (every bucket has one at least).
-        self.bucket_tiles: list[list[list[Tile]]] = [
-            [
-                [tile for tile, k in zip(tiles, buckets, strict=True) if k == bucket]
-                for bucket in range(len(layout.buckets))
-            ]
-            for layout, tiles, buckets in zip(layouts, self.tiles, self.tile_buckets, strict=True)
-        ]
+                self.shards.append(nn.Parameter(torch.zeros(layout.shard_numel, device=device)))
+        aliased = [values for group in aliases or [] for values in group]
+
+        def master_bucket(bucket: Bucket) -> MasterBucket:
+            if aliases is not None:
+                values = aliased[bucket.position]
+            else:
+                values = self.shards[bucket.group].detach()[bucket.local_offset :]
+                values = values[: bucket.slice_numel]
+            return MasterBucket(*bucket.base(), values=values)
+
+        self.buckets: BucketTable[MasterBucket] = build_buckets(layouts, None).map(master_bucket)
+        # Per group, every tile in order (each bucket also lists its own).
+        self.tiles: list[list[Tile]] = [self._tiles(group) for group in self.buckets.groups]
         # Whether the parameters gather anything after a step (not at stage 0).
         self.sharded = any(layout.world_size > 1 for layout in layouts)
 
-    def _tiles(self, group: int) -> list[Tile]:
-        layout = self.layouts[group]
+    def _tiles(self, group: GroupBuckets[MasterBucket]) -> list[Tile]:
+        """The tiles of one group, each also listed by its bucket."""
         limit = self.tile_numel
         if (
             not self.aliased
-            and len(layout.buckets) <= 1
-            and (limit is None or layout.shard_numel <= limit)
+            and len(group) <= 1
+            and (limit is None or group.layout.shard_numel <= limit)
         ):
-            shard = self.shards[group]
-            self.tile_buckets.append([0])
-            return [(shard, slice(0, shard.numel()))]
+            shard = self.shards[group.group]
+            whole = (shard, slice(0, shard.numel()))
+            for bucket in group:  # the one bucket, if any, is stepped as the whole master
+                bucket.tiles.append(whole)
+            return [whole]
         tiles: list[Tile] = []
-        buckets: list[int] = []
-        for k, (b, values) in enumerate(zip(layout.buckets, self.slices[group], strict=True)):
-            width = limit or max(b.slice_numel, 1)
-            for a in range(0, max(b.slice_numel, 1), width):  # an empty slice: one tile
-                stop = min(a + width, b.slice_numel)
-                where = slice(b.local_offset + a, b.local_offset + stop)
-                tiles.append((nn.Parameter(values[a:stop]), where))
-                buckets.append(k)
-        self.tile_buckets.append(buckets)
+        for bucket in group:
+            width = limit or max(bucket.slice_numel, 1)
+            for a in range(0, max(bucket.slice_numel, 1), width):  # an empty slice: one tile
+                stop = min(a + width, bucket.slice_numel)
+                where = slice(bucket.local_offset + a, bucket.local_offset + stop)
+                bucket.tiles.append((nn.Parameter(bucket.values[a:stop]), where))
+            tiles += bucket.tiles
         return tiles
 
     def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
@@ -131,11 +136,10 @@ class MasterWeights:
         storage, which the parameters fill."""
         if self.aliased:
             return
+        bucket = self.buckets.of(slot)  # a parameter lies in one bucket
         for piece in slot.pieces:
-            bucket = self.layouts[slot.group].buckets[piece.bucket]
             local = piece.local_range.shift(bucket.local_offset)
-            target = self.slices[slot.group][piece.bucket]
-            target[local.start : local.stop] = value[
+            bucket.values[local.start : local.stop] = value[
                 piece.param_range.start : piece.param_range.stop
             ]
 
@@ -146,7 +150,7 @@ class MasterWeights:
     def full_values(self, comm: Communicator, slots: Iterable[ParamSlot]) -> list[torch.Tensor]:
         """Collective where the master is sharded: every slot's whole float32 value (in
         slot order, shaped like the parameter), on every rank."""
-        return full_values(comm, self.layouts, slots, lambda g, k: self.slices[g][k])
+        return full_values(comm, self.buckets, slots, lambda bucket: bucket.values)
 
     def write_back(
         self, slots: Iterable[ParamSlot], full_bucket: Callable[[int, int], torch.Tensor]
@@ -154,12 +158,11 @@ class MasterWeights:
         """For each slot, the part in this rank's shard, from the full bucket (compute
         dtype; ``full_bucket(group, bucket)``) into the master, piece by piece."""
         for slot in slots:
-            layout = self.layouts[slot.group]
+            bucket = self.buckets.of(slot)  # a parameter lies in one bucket
             for piece in slot.pieces:
-                local = piece.local_range.shift(layout.buckets[piece.bucket].local_offset)
-                values = full_bucket(slot.group, piece.bucket)
-                target = self.slices[slot.group][piece.bucket]
-                target[local.start : local.stop] = values[
+                local = piece.local_range.shift(bucket.local_offset)
+                values = full_bucket(bucket.group, bucket.index)
+                bucket.values[local.start : local.stop] = values[
                     piece.flat_range.start : piece.flat_range.stop
                 ]
 
@@ -184,10 +187,10 @@ class MasterWeights:
         ``optimizer.step()`` over every tile, then every tile handed over (not for
         aliased masters: the parameters are those values). Both give the same bits."""
         if bucket_by_bucket and self.sharded and steps_in_parts(optimizer):
-            for group, g in enumerate(gradients):
-                for bucket, b in enumerate(self.layouts[group].buckets):
-                    in_bucket = g[b.local_offset : b.local_offset + b.slice_numel]
-                    self.step_bucket(optimizer, group, bucket, in_bucket, updated)
+            for bucket in self.buckets:
+                local = bucket.local_range
+                in_bucket = gradients[bucket.group][local.start : local.stop]
+                self._step_bucket(optimizer, bucket, in_bucket, updated)
             return
         step_part(
             optimizer,
@@ -213,16 +216,24 @@ class MasterWeights:
         the part ``step(..., bucket_by_bucket=True)`` takes for each bucket, and
         optimizer_in_backward for the bucket just reduced (the optimizer must step in
         parts: optimizer_parts)."""
-        offset = self.layouts[group].buckets[bucket].local_offset
-        members = self.bucket_tiles[group][bucket]
+        self._step_bucket(optimizer, self.buckets.at(group, bucket), gradient, updated)
+
+    def _step_bucket(
+        self,
+        optimizer: torch.optim.Optimizer,
+        bucket: MasterBucket,
+        gradient: torch.Tensor,
+        updated: TileVisitor,
+    ) -> None:
+        offset, group = bucket.local_offset, bucket.group
         step_part(
             optimizer,
             [
                 (tile, gradient[(where.start or 0) - offset : (where.stop or 0) - offset])
-                for tile, where in members
+                for tile, where in bucket.tiles
             ],
         )
-        for tile, where in members:
+        for tile, where in bucket.tiles:
             updated(group, where.start or 0, tile.detach().view(-1))
 
     def visit(self, updated: TileVisitor) -> None:
@@ -281,25 +292,23 @@ def shard_pieces(layout: GroupLayout, rank: int) -> list[MasterPiece]:
 
 def full_values(
     comm: Communicator,
-    layouts: list[GroupLayout],
+    buckets: BucketTable[B],
     slots: Iterable[ParamSlot],
-    bucket_slice: Callable[[int, int], torch.Tensor],
+    bucket_slice: Callable[[B], torch.Tensor],
 ) -> list[torch.Tensor]:
     """Collective: every slot's whole float32 value (slot order, shaped like the
-    parameter), on every rank, all-gathered bucket by bucket from each rank's
-    ``bucket_slice(group, bucket)`` (float32); a layout of one rank is its own."""
-    fulls: list[list[torch.Tensor]] = []
-    for g, layout in enumerate(layouts):
-        fulls.append([])
-        for k, bucket in enumerate(layout.buckets):
-            mine = bucket_slice(g, k)
-            if layout.world_size == 1:
-                fulls[-1].append(mine)
-                continue
-            full = torch.empty(bucket.layout.padded_numel, device=mine.device)
-            comm.all_gather(full, mine)
-            fulls[-1].append(full)
-    return [fulls[s.group][s.bucket][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
+    parameter), on every rank, all-gathered bucket by bucket (in (group, bucket) order)
+    from each rank's ``bucket_slice(bucket)`` (float32); a bucket of one rank is its own."""
+    fulls: list[torch.Tensor] = []  # by bucket position
+    for bucket in buckets:
+        mine = bucket_slice(bucket)
+        if bucket.layout.world_size == 1:
+            fulls.append(mine)
+            continue
+        full = torch.empty(bucket.padded_numel, device=mine.device)
+        comm.all_gather(full, mine)
+        fulls.append(full)
+    return [fulls[buckets.of(s).position][s.flat.start : s.flat.stop].view(s.shape) for s in slots]
 
 
 def check_tile_counts(

@@ -34,13 +34,14 @@ from zero_comm import Communicator, ReduceOp
 
 from .allreduced_gradients import drop_grad_views, restore_grad_view
 from .backward_overlap import register_gradient_hooks
+from .buckets import Bucket, BucketTable, build_buckets
 from .config.zero_config import ZeroConfig
 from .grad_norm import row_sums_of_squares
-from .grad_reducer import BucketReducer, BucketSlot, ScatterReduction
+from .grad_reducer import BucketReducer, GradBucket, ScatterReduction
 from .group_layout import GroupLayout
 from .memory.report import tensor_bytes
 from .param_table import ParamSlot, ParamTable
-from .reduced_gradient import GroupGradient, ShardGradient, pieces_of
+from .reduced_gradient import GroupGradient, ShardGradient, pieces_of, unallocated
 
 
 class ReduceScatteredGradients:
@@ -70,24 +71,16 @@ class ReduceScatteredGradients:
         self.across_replicas = across_replicas
         if across_replicas is not None and not self.accumulating:
             raise ValueError("across_replicas needs gradient accumulation (it sums shards)")
-        # full buffers: per group and bucket, the full gradient (p.grad views).
-        self.grad_buckets: list[list[torch.Tensor]] = []
-        # sharded, or full buffers with accumulation: per group, this rank's shard.
+        self.buckets: BucketTable[GradBucket] = build_buckets(layouts, slots).map(self._bucket)
+        # Sharded, or full buffers with accumulation: per group, this rank's gradient shard,
+        # one piece per bucket: the buckets' targets.
         self.grad_shards: list[ShardGradient] = []
-        targets = self._full_buffer_targets() if full_buffers else self._shard_targets()
+        if not full_buffers or self.accumulating:
+            self.grad_shards = [
+                ShardGradient([b.target for b in group], [b.local_offset for b in group])
+                for group in self.buckets.groups
+            ]
         launch_order, labels = reduce_order or (None, None)
-        buckets = []
-        for g, layout in enumerate(layouts):
-            for k, bucket in enumerate(layout.buckets):
-                buckets.append(
-                    BucketSlot(
-                        bucket.layout.padded_numel,
-                        bucket.slice_numel,
-                        slots.in_bucket(g, k),
-                        targets[g][k],
-                        self.grad_buckets[g][k] if full_buffers else None,
-                    )
-                )
         # Full buffers can wait for the end of backward (a reentrant checkpoint's second
         # gradient then adds in place); sharded gradients cannot, they are freed as they come.
         overlap = config.overlap_comm or not full_buffers
@@ -97,7 +90,7 @@ class ReduceScatteredGradients:
             else ", or stage 0 or 1 with overlap_comm=False"
         )
         self.reducer = BucketReducer(
-            comm, buckets, dtype, config.max_buckets_in_flight, launch_order, labels,
+            comm, list(self.buckets), dtype, config.max_buckets_in_flight, launch_order, labels,
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
             reduction=reduction, coalesce_numel=config.coalesce_limit,
         )  # fmt: skip
@@ -110,40 +103,21 @@ class ReduceScatteredGradients:
             else []
         )
 
-    def _full_buffer_targets(self) -> list[list[torch.Tensor]]:
-        rank = self.comm.rank
-        self.grad_buckets = [
-            [
-                torch.zeros(b.layout.padded_numel, dtype=self.dtype, device=self.comm.device)
-                for b in layout.buckets
-            ]
-            for layout in self.layouts
-        ]
-        for slot in self.slots:
-            full = self.grad_buckets[slot.group][slot.bucket]
-            slot.grad_view = full[slot.flat.start : slot.flat.stop]
-        if not self.accumulating:
-            # The reduced slice lands in this rank's own part of the full gradient buffer.
-            return [
-                [
-                    grads[b.layout.shard_flat_range(rank).start :][: b.slice_numel]
-                    for b, grads in zip(layout.buckets, buckets, strict=True)
-                ]
-                for layout, buckets in zip(self.layouts, self.grad_buckets, strict=True)
-            ]
-        return self._shard_targets()
-
-    def _shard_targets(self) -> list[list[torch.Tensor]]:
-        self.grad_shards = [
-            ShardGradient.unallocated(
-                [b.slice_numel for b in layout.buckets],
-                [b.local_offset for b in layout.buckets],
-                self.dtype,
-                self.comm.device,
-            )
-            for layout in self.layouts
-        ]
-        return [shard.pieces for shard in self.grad_shards]
+    def _bucket(self, bucket: Bucket) -> GradBucket:
+        """``bucket`` with its target and, for full buffers, its full gradient buffer (zeros;
+        its slots' ``grad_view`` are views of it). The target is this rank's part of the
+        full buffer (full buffers, no accumulation), else a shard piece of its own that
+        has no storage until its first reduced slice lands (reduced_gradient)."""
+        full = None
+        if self.grads_are_views:
+            full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.comm.device)
+            for slot in bucket.slots:
+                slot.grad_view = full[slot.flat.start : slot.flat.stop]
+        if full is not None and not self.accumulating:
+            target = full[bucket.owned_range(self.comm.rank).start :][: bucket.slice_numel]
+        else:
+            target = unallocated(bucket.slice_numel, self.dtype, self.comm.device)
+        return GradBucket(*bucket.base(), target=target, full_buffer=full)
 
     def _on_gradient(self, slot: ParamSlot) -> None:
         """Hook: hand ``slot``'s gradient over (full buffers: it is in its view already,
@@ -178,9 +152,9 @@ class ReduceScatteredGradients:
         self._accepting = False
 
     def _zero_full_buffers(self) -> None:
-        for buckets in self.grad_buckets:
-            for grads in buckets:
-                grads.zero_()
+        for bucket in self.buckets:
+            if bucket.full_buffer is not None:
+                bucket.full_buffer.zero_()
 
     def float32_gradients(self) -> list[GroupGradient]:
         """Per group, this rank's accumulated gradient slice in float32: the shard itself
@@ -198,13 +172,10 @@ class ReduceScatteredGradients:
         # part of each bucket, handed over as they are (a float32 step scales them in
         # place; clear() zeroes the buffers after it). Concatenating them into one flat
         # tensor copied the whole slice every step: 129 of stage 1's 209 ms at 19M, N = 2.
-        first = 0
         gradients: list[GroupGradient] = []
-        for layout in self.layouts:
-            count = len(layout.buckets)
-            targets = [b.target for b in self.reducer.slots[first : first + count]]
-            first += count
-            offsets = [b.local_offset for b in layout.buckets]
+        for group in self.buckets.groups:
+            targets = [bucket.target for bucket in group]
+            offsets = [bucket.local_offset for bucket in group]
             gradients.append(
                 ShardGradient(targets, offsets).float()
                 if targets
@@ -261,7 +232,7 @@ class ReduceScatteredGradients:
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradient tensors (a shard's pieces have storage only from backward to step)."""
-        held = [g for buckets in self.grad_buckets for g in buckets]
+        held = [b.full_buffer for b in self.buckets if b.full_buffer is not None]
         for shard in self.grad_shards:
             held += shard.pieces
         return held
@@ -269,5 +240,5 @@ class ReduceScatteredGradients:
     def step_bytes(self) -> int:
         """Bytes the gradients take from backward to the step (the paper's gradient term:
         the shards count whole, held or not now)."""
-        full = tensor_bytes(g for buckets in self.grad_buckets for g in buckets)
+        full = tensor_bytes(b.full_buffer for b in self.buckets if b.full_buffer is not None)
         return full + sum(shard.nbytes() for shard in self.grad_shards)

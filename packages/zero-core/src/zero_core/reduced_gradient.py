@@ -39,6 +39,15 @@ def materialize(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
+def unallocated(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of ``numel`` elements with no storage yet (``materialize`` gives it some)."""
+    # torch makes no tensor of a shape its storage cannot hold; allocate, then free (one
+    # bucket slice at a time, at set-up)
+    piece = torch.empty(numel, dtype=dtype, device=device)
+    piece.untyped_storage().resize_(0)
+    return piece
+
+
 def has_storage(tensor: torch.Tensor) -> bool:
     return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
 
@@ -64,14 +73,7 @@ class ShardGradient:
         device: torch.device | str,
     ) -> ShardGradient:  # fmt: skip
         """Pieces of ``numels`` elements with no storage yet."""
-        pieces = []
-        for numel in numels:
-            # torch makes no tensor of a shape its storage cannot hold; allocate, then free
-            # (one bucket slice at a time, at set-up)
-            piece = torch.empty(numel, dtype=dtype, device=device)
-            piece.untyped_storage().resize_(0)
-            pieces.append(piece)
-        return cls(pieces, offsets)
+        return cls([unallocated(numel, dtype, device) for numel in numels], offsets)
 
     # ------------------------------------------------------------------ storage
     def release(self) -> None:

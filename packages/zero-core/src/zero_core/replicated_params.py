@@ -1,8 +1,8 @@
 """Parameters every rank holds whole (stages 0-2): views into full bucket buffers.
 
-Per group and bucket, one full buffer in the compute dtype; each parameter's ``.data`` is
-its flat range of it. Rank r owns the r-th slice of every bucket (the whole bucket where
-the layout has one rank, stage 0):
+Each bucket (a ReplicatedBucket) holds one full buffer in the compute dtype; each
+parameter's ``.data`` is its flat range of it. Rank r owns the r-th slice of every bucket
+(the whole bucket where the layout has one rank, stage 0):
 
     bucket k, N = 4, rank 1     | r0 | r1 | r2 | r3 |   parameters (compute dtype, full)
                                        ^^^^ rank 1's slice: its aliased master (float32)
@@ -25,15 +25,16 @@ the tiles arrive in: a bucket complete before an earlier one waits for it.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zero_comm import Communicator, Handle
 
+from .buckets import Bucket, BucketTable, build_buckets
 from .component_contracts import ParametersAlwaysWhole
 from .config.zero_config import ZeroConfig
 from .group_layout import GroupLayout, piece_numel
@@ -41,6 +42,18 @@ from .init_values import become
 from .param_table import ParamSlot, ParamTable
 
 InFlight = tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+@dataclass(eq=False)
+class ReplicatedBucket(Bucket):
+    """A bucket of whole parameters: its full padded buffer (compute dtype; each slot's
+    ``param_view`` is its flat range of it), this rank's slice of that buffer (``owned``,
+    a view: what an aliased master is), and how many elements of the slice were handed
+    over since the last publish (``received``; its all-gather launches at slice_numel)."""
+
+    full_buffer: torch.Tensor
+    owned: torch.Tensor
+    received: int = 0
 
 
 class ReplicatedParameters(ParametersAlwaysWhole):
@@ -60,43 +73,32 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         self.comm = comm
         self.config = config
         self.dtype = dtype
-        # Per group and bucket: the full padded buffer the parameters are views of.
-        self.buckets: list[list[torch.Tensor]] = [
-            [
-                torch.zeros(b.layout.padded_numel, dtype=dtype, device=comm.device)
-                for b in lay.buckets
-            ]
-            for lay in layouts
-        ]
-        for slot in slots:
-            full = self.buckets[slot.group][slot.bucket]
-            slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
-        self._owned = self.owned_slices()
-        # Per group, where each bucket's slice starts in the local shard (ascending).
-        self._slice_offsets = [[b.local_offset for b in lay.buckets] for lay in layouts]
-        # The buckets that are all-gathered, in launch order, and per group and bucket the
-        # elements of this rank's slice handed over since the last publish.
+        rank = comm.rank if any(lay.world_size > 1 for lay in layouts) else 0
+        self.buckets: BucketTable[ReplicatedBucket] = build_buckets(layouts, slots).map(
+            lambda bucket: self._bucket(bucket, rank)
+        )
+        # The buckets that are all-gathered, in launch order.
         self._order = [
-            (g, k)
-            for g, layout in enumerate(layouts)
-            if layout.world_size > 1
-            for k in range(len(layout.buckets))
+            bucket
+            for group in self.buckets.groups
+            if group.layout.world_size > 1
+            for bucket in group
         ]
-        self._received = [[0] * len(layout.buckets) for layout in layouts]
         self._launched = 0  # buckets of _order launched since the last publish
         self._in_flight: deque[InFlight] = deque()
+
+    def _bucket(self, bucket: Bucket, rank: int) -> ReplicatedBucket:
+        """``bucket`` with its full buffer (zeros), and its slots' parameter views of it."""
+        full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.comm.device)
+        for slot in bucket.slots:
+            slot.param_view = full[slot.flat.start : slot.flat.stop].view(slot.shape)
+        owned = full[bucket.owned_range(rank).start :][: bucket.slice_numel]
+        return ReplicatedBucket(*bucket.base(), full_buffer=full, owned=owned)
 
     def owned_slices(self) -> list[list[torch.Tensor]]:
         """Per group and bucket, this rank's slice of the full buffer (what an aliased
         master is)."""
-        rank = self.comm.rank if any(lay.world_size > 1 for lay in self.layouts) else 0
-        return [
-            [
-                full[b.layout.shard_flat_range(rank).start :][: b.slice_numel]
-                for b, full in zip(layout.buckets, fulls, strict=True)
-            ]
-            for layout, fulls in zip(self.layouts, self.buckets, strict=True)
-        ]
+        return [[bucket.owned for bucket in group] for group in self.buckets.groups]
 
     def fill(self, slot: ParamSlot, value: torch.Tensor) -> None:
         """Give ``slot``'s parameter its initial ``value`` (float32, whole, flat): the
@@ -112,34 +114,25 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         """Elements [start, start + len(values)) of this rank's master of ``group``
         (float32, updated, final for this step) into its owned slices, cast to the
         compute dtype; then the all-gathers of the buckets now complete are launched."""
-        layout, offsets = self.layouts[group], self._slice_offsets[group]
-        stop = start + values.numel()
-        # Only the buckets the range overlaps: a scan of every bucket per tile made the
-        # step quadratic in the buckets (0.25 s of GPT-2 XL's step on a GPU).
-        k = max(0, bisect.bisect_right(offsets, start) - 1)
-        while k < len(offsets) and offsets[k] < stop:
-            offset, owned = offsets[k], self._owned[group][k]
-            a, b = max(start, offset), min(stop, offset + owned.numel())
-            if a < b:
-                target = owned[a - offset : b - offset]
-                source = values[a - start : b - start]
-                if target.data_ptr() != source.data_ptr():
-                    target.copy_(source)
-                if layout.world_size > 1:
-                    self._count(group, k, b - a)
-            k += 1
+        buckets = self.buckets.groups[group]
+        for bucket, overlap in buckets.overlapping(start, start + values.numel()):
+            target = bucket.owned[overlap.shift(bucket.local_offset).start :][: overlap.size]
+            source = values[overlap.start - start :][: overlap.size]
+            if target.data_ptr() != source.data_ptr():
+                target.copy_(source)
+            if buckets.layout.world_size > 1:
+                self._count(bucket, overlap.size)
         self._launch(ready_only=True)
 
-    def _count(self, group: int, bucket: int, numel: int) -> None:
-        received = self._received[group][bucket] + numel
-        if received > self.layouts[group].buckets[bucket].slice_numel:
+    def _count(self, bucket: ReplicatedBucket, numel: int) -> None:
+        if bucket.received + numel > bucket.slice_numel:
             raise RuntimeError(
-                f"[rank {self.comm.rank}] bucket {bucket} of group {group} was handed more "
-                "master values than its slice holds since the last publish: each element "
-                "must be handed over once per publish (masters.step or masters.visit, then "
-                "parameters.publish)"
+                f"[rank {self.comm.rank}] bucket {bucket.index} of group {bucket.group} was "
+                "handed more master values than its slice holds since the last publish: "
+                "each element must be handed over once per publish (masters.step or "
+                "masters.visit, then parameters.publish)"
             )
-        self._received[group][bucket] = received
+        bucket.received += numel
 
     def publish(self) -> None:
         """Every rank's owned slices (updated by ``take_master_values``) into every
@@ -153,7 +146,8 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         while self._in_flight:
             self._finish(self._in_flight.popleft())
         self._launched = 0
-        self._received = [[0] * len(layout.buckets) for layout in self.layouts]
+        for bucket in self.buckets:
+            bucket.received = 0
         self._check_storage()
 
     def _launch(self, *, ready_only: bool) -> None:
@@ -161,24 +155,21 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         is complete (``ready_only``), or all that are left; at most
         ``max_buckets_in_flight`` stay in flight (the oldest is waited for first)."""
         while self._launched < len(self._order):
-            g, k = self._order[self._launched]
-            bucket = self.layouts[g].buckets[k]
-            if ready_only and self._received[g][k] < bucket.slice_numel:
+            bucket = self._order[self._launched]
+            if ready_only and bucket.received < bucket.slice_numel:
                 return
-            full, owned = self.buckets[g][k], self._owned[g][k]
-            for launched in self._gather_bucket(bucket.layout.padded_numel, full, owned):
+            for launched in self._gather_bucket(bucket):
                 self._in_flight.append(launched)
                 if len(self._in_flight) > self.config.max_buckets_in_flight:
                     self._finish(self._in_flight.popleft())
             self._launched += 1
 
-    def _gather_bucket(
-        self, padded_numel: int, full: torch.Tensor, master: torch.Tensor
-    ) -> Iterator[InFlight]:
+    def _gather_bucket(self, bucket: ReplicatedBucket) -> Iterator[InFlight]:
         """Launch the all-gathers of one bucket: whole, or in pieces of ``piece_numel``
         columns gathered into a pooled buffer when it is past ``bucket_numel``."""
+        full, master = bucket.full_buffer, bucket.owned
         n, size = self.comm.world_size, master.numel()
-        width = piece_numel(padded_numel, self.config.bucket_numel, n)
+        width = piece_numel(bucket.padded_numel, self.config.bucket_numel, n)
         oversized = width < size
         for a in range(0, size, width):
             b = min(a + width, size)
@@ -214,7 +205,9 @@ class ReplicatedParameters(ParametersAlwaysWhole):
                 )
 
     def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
-        return self.buckets[group][bucket]
+        """The full buffer of bucket ``bucket`` of ``group`` (what masters.write_back
+        reads)."""
+        return self.buckets.at(group, bucket).full_buffer
 
     def report_tensors(self, module: nn.Module) -> list[torch.Tensor]:
         """What the memory report counts as parameters: every parameter, whole."""

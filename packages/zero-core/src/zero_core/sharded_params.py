@@ -20,9 +20,10 @@ from torch import nn
 
 from zero_comm import BlockQuantizer, Communicator
 
+from .buckets import Bucket, build_buckets
 from .config.zero_config import ZeroConfig
 from .fetch_units import UnitPlan
-from .gather_unit import GatherUnit
+from .gather_unit import GatherUnit, UnitBucket
 from .group_layout import GroupLayout
 from .init_values import become
 from .master_weights import VisitsTiles
@@ -58,13 +59,14 @@ class ShardedParameters:
         self.config = config
         self.store = store
         self._persistent_values: dict[int, torch.Tensor] = {}  # slot index -> whole value
-        # Per unit, (group, bucket) of each of its buckets, in order.
-        self._unit_buckets: list[list[tuple[int, int]]] = [[] for _ in range(plan.count)]
-        for g, (layout, group) in enumerate(zip(layouts, slots.by_group, strict=True)):
-            for k, bucket in enumerate(layout.buckets):
-                unit = group[bucket.param_indices[0]].unit
-                assert unit is not None, "every trainable slot of stage 3 has a unit"
-                self._unit_buckets[unit].append((g, k))
+        # Every group's buckets (geometry and slots: a unit's buckets hold the full
+        # buffers), and per unit its buckets, in (group, bucket) order.
+        self.buckets = build_buckets(layouts, slots)
+        self._unit_buckets: list[list[Bucket]] = [[] for _ in range(plan.count)]
+        for bucket in self.buckets:
+            unit = bucket.slots[0].unit  # a bucket lies within one unit (fetch_units)
+            assert unit is not None, "every trainable slot of stage 3 has a unit"
+            self._unit_buckets[unit].append(bucket)
         self.gatherer: ParameterGatherer
 
     def owned_slices(self) -> list[list[torch.Tensor]]:
@@ -102,52 +104,47 @@ class ShardedParameters:
             coalesce_numel=self.config.gather_coalesce_numel,
         )
         if self.plan.persistent is not None:
-            unit = units[self.plan.persistent]
-            for slot, k in zip(unit.slots, unit.slot_buckets, strict=True):
-                value = self._persistent_values[slot.index].view(-1)
-                unit.fulls[k][slot.flat.start : slot.flat.stop] = value
+            for bucket in units[self.plan.persistent].buckets:
+                for slot in bucket.slots:
+                    value = self._persistent_values[slot.index].view(-1)
+                    bucket.full_buffer[slot.flat.start : slot.flat.stop] = value
         self._persistent_values = {}
 
     def _unit(self, index: int) -> GatherUnit:
-        """Unit ``index``: the buckets holding its slots, in (group, bucket) order."""
-        keys = self.unit_buckets(index)
-        fulls, shards, slots, slot_buckets = [], [], [], []
-        for position, (g, k) in enumerate(keys):
-            bucket = self.layouts[g].buckets[k]
-            fulls.append(
-                torch.empty(bucket.layout.padded_numel, dtype=self.dtype, device=self.comm.device)
+        """Unit ``index``: the buckets holding its slots, in (group, bucket) order, each
+        with its full buffer (freed by GatherUnit unless persistent: allocated unit by
+        unit, so no more than one unit's buffers are ever held at set-up)."""
+        buckets = [
+            UnitBucket(
+                *bucket.base(),
+                full_buffer=torch.empty(
+                    bucket.padded_numel, dtype=self.dtype, device=self.comm.device
+                ),
             )
-            shards.append((g, k))
-            for slot in self.slots.in_bucket(g, k):
-                slots.append(slot)
-                slot_buckets.append(position)
+            for bucket in self.unit_buckets(index)
+        ]
         return GatherUnit(
             f"parameters of {self.plan.names[index]}",
-            fulls,
-            shards,
-            slots,
-            slot_buckets,
+            buckets,
             persistent=index == self.plan.persistent,
         )
 
-    def unit_buckets(self, index: int) -> list[tuple[int, int]]:
-        """(group, bucket) of every bucket of unit ``index``, in order."""
+    def unit_buckets(self, index: int) -> list[Bucket]:
+        """The buckets of unit ``index``, in (group, bucket) order."""
         return self._unit_buckets[index]
 
     def reduce_order(self) -> tuple[list[int], list[str]]:
         """Gradient buckets reduced unit by unit, in reverse registration order (the order
         backward usually finishes them), the persistent unit last: the launch order of
         the bucket reducer (indices over every group's buckets) and each bucket's label."""
-        keys = [(g, k) for g, layout in enumerate(self.layouts) for k in range(len(layout.buckets))]
-        slot_of = {key: i for i, key in enumerate(keys)}
         persistent = self.plan.persistent
         units = [i for i in range(self.plan.count - 1, -1, -1) if i != persistent]
         units += [] if persistent is None else [persistent]
-        order = [slot_of[key] for index in units for key in self.unit_buckets(index)]
-        labels = [""] * len(keys)
+        order = [bucket.position for index in units for bucket in self.unit_buckets(index)]
+        labels = [""] * len(self.buckets)
         for index in range(self.plan.count):
-            for key in self.unit_buckets(index):
-                labels[slot_of[key]] = f"{self.plan.names[index]} (gradients)"
+            for bucket in self.unit_buckets(index):
+                labels[bucket.position] = f"{self.plan.names[index]} (gradients)"
         return order, labels
 
     # ------------------------------------------------------------ the step
@@ -200,10 +197,11 @@ class ShardedParameters:
 
     def full_bucket(self, group: int, bucket: int) -> torch.Tensor:
         """The gathered full buffer of bucket ``bucket`` of ``group``."""
-        slot = self.slots.by_group[group][self.layouts[group].buckets[bucket].param_indices[0]]
-        assert slot.unit is not None
-        unit = self.gatherer.units[slot.unit]
-        return unit.fulls[self.unit_buckets(slot.unit).index((group, bucket))]
+        wanted = self.buckets.at(group, bucket)
+        unit = wanted.slots[0].unit
+        assert unit is not None
+        found = (b for b in self.gatherer.units[unit].buckets if b.position == wanted.position)
+        return next(found).full_buffer
 
     def report_tensors(self, module: nn.Module) -> list[torch.Tensor]:
         """The compute shards, the units gathered now (the persistent one always) and the

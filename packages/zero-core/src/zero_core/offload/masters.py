@@ -25,6 +25,7 @@ from torch import nn
 
 from zero_comm import Communicator
 
+from ..buckets import Bucket, build_buckets
 from ..checkpoint.sharded_state import MasterPiece
 from ..group_layout import GroupLayout
 from ..master_weights import (
@@ -60,6 +61,7 @@ class OffloadedMasters:
         pin: bool,
     ) -> None:
         self.layouts = layouts
+        self.buckets = build_buckets(layouts, None)
         self.rank = rank
         self.plan = plan
         self.device = device
@@ -228,18 +230,17 @@ class OffloadedMasters:
         self.swap.read(self._disk_index[(spec.group, spec.start)], MASTER, values)
         return values
 
-    def bucket_slice(self, group: int, bucket: int) -> torch.Tensor:
-        """This rank's slice of a bucket, assembled from its tiles (float32, device)."""
-        layout_bucket = self.layouts[group].buckets[bucket]
-        start = layout_bucket.local_offset
-        out = torch.empty(layout_bucket.slice_numel, device=self.device)
-        for spec, a, b in self._overlaps(group, start, start + layout_bucket.slice_numel):
+    def bucket_slice(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's slice of ``bucket``, assembled from its tiles (float32, device)."""
+        start = bucket.local_offset
+        out = torch.empty(bucket.slice_numel, device=self.device)
+        for spec, a, b in self._overlaps(bucket.group, start, start + bucket.slice_numel):
             out[a - start : b - start] = self._read_master(spec)[a - spec.start : b - spec.start]
         return out
 
     def full_values(self, comm: Communicator, slots: Iterable[ParamSlot]) -> list[torch.Tensor]:
         """Collective where the master is sharded: every slot's whole float32 value."""
-        return full_values(comm, self.layouts, slots, self.bucket_slice)
+        return full_values(comm, self.buckets, slots, self.bucket_slice)
 
     def write_back(
         self, slots: Iterable[ParamSlot], full_bucket: Callable[[int, int], torch.Tensor]

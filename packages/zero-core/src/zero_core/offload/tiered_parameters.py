@@ -27,6 +27,7 @@ import torch
 
 from zero_comm import Communicator
 
+from ..buckets import build_buckets
 from ..group_layout import GroupLayout
 from .partial_blocks import PartialBlocks
 from .swap_file import SwapFile, aligned_empty
@@ -52,6 +53,7 @@ class ParameterShards:
         io_threads: int = 2,
     ) -> None:
         self.layouts = layouts
+        self.buckets = build_buckets(layouts, None)
         self.dtype = dtype
         self.comm = comm
         self.tier = tier
@@ -115,12 +117,11 @@ class ParameterShards:
 
     def _route(self, blocks: PartialBlocks, group: int, start: int, values: torch.Tensor) -> None:
         """Split [start, start + n) of the group's shard over its bucket slices."""
-        stop = start + values.numel()
-        for k, bucket in enumerate(self.layouts[group].buckets):
-            a = max(start, bucket.local_offset)
-            b = min(stop, bucket.local_offset + bucket.slice_numel)
-            if a < b:
-                blocks.write((group, k), a - bucket.local_offset, values[a - start : b - start])
+        for bucket, overlap in self.buckets.groups[group].overlapping(
+            start, start + values.numel()
+        ):
+            part = values[overlap.start - start :][: overlap.size]
+            blocks.write((group, bucket.index), overlap.start - bucket.local_offset, part)
 
     def _write_block(self, key: Hashable, buffer: torch.Tensor) -> None:
         assert isinstance(key, tuple)
@@ -132,25 +133,23 @@ class ParameterShards:
         aliased master is)."""
         assert self.tier is Tier.DEVICE
         return [
-            [shard[b.local_offset : b.local_offset + b.slice_numel] for b in layout.buckets]
-            for layout, shard in zip(self.layouts, self.shards, strict=True)
+            [shard[b.local_range.start : b.local_range.stop] for b in group]
+            for group, shard in zip(self.buckets.groups, self.shards, strict=True)
         ]
 
     def take(self, group: int, bucket: int) -> torch.Tensor:
         """Bucket ``bucket``'s slice of ``group``'s shard on the device, to all-gather
         from; hand it back with :meth:`give_back` once the gather is waited for."""
-        layout_bucket = self.layouts[group].buckets[bucket]
+        local = self.buckets.at(group, bucket).local_range
         if self.tier is Tier.DEVICE:
-            start = layout_bucket.local_offset
-            return self.shards[group][start : start + layout_bucket.slice_numel]
+            return self.shards[group][local.start : local.stop]
         if self.tier is Tier.HOST:
-            staged = self.comm.buffers.take(layout_bucket.slice_numel, self.dtype)
-            start = layout_bucket.local_offset
-            staged.copy_(self.shards[group][start : start + layout_bucket.slice_numel])
+            staged = self.comm.buffers.take(local.size, self.dtype)
+            staged.copy_(self.shards[group][local.start : local.stop])
             return staged
         future, host = self._pending.pop((group, bucket), (None, None))
         if future is None or host is None:
-            host = self._host_buffer(layout_bucket.slice_numel)
+            host = self._host_buffer(local.size)
             self._files[(group, bucket)].read(0, host, BLOCK)
         else:
             future.result()
@@ -167,7 +166,7 @@ class ParameterShards:
         (the disk tier only; a no-op if already reading): ``take`` then waits for it."""
         if self._pool is None or (group, bucket) in self._pending:
             return
-        host = self._host_buffer(self.layouts[group].buckets[bucket].slice_numel)
+        host = self._host_buffer(self.buckets.at(group, bucket).slice_numel)
         future = self._pool.submit(self._files[(group, bucket)].read, 0, host, BLOCK)
         self._pending[(group, bucket)] = (future, host)
 
