@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One training step, phase by phase, for ZeRO stages 0-3 (and DDP beside), timed on rank 0.
 
-    OMP_NUM_THREADS=1 zero-launch -n 2 python tools/profile_step.py --size 20m --batch 2 \\
+    OMP_NUM_THREADS=1 zero-launch -n 2 python -m tools.diagnose.profile_step --size 20m --batch 2 \\
         --stages 0 1 2 3 --ddp --markdown step.md [--json step.json] [--trace DIR]
 
 Every variant is built once, then trained step by step in interleaved rounds (stage 0,
@@ -56,7 +56,7 @@ import zero_comm
 import zero_core
 from zero_models.gpt import GPT, GPTConfig
 
-SIZES = {  # vocabulary 256 (bytes), as tools/bench_peers.py
+SIZES = {  # vocabulary 256 (bytes), as tools/peers/bench.py
     "smoke": GPTConfig(vocab_size=256, context=32, layers=2, heads=2, width=32),
     "20m": GPTConfig(vocab_size=256, context=128, layers=6, heads=8, width=512),
     "100m": GPTConfig(vocab_size=256, context=128, layers=8, heads=16, width=1024),
