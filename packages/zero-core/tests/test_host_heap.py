@@ -24,13 +24,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zero_comm.launch import free_port
+from zero_core.memory import host_heap
 from zero_core.memory.host_heap import (
     MIN_GROWTH_BYTES,
     REFERENCE_STEPS,
     StepHeapRelease,
     _malloc_trim,
 )
-from zero_core.memory import host_heap
 
 HOLES_MIB = 128  # freed below as many live MiB, before the build and again before the step
 STEADY_STEPS = 5  # steps between the build and the holes: only the first 2 may release
