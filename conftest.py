@@ -7,10 +7,15 @@ savers and trainers it starts hold only then.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from hypothesis import settings
 
 from zero_comm.testing.threads import pin_test_threads
+
+REPOSITORY = Path(__file__).resolve().parent
 
 # No per-example deadline: on a shared 2-core machine one example of a pure function took
 # 569 ms once and 4.5 ms when hypothesis retried it (a FlakyFailure). A deadline measures
@@ -38,3 +43,13 @@ def _run_from_an_empty_folder(
     by ``./nox -s train``, once made two option tests see "another run's results". Tests
     name the files they read from their own location (``Path(__file__)``)."""
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture
+def tool_env() -> dict[str, str]:
+    """The environment of a process that runs one of tools/ as a module (``python -m
+    tools.peers.bench``) from a test's empty folder: this process's, with the repository first
+    on PYTHONPATH, where ``python -m`` and the tool's own ``from tools...`` imports find the
+    package (from the repository root they find it in the working folder)."""
+    path = [str(REPOSITORY), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}

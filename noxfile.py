@@ -240,14 +240,14 @@ def slow(session: nox.Session) -> None:
 @nox.session
 def soak(session: nox.Session) -> None:
     """2,000 steps of a small GPT on 4 ranks at stage 3, twice: memory and step time flat,
-    the two runs bit-identical (tools/soak.py; arguments pass through)."""
+    the two runs bit-identical (tools/diagnose/soak.py; arguments pass through)."""
     _install(session, "numpy", packages=PACKAGES)
-    session.run("python", "tools/soak.py", *session.posargs)
+    session.run("python", "-m", "tools.diagnose.soak", *session.posargs)
 
 
 @nox.session
 def cluster(session: nox.Session) -> None:
-    """The emulated two-node cluster (tools/emulated_cluster.py): two network namespaces as
+    """The emulated two-node cluster (tools/cluster/emulated.py): two network namespaces as
     hosts, joined by a veth pair rate-limited with tc, two ranks on each, launched by
     torchrun --nnodes 2 (gloo) and by MPICH's mpiexec. Needs root (ip netns, tc); elsewhere
     every cluster test skips, printing why. Extra arguments go to pytest."""
@@ -262,7 +262,7 @@ def cluster(session: nox.Session) -> None:
     constraints.write_text(TORCH + "\n")
     session.run("python", "-m", "pip", "install", "-c", str(constraints), "deepspeed",
                 env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
-    session.run("python", "tools/bench_cluster.py", env={"DS_ACCELERATOR": "cpu"})
+    session.run("python", "-m", "tools.cluster.bench", env={"DS_ACCELERATOR": "cpu"})
 
 
 @nox.session
@@ -320,10 +320,10 @@ def bench_comm(session: nox.Session) -> None:
             ("mpi", ["mpiexec", "-n", n, "python", "-m", "mpi4py"]),
         ):
             result = str(out / f"{backend}-{n}.json")
-            session.run(*launch, "tools/bench_collectives.py", "--backend", backend,
+            session.run(*launch, "-m", "tools.micro.collectives", "--backend", backend,
                         "--json", result, *session.posargs)  # fmt: skip
             results.append(result)
-    session.run("python", "tools/bench_collectives.py", "--merge", *results)
+    session.run("python", "-m", "tools.micro.collectives", "--merge", *results)
 
 
 @nox.session
@@ -331,11 +331,11 @@ def bench(session: nox.Session) -> None:
     """Our stages 0-3 against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO 1-3 on one
     GPT, N = 2 and 4, ~20M and ~100M parameters, with the peak memory of each phase; the
     largest model each trains on 4 ranks, without and with activation checkpointing; and
-    the scaling of our stage 3 and FSDP2 over N = 1, 2, 4 (tools/bench_peers.py --all, which
-    runs tools/bench_scaling.py); writes docs/benchmarks/peers.md, scaling.md and charts.
+    the scaling of our stage 3 and FSDP2 over N = 1, 2, 4 (python -m tools.peers.bench --all,
+    which runs tools/peers/scaling.py); writes docs/benchmarks/peers.md, scaling.md and charts.
 
     About 3 hours on a 2-core machine: the launches ~45-70 min and the goal-row launches
-    ~45-65 min (bench_peers_search.LAUNCHES, GOAL_LAUNCHES), the two searches up to
+    ~45-65 min (tools.peers.search.LAUNCHES, GOAL_LAUNCHES), the two searches up to
     --search-minutes (65; each bisects to one layer, and a variant's search ends at its
     share of what is left, in proportion to its first guess), the scaling ~10 min. Parts:
     --search-only, --goal-rows-only, --scaling-only, --skip-scaling, --skip-search,
@@ -351,7 +351,7 @@ def bench(session: nox.Session) -> None:
     constraints.write_text(TORCH + "\n")
     session.run("python", "-m", "pip", "install", "-c", str(constraints), "deepspeed",
                 env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
-    session.run("python", "tools/bench_peers.py", "--all", *session.posargs,
+    session.run("python", "-m", "tools.peers.bench", "--all", *session.posargs,
                 env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
 
 
@@ -361,7 +361,7 @@ def bench_offload(session: nox.Session) -> None:
     same folder (docs/benchmarks/swap.md), the CPU optimizer step against memory bandwidth
     (docs/benchmarks/cpu-optimizer.md), and the largest GPT under a per-rank memory cap
     with and without disk offload (docs/benchmarks/offload.md). About 40 minutes on 2 cores.
-    Extra arguments go to tools/bench_offload.py: nox -s bench_offload -- --cap-mib 1024
+    Extra arguments go to tools/offload/bench.py: nox -s bench_offload -- --cap-mib 1024
     DeepSpeed (its stage 3 with CPU offload beside ours) is installed as in nox -s bench.
     """
     _install(session)
@@ -372,9 +372,9 @@ def bench_offload(session: nox.Session) -> None:
     out = Path("docs/benchmarks")
     raw = out / "offload-json"
     raw.mkdir(parents=True, exist_ok=True)
-    session.run("python", "tools/bench_swap.py", "--size-mib", "1024", "--rounds", "3",
+    session.run("python", "-m", "tools.offload.swap", "--size-mib", "1024", "--rounds", "3",
                 "--json", str(raw / "swap.json"), "--markdown", str(out / "swap.md"))  # fmt: skip
     for threads in ("1", "2"):
-        session.run("python", "tools/bench_cpu_optimizer.py", "--threads", threads, "--json",
+        session.run("python", "-m", "tools.offload.cpu_optimizer", "--threads", threads, "--json",
                     str(raw / f"cpu-optimizer-{threads}.json"))  # fmt: skip
-    session.run("python", "tools/bench_offload.py", "--out", str(out), *session.posargs)
+    session.run("python", "-m", "tools.offload.bench", "--out", str(out), *session.posargs)

@@ -2,7 +2,7 @@
 trained on one sequence a step; prints (on rank 0) glibc's free heap bytes after each step
 as JSON. Run by zero-launch with glibc's mmap threshold fixed at 1 MiB, so the blocks'
 512 KiB activations (1 x 128 x 1024 float32) come from the heap. The engine runs on a
-communicator split from the world, as tools/bench_peers.py's variants do: on the world
+communicator split from the world, as tools/peers/bench.py's variants do: on the world
 group itself the recorder grew this heap's free bytes by 10 MiB in 6 steps (6 without it),
 too little to tell apart."""
 

@@ -1,22 +1,18 @@
-"""tools/bench_cluster.py's pure parts (the schedule, the command line) and
-tools/bench_cluster_report.py's (the records, the statistics, the goals and the report).
+"""tools/cluster/bench.py's pure parts (the schedule, the command line) and
+tools/cluster/report.py's (the records, the statistics, the goals and the report).
 No cluster is built here (the benchmark itself runs in `nox -s cluster`)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-
-import bench_cluster as bc  # noqa: E402
-import bench_cluster_report as bcr  # noqa: E402
+from tools.cluster import bench as bc
+from tools.cluster import report as bcr
 
 RATE_BITS = 100e6
 
@@ -275,7 +271,7 @@ def test_a_failed_reference_launch_keeps_the_rates_measurements(
 ) -> None:
     """The reference launch runs last; if it fails (say tc refuses the rate), the report of
     the rates already measured is still written, and says why the link's cost is missing."""
-    import emulated_cluster as ec
+    from tools.cluster import emulated as ec
 
     def run_rate(args: object, rate: str, folder: Path, variants: object = None) -> object:
         if rate == bc.REFERENCE_RATE:
@@ -301,8 +297,9 @@ def test_a_peer_that_replaces_torchs_linear_for_the_process_is_refused(
     worker builds every variant in one process, so before each variant's steps it checks
     that torch's linear is in place (the DeepSpeed trainer installs its own only around
     its forward)."""
-    import bench_cluster_worker as worker
     import torch
+
+    from tools.cluster import worker
 
     worker.check_torch_linear()
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: None)

@@ -1,4 +1,4 @@
-"""tools/bench_peers.py: a tiny GPT on 2 gloo ranks runs every torch variant, and the rows hold.
+"""tools/peers/bench.py: a tiny GPT on 2 gloo ranks runs every torch variant, and the rows hold.
 
 The smoke run trains our stages 0 and 3, DDP, ZeroRedundancyOptimizer and FSDP2 (DeepSpeed is
 left out: it is installed only in the ``bench`` session, and its first run JIT-builds an op)
@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_peers.py"
+TOOL = ("-m", "tools.peers.bench")  # run as a module, with tool_env's PYTHONPATH
 VARIANTS = ("ours-0", "ours-3", "ddp", "zero-redundancy", "fsdp2")
 
 
 @pytest.mark.gloo
 @pytest.mark.timeout(120)
-def test_smoke_run_writes_every_row_and_stage0_matches_ddp(tmp_path: Path) -> None:
+def test_smoke_run_writes_every_row_and_stage0_matches_ddp(
+    tmp_path: Path, tool_env: dict[str, str]
+) -> None:
     out = tmp_path / "smoke.json"
     result = subprocess.run(
         [
@@ -36,7 +38,7 @@ def test_smoke_run_writes_every_row_and_stage0_matches_ddp(tmp_path: Path) -> No
             "-n",
             "2",
             sys.executable,
-            str(TOOL),
+            *TOOL,
             "--smoke",
             "--rounds",
             "1",
@@ -53,6 +55,7 @@ def test_smoke_run_writes_every_row_and_stage0_matches_ddp(tmp_path: Path) -> No
         text=True,
         timeout=110,
         cwd=tmp_path,
+        env=tool_env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -81,17 +84,19 @@ CHECKPOINTED = ("ours-3", "ddp", "fsdp2")
 
 @pytest.mark.gloo
 @pytest.mark.timeout(120)
-def test_checkpointed_smoke_run_agrees_and_measures_every_phase(tmp_path: Path) -> None:
+def test_checkpointed_smoke_run_agrees_and_measures_every_phase(
+    tmp_path: Path, tool_env: dict[str, str]
+) -> None:
     """--checkpoint full: our block checkpointing (zero_core) and torch's non-reentrant one
     recompute the same blocks from the same inputs, so the losses agree as without; the
     per-phase tracker gives every variant a forward, backward and step peak, each at least
     the resident memory at the phase's start and at most the block's peak."""
     out = tmp_path / "checkpointed.json"
     result = subprocess.run(
-        [sys.executable, "-m", "zero_comm.launch", "-n", "2", sys.executable, str(TOOL),
+        [sys.executable, "-m", "zero_comm.launch", "-n", "2", sys.executable, *TOOL,
          "--smoke", "--rounds", "1", "--warmup", "1", "--steps", "2", "--checkpoint", "full",
          "--variants", *CHECKPOINTED, "--json", str(out)],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path,
+        capture_output=True, text=True, timeout=110, cwd=tmp_path, env=tool_env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -110,8 +115,7 @@ def test_checkpointed_smoke_run_agrees_and_measures_every_phase(tmp_path: Path) 
 def test_stale_and_failed_launches_are_marked_in_the_report() -> None:
     """A launch that fails leaves its previous JSON behind: the report names the failure
     and marks that column as another run's, instead of showing it as this run's."""
-    sys.path.insert(0, str(TOOL.parent))
-    from bench_peers_report import provenance_warnings
+    from tools.peers.report import provenance_warnings
 
     def launch(world: int, params: int, head: str, date: str) -> dict[str, object]:
         return {"world_size": world, "model": {"parameters": params}, "git_head": head,

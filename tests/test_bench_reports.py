@@ -1,13 +1,13 @@
 """The benchmark reports of issue 17, rendered from small fabricated JSON (no launch):
 
-- peers.md (tools/bench_peers_report.py): both largest-model tables (without and with
+- peers.md (tools/peers/report.py): both largest-model tables (without and with
   activation checkpointing), the largest-model goal rows of each, met or missed by the
   figures given, and the peak-per-phase table;
-- a launch run in parts (bench_peers_search.LAUNCH_PARTS): one report, each row's ratios
+- a launch run in parts (tools.peers.search.LAUNCH_PARTS): one report, each row's ratios
   to the DDP of its own part, and the column marked so in peers.md;
-- the search's step rule (bench_peers_search.search_layers) with the finer growth used
+- the search's step rule (tools.peers.search.search_layers) with the finer growth used
   with checkpointing: it still brackets and finds the answer;
-- scaling.md (tools/bench_scaling.py): the (N, batch) launches of both series, and each
+- scaling.md (tools/peers/scaling.py): the (N, batch) launches of both series, and each
   row's prediction 16Ψ/N + activations from zero_core's estimates.
 """
 
@@ -25,13 +25,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import bench_peers_report  # noqa: E402
-import bench_peers_search  # noqa: E402
-import bench_scaling  # noqa: E402
-
-from zero_core.estimate.activations import TransformerShape, activation_bytes  # noqa: E402
+from tools.peers import report as peers_report
+from tools.peers import scaling as peers_scaling
+from tools.peers import search as peers_search
+from zero_core.estimate.activations import TransformerShape, activation_bytes
 
 MIB = 2**20
 MODEL = {"vocab_size": 256, "context": 32, "layers": 2, "heads": 2, "width": 32,
@@ -107,12 +104,12 @@ def test_peers_report_has_both_largest_tables_goal_rows_and_phase_peaks(tmp_path
     (raw / "largest-n4.json").write_text(json.dumps(search("none", without)))
     with_ = {**without, "ours-3": 340, "fsdp2": 300}  # 1.13x FSDP2: missed; 3.4x DDP: missed
     (raw / "largest-n4-checkpoint.json").write_text(json.dumps(search("full", with_)))
-    bench_peers_report.write_docs(tmp_path, raw)
+    peers_report.write_docs(tmp_path, raw)
     text = (tmp_path / "peers.md").read_text()
     assert "## Largest trainable GPT, N = 4, without activation checkpointing" in text
     assert "## Largest trainable GPT, N = 4, with activation checkpointing" in text
     rows = [line for line in text.splitlines() if line.startswith("| largest model")]
-    assert len(rows) == 2 * len(bench_peers_report.LARGEST_GOALS)
+    assert len(rows) == 2 * len(peers_report.LARGEST_GOALS)
     verdict = {(r.split("|")[1].strip(), "no checkpointing" in r): r.split("|")[-2].strip()
                for r in rows}  # fmt: skip
     assert verdict[("largest model, ours-3 >= 1.15x fsdp2", True)] == "yes"
@@ -142,7 +139,7 @@ def test_a_search_without_a_peer_says_so_and_old_launches_render_without_phases(
         del row["phase_peaks"]  # a launch written before the per-phase tracker
     (raw / "peers-smoke-n4.json").write_text(json.dumps(old))
     (raw / "largest-n4.json").write_text(json.dumps(search("none", {"ours-3": 1, "ddp": 1})))
-    bench_peers_report.write_docs(tmp_path, raw)
+    peers_report.write_docs(tmp_path, raw)
     text = (tmp_path / "peers.md").read_text()
     assert "per phase" not in text
     assert (
@@ -162,14 +159,14 @@ def test_a_launch_in_parts_merges_into_one_column_with_ratios_to_its_own_ddp(
     second["command"] = "bench part 2"
     for row in second["results"]:
         row["ratio_to_ddp"] = row["median_step_s"] / 2.0  # per round, to its own part's DDP
-    merged = bench_peers_search.merge_parts([first, second])
+    merged = peers_search.merge_parts([first, second])
     assert [r["variant"] for r in merged["results"]] == ["ours-3", "ddp", "fsdp2"]
     assert [r["ddp_median_step_s"] for r in merged["results"]] == [0.5, 0.5, 2.0]
     assert merged["part_commands"] == ["bench", "bench part 2"]
     raw = tmp_path / "peers-json"
     raw.mkdir()
     (raw / "peers-smoke-n4.json").write_text(json.dumps(merged))
-    bench_peers_report.write_docs(tmp_path, raw)
+    peers_report.write_docs(tmp_path, raw)
     text = (tmp_path / "peers.md").read_text()
     assert "ran in 2 processes" in text
     # fsdp2: 3.0 s against its own part's DDP (2.0 s) is 1.50, not 6.00 against the first's
@@ -188,35 +185,35 @@ def test_the_step_table_shows_the_spread_of_the_rounds(tmp_path: Path) -> None:
     ddp["ratio_to_ddp"] = 1.0
     single = result_row("ours-2", 0.5, 300.0, (1.0, 2.0, 3.0))
     report = launch_report(rows=[ours, older, ddp, single])
-    assert bench_peers_report.ddp_ratios(ours, report) == "2.00 (1.00) [0.86-1.21]"
-    assert bench_peers_report.ddp_ratios(older, report) == "2.00 (1.00) [0.80-1.10]"
-    assert bench_peers_report.ddp_ratios(single, report) == "1.00 (0.50)"
-    every = {v for part in bench_peers_search.launch_variants("100m", 4) for v in part}
-    assert every == set(bench_peers_search.LAUNCH_VARIANTS)
-    assert all("ddp" in part for part in bench_peers_search.launch_variants("100m", 4))
+    assert peers_report.ddp_ratios(ours, report) == "2.00 (1.00) [0.86-1.21]"
+    assert peers_report.ddp_ratios(older, report) == "2.00 (1.00) [0.80-1.10]"
+    assert peers_report.ddp_ratios(single, report) == "1.00 (0.50)"
+    every = {v for part in peers_search.launch_variants("100m", 4) for v in part}
+    assert every == set(peers_search.LAUNCH_VARIANTS)
+    assert all("ddp" in part for part in peers_search.launch_variants("100m", 4))
 
 
 def test_each_launch_runs_its_own_rounds_unless_rounds_is_given(tmp_path: Path) -> None:
     """--all gives each launch the rounds of its LAUNCHES row (more where steps are short);
     --rounds sets every launch's; a single launch without it runs 3."""
-    import bench_peers
+    from tools.peers import bench as peers_bench
 
     def rounds_of(argv: list[str]) -> list[int]:
-        args = bench_peers.parser().parse_args(argv)
+        args = peers_bench.parser().parse_args(argv)
         commands = [
-            bench_peers_search.launch_command(s, n, b, r, tmp_path / "x.json", args, ("ddp",))
-            for s, n, b, r in bench_peers_search.LAUNCHES
+            peers_search.launch_command(s, n, b, r, tmp_path / "x.json", args, ("ddp",))
+            for s, n, b, r in peers_search.LAUNCHES
         ]
         return [int(c[c.index("--rounds") + 1]) for c in commands]
 
-    assert rounds_of(["--all"]) == [r for *_, r in bench_peers_search.LAUNCHES]
-    assert rounds_of(["--all", "--rounds", "2"]) == [2] * len(bench_peers_search.LAUNCHES)
-    assert bench_peers.parser().parse_args([]).rounds is None  # main() makes it 3
+    assert rounds_of(["--all"]) == [r for *_, r in peers_search.LAUNCHES]
+    assert rounds_of(["--all", "--rounds", "2"]) == [2] * len(peers_search.LAUNCHES)
+    assert peers_bench.parser().parse_args([]).rounds is None  # main() makes it 3
     raw = tmp_path / "peers-json"
     raw.mkdir()
     (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2) | {"rounds": 7}))
     (raw / "peers-smoke-n4.json").write_text(json.dumps(launch_report(n=4) | {"rounds": 3}))
-    bench_peers_report.write_docs(tmp_path, raw)
+    peers_report.write_docs(tmp_path, raw)
     text = (tmp_path / "peers.md").read_text()
     assert "every other round): 7 at 0M N=2, 3 at 0M N=4" in text
     assert "7 rounds of 1 + 2 steps" in text and "3 rounds of 1 + 2 steps" in text
@@ -236,8 +233,8 @@ def test_step_goals_are_judged_from_the_goal_row_launch_where_there_is_one(
     ddp = result_row("ddp", 0.5, 900.0, (1.0, 2.0, 3.0)) | {"ratio_to_ddp": 1.0}
     ours = result_row("ours-0", 0.5, 300.0, (1.0, 2.0, 3.0)) | {"ratio_to_ddp": 1.0}
     goal = launch_report(n=2, rows=[ddp, ours]) | {"rounds": 15}
-    (raw / f"{bench_peers_report.GOAL_PREFIX}smoke-n2.json").write_text(json.dumps(goal))
-    bench_peers_report.write_docs(tmp_path, raw)
+    (raw / f"{peers_report.GOAL_PREFIX}smoke-n2.json").write_text(json.dumps(goal))
+    peers_report.write_docs(tmp_path, raw)
     text = (tmp_path / "peers.md").read_text()
     assert (
         "| ours-0 step time <= 1.05x DDP | 0M N=2, goal-row launch (15 rounds) | 1.00x | yes |"
@@ -249,9 +246,9 @@ def test_step_goals_are_judged_from_the_goal_row_launch_where_there_is_one(
     # a variant the goal-row launch lacks (it failed there) keeps the full launch's row
     assert "| ours-3 step time <= 1.15x DDP | 0M N=2 | 2.00x | NO |" in text
     assert "## Per goal-row launch" in text and "15 rounds of 1 + 2 steps" in text
-    launches = {tuple(x[:2]) for x in bench_peers_search.GOAL_LAUNCHES}
-    assert launches <= {tuple(x[:2]) for x in bench_peers_search.LAUNCHES}
-    assert set(bench_peers_search.GOAL_VARIANTS) == {"ddp", *bench_peers_report.TARGETS}
+    launches = {tuple(x[:2]) for x in peers_search.GOAL_LAUNCHES}
+    assert launches <= {tuple(x[:2]) for x in peers_search.LAUNCHES}
+    assert set(peers_search.GOAL_VARIANTS) == {"ddp", *peers_report.TARGETS}
 
 
 def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_record(
@@ -260,12 +257,14 @@ def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_reco
     """``--all --goal-rows-only`` runs each GOAL_LAUNCHES row with GOAL_VARIANTS and
     nothing else (no full launch, search or scaling); run.json keeps the full run's
     command and gains the goal-row command, which peers.md names, with a failed launch."""
-    import bench_peers
+    from tools.peers import bench as peers_bench
 
     raw = tmp_path / "peers-json"
     raw.mkdir()
     (raw / "peers-smoke-n2.json").write_text(json.dumps(launch_report(n=2)))
-    (raw / "run.json").write_text(json.dumps({"command": "bench_peers.py --all", "wall_s": 60}))
+    (raw / "run.json").write_text(
+        json.dumps({"command": "python -m tools.peers.bench --all", "wall_s": 60})
+    )
     ran: list[tuple[Any, ...]] = []
     failing = {"100m"}
 
@@ -277,25 +276,25 @@ def test_goal_rows_only_runs_just_the_goal_launches_and_keeps_the_full_runs_reco
     def refuse(*_: Any) -> None:
         raise AssertionError("--goal-rows-only ran the search or the scaling")
 
-    monkeypatch.setattr(bench_peers_search, "run_peer_launch", fake_launch)
-    monkeypatch.setattr(bench_peers_search, "run_search", refuse)
-    monkeypatch.setattr(bench_peers_search, "run_scaling", refuse)
-    argv = ["bench_peers.py", "--all", "--goal-rows-only", "--out", str(tmp_path)]
+    monkeypatch.setattr(peers_search, "run_peer_launch", fake_launch)
+    monkeypatch.setattr(peers_search, "run_search", refuse)
+    monkeypatch.setattr(peers_search, "run_scaling", refuse)
+    argv = ["tools/peers/bench.py", "--all", "--goal-rows-only", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "orig_argv", argv)
-    bench_peers_search.run_all(bench_peers.parser().parse_args(argv[1:]))
-    goal = bench_peers_report.GOAL_PREFIX
+    peers_search.run_all(peers_bench.parser().parse_args(argv[1:]))
+    goal = peers_report.GOAL_PREFIX
     assert ran == [
-        (s, n, b, r, f"{goal}{s}-n{n}.json", bench_peers_search.GOAL_VARIANTS)
-        for s, n, b, r in bench_peers_search.GOAL_LAUNCHES
+        (s, n, b, r, f"{goal}{s}-n{n}.json", peers_search.GOAL_VARIANTS)
+        for s, n, b, r in peers_search.GOAL_LAUNCHES
     ]
     run = json.loads((raw / "run.json").read_text())
-    assert run["command"] == "bench_peers.py --all" and run["wall_s"] == 60
+    assert run["command"] == "python -m tools.peers.bench --all" and run["wall_s"] == 60
     assert run["goal_rows_command"] == " ".join(argv)
     text = (tmp_path / "peers.md").read_text()
     assert "- goal-row launches, run again on their own: `" in text
     assert "--goal-rows-only" in text and "; failed: 100m N=2, goal rows (exit 3)" in text
     failing.clear()  # run again, every launch succeeding: the earlier failure is not this one's
-    bench_peers_search.run_all(bench_peers.parser().parse_args(argv[1:]))
+    peers_search.run_all(peers_bench.parser().parse_args(argv[1:]))
     assert "; failed:" not in (tmp_path / "peers.md").read_text()
 
 
@@ -314,7 +313,7 @@ def test_the_median_interval_is_the_narrowest_order_statistics_with_the_coverage
     def coverage(k: int) -> float:
         return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
 
-    found = bench_peers_report.median_interval(values, confidence)
+    found = peers_report.median_interval(values, confidence)
     if coverage(1) < confidence:
         assert found is None
         return
@@ -322,7 +321,7 @@ def test_the_median_interval_is_the_narrowest_order_statistics_with_the_coverage
     k = next(k for k in range(1, n + 1) if found == (ordered[k - 1], ordered[n - k]))
     assert coverage(k) >= confidence
     assert k + 1 > n // 2 or coverage(k + 1) < confidence
-    assert bench_peers_report.median_interval(list(range(15))) == (3, 11)  # 96.5%
+    assert peers_report.median_interval(list(range(15))) == (3, 11)  # 96.5%
 
 
 @pytest.mark.parametrize("answer", [3, 11, 14, 40])
@@ -330,7 +329,7 @@ def test_search_with_the_finer_growth_brackets_and_finds_the_answer(answer: int)
     def fake_probe(layers: int) -> dict[str, Any]:
         return {"ok": layers <= answer, "how": "ran", "parameters": layers, "seconds": 0.0}
 
-    lo, hi, probes = bench_peers_search.search_layers(
+    lo, hi, probes = peers_search.search_layers(
         fake_probe, 12, max_probes=12, deadline=time.time() + 60, label="test", growth=1.125
     )
     assert lo == answer or (hi - lo <= max(1, lo // 8) and lo <= answer < hi)
@@ -345,10 +344,10 @@ def test_the_peer_search_bisects_to_one_layer(answer: int) -> None:
     def fake_probe(layers: int) -> dict[str, Any]:
         return {"ok": layers <= answer, "how": "ran", "parameters": layers, "seconds": 0.0}
 
-    lo, hi, _ = bench_peers_search.search_layers(
+    lo, hi, _ = peers_search.search_layers(
         fake_probe,
         22,  # ours-3's and FSDP2's first guess at 1536 MiB
-        max_probes=bench_peers_search.MAX_PROBES,
+        max_probes=peers_search.MAX_PROBES,
         deadline=time.time() + 60,
         label="test",
         tolerance=0.0,
@@ -359,25 +358,25 @@ def test_the_peer_search_bisects_to_one_layer(answer: int) -> None:
 def test_the_search_time_is_shared_by_each_variants_first_guess() -> None:
     """Stage 3 starts at 22 layers and DDP at 5: stage 3 gets 22/27 of the time left, not
     half, so its last probes (a minute each at 25 layers) are reached."""
-    ours3 = bench_peers_search.first_guess("ours-3", 1536)
-    ddp = bench_peers_search.first_guess("ddp", 1536)
+    ours3 = peers_search.first_guess("ours-3", 1536)
+    ddp = peers_search.first_guess("ddp", 1536)
     assert (ours3, ddp) == (22, 5)
-    share = bench_peers_search.time_share(60.0, [ours3, ddp])
+    share = peers_search.time_share(60.0, [ours3, ddp])
     assert share == pytest.approx(60.0 * ours3 / (ours3 + ddp))
-    assert bench_peers_search.time_share(60.0, [ddp]) == 60.0
+    assert peers_search.time_share(60.0, [ddp]) == 60.0
 
 
 def scaling_args(**overrides: Any) -> argparse.Namespace:
-    args = bench_scaling.parser().parse_args([])
+    args = peers_scaling.parser().parse_args([])
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
 
 
 def test_scaling_launches_each_pair_once_and_rejects_an_uneven_global_batch() -> None:
-    assert bench_scaling.launch_pairs([1, 2, 4], 4, 1) == [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)]
+    assert peers_scaling.launch_pairs([1, 2, 4], 4, 1) == [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)]
     with pytest.raises(SystemExit, match="not a multiple"):
-        bench_scaling.launch_pairs([1, 2, 4], 6, 1)
+        peers_scaling.launch_pairs([1, 2, 4], 6, 1)
 
 
 def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
@@ -385,14 +384,14 @@ def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
     raw = tmp_path / "scaling-json"
     raw.mkdir()
     for r in range(2):
-        for n, batch in bench_scaling.launch_pairs(args.ns, args.global_batch, args.per_rank_batch):
+        for n, batch in peers_scaling.launch_pairs(args.ns, args.global_batch, args.per_rank_batch):
             rows = [
                 result_row("ours-3", 1.0 + r + batch / n, 100.0 / n + r, (1.0, 2.0, 3.0)),
                 result_row("fsdp2", 2.0 + r + batch / n, 120.0 / n, (1.0, 2.0, 3.0)),
             ]
             report = launch_report(n, batch, rows)
-            (raw / bench_scaling.json_name(r, n, batch)).write_text(json.dumps(report))
-    summary = bench_scaling.summarize(args, raw)
+            (raw / peers_scaling.json_name(r, n, batch)).write_text(json.dumps(report))
+    summary = peers_scaling.summarize(args, raw)
     rows = summary["rows"]
     assert len(rows) == 2 * 3 * 2  # series x N x variant
     strong4 = next(r for r in rows if r["series"] == "strong" and r["world_size"] == 4
@@ -410,7 +409,7 @@ def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
     assert weak1["batch_per_rank"] == 1 and weak1["paper_model_states_mib"] == pytest.approx(
         16 * psi / MIB
     )
-    text = bench_scaling.markdown(summary, "bench_scaling.py", 60.0)
+    text = peers_scaling.markdown(summary, "peers_scaling.py", 60.0)
     assert "## Strong scaling" in text and "## Weak scaling" in text
     # strong N=4 ours-3: t(1) (batch 4: 5.0 / 6.0 -> 5.5) over t(4) 1.75
     assert f"| {5.5 / 1.75:.2f} |" in text
@@ -418,17 +417,17 @@ def test_scaling_report_rows_and_prediction(tmp_path: Path) -> None:
 
 def test_a_run_that_skipped_the_search_says_where_the_largest_model_tables_come_from() -> None:
     searches = [search("none", {"ours-3": 1}), search("full", {"ours-3": 1})]
-    skipped = {"command": "bench_peers.py --all --skip-search"}
-    line = bench_peers_report.search_provenance(skipped, searches)
+    skipped = {"command": "python -m tools.peers.bench --all --skip-search"}
+    line = peers_report.search_provenance(skipped, searches)
     assert "**not part of this run**" in line and "does not record when" in line
     searches[0] |= {"date": "2026-12-04T20:00:00+00:00", "git_head": "abc1234"}
-    line = bench_peers_report.search_provenance(skipped, searches[:1])
+    line = peers_report.search_provenance(skipped, searches[:1])
     assert "2026-12-04T20:00:00+00:00, git commit abc1234" in line
-    assert "part of the command above" in bench_peers_report.search_provenance(
-        {"command": "bench_peers.py --all"}, searches
+    assert "part of the command above" in peers_report.search_provenance(
+        {"command": "python -m tools.peers.bench --all"}, searches
     )
-    later = {**skipped, "search_command": "bench_peers.py --all --search-only"}
-    line = bench_peers_report.search_provenance(later, searches[:1])
+    later = {**skipped, "search_command": "python -m tools.peers.bench --all --search-only"}
+    line = peers_report.search_provenance(later, searches[:1])
     assert "run again on its own (2026-12-04T20:00:00+00:00, git commit abc1234)" in line
 
 
@@ -450,14 +449,14 @@ def test_a_search_of_some_variants_keeps_the_others_each_with_its_own_date(
         {"variant": "fsdp2", "layers": 24, "date": "2026-12-05", "git_head": "def5678"},
         {"variant": "ours-3-in-bwd", "layers": 33, "date": "2026-12-05", "git_head": "def5678"},
     ]
-    merged = bench_peers_search.kept_results(path, new, 1536)
+    merged = peers_search.kept_results(path, new, 1536)
     assert [(r["variant"], r["layers"], r["git_head"]) for r in merged] == [
         ("ours-3", 26, "abc1234"),
         ("fsdp2", 24, "def5678"),
         ("ours-3-in-bwd", 33, "def5678"),
     ]
-    assert bench_peers_search.kept_results(path, new, 2048) == new
-    line = bench_peers_report.search_provenance(
+    assert peers_search.kept_results(path, new, 2048) == new
+    line = peers_report.search_provenance(
         {"search_command": "x"}, [{**old, "date": "2026-12-05", "results": merged}]
     )
     assert "2026-12-04T20:00:00+00:00, git commit abc1234" in line and "def5678" in line
@@ -467,8 +466,8 @@ def test_the_step_in_backward_variants_hold_no_gradient_in_the_paper_formula() -
     """12 bytes per parameter / N instead of 16 (float32 Adam at stage 3), so the search
     starts them higher and does not refuse their probes by the 16-byte estimate."""
     psi, n = 10**8, 4
-    plain = bench_peers_report.paper_model_states_mib("ours-3", psi, n)
-    fused = bench_peers_report.paper_model_states_mib("ours-3-in-bwd", psi, n)
+    plain = peers_report.paper_model_states_mib("ours-3", psi, n)
+    fused = peers_report.paper_model_states_mib("ours-3-in-bwd", psi, n)
     assert plain is not None and fused is not None
     assert fused == pytest.approx(plain * 12 / 16)
-    assert bench_peers_report.paper_model_states_mib("fsdp2-in-bwd", psi, n) == fused
+    assert peers_report.paper_model_states_mib("fsdp2-in-bwd", psi, n) == fused

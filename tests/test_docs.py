@@ -11,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(
-    [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "packages").glob("*/README.md")]
-)
+    [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "packages").glob("*/README.md"),
+     *(ROOT / "tools").rglob("README.md")]
+)  # fmt: skip
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # A path in backquotes: starts at a top folder of the repository, or climbs out of one.
 QUOTED_PATH = re.compile(r"`((?:\.\./|docs/|packages/|tools/|tests/|examples/)[\w./-]+)`")

@@ -1,4 +1,4 @@
-"""tools/emulated_cluster.py: two namespaces as hosts, a rate-limited link, torchrun and mpiexec.
+"""tools/cluster/emulated.py: two namespaces as hosts, a rate-limited link, torchrun and mpiexec.
 
 Skips, with the reason, where namespaces cannot be made (not root, no iproute2). The link
 runs at 200 Mbit/s here so that a 16 MiB all-gather takes ~0.6 s on it: long enough that
@@ -6,7 +6,7 @@ the rate shows against the launch noise, short enough for the default run.
 
 Rate bounds, and why they hold: tbf lets through at most ``rate x t + burst`` bytes in t
 seconds, counting the whole packet, as the interface's byte counters do; the burst is 64 KiB
-(``ClusterNetwork._shape`` in tools/cluster_network.py). So bits counted / seconds may exceed
+(``ClusterNetwork._shape`` in tools/cluster/network.py). So bits counted / seconds may exceed
 the rate only by the burst and by counting a window a little wider than the timed call:
 1.25 x leaves room for both. The lower bounds are loose (a quarter of the rate) because the
 machine is shared: they only say that the link carries traffic at roughly its rate, not at
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +26,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
+from tools.cluster import emulated as ec
+from tools.cluster import network
 
-import cluster_network  # noqa: E402
-import emulated_cluster as ec  # noqa: E402
-
-PROBE = str(TOOLS / "cluster_probe.py")
+# Run by torchrun (--module) and mpi4py (-m) as a module, with tool_env's PYTHONPATH.
+PROBE = ["-m", "tools.cluster.probe"]
 RATE = "200mbit"
 RATE_BITS = 200e6
 PROBE_MIB = 16
@@ -62,9 +59,9 @@ def cluster() -> Iterator[ec.EmulatedCluster]:
 # -- pure parts ---------------------------------------------------------------------------------
 
 
-@given(st.integers(1, 10**6), st.sampled_from(sorted(cluster_network._RATE_UNITS)))
+@given(st.integers(1, 10**6), st.sampled_from(sorted(network._RATE_UNITS)))
 def test_parse_rate_reads_tc_bit_rates(value: int, unit: str) -> None:
-    assert ec.parse_rate(f"{value}{unit}") == value * cluster_network._RATE_UNITS[unit]
+    assert ec.parse_rate(f"{value}{unit}") == value * network._RATE_UNITS[unit]
 
 
 @pytest.mark.parametrize("text", ["1gbps", "100", "-1gbit", "0mbit", "fast", "1 gbit/s"])
@@ -82,7 +79,7 @@ def test_parse_delay() -> None:
 
 
 def test_not_root_is_unavailable_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cluster_network.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
     with pytest.raises(ec.ClusterUnavailable, match="not root"), ec.EmulatedCluster():
         pass
 
@@ -146,8 +143,11 @@ def _check_probe(
 
 @pytest.mark.gloo
 @pytest.mark.timeout(120)
-def test_torchrun_two_nodes_of_two_ranks(cluster: ec.EmulatedCluster) -> None:
-    results = cluster.run_torchrun([PROBE, "--mib", str(PROBE_MIB)], 2, timeout_s=100)
+def test_torchrun_two_nodes_of_two_ranks(
+    cluster: ec.EmulatedCluster, tool_env: dict[str, str]
+) -> None:
+    results = cluster.run_torchrun([*PROBE, "--mib", str(PROBE_MIB)], 2, timeout_s=100,
+                                   env={"PYTHONPATH": tool_env["PYTHONPATH"]})  # fmt: skip
     assert [r.returncode for r in results] == [0, 0]
     reports = _probe_reports("".join(r.stdout for r in results))
     _check_probe(cluster, reports, "LOCAL_RANK")
@@ -159,9 +159,12 @@ def test_torchrun_two_nodes_of_two_ranks(cluster: ec.EmulatedCluster) -> None:
 @pytest.mark.mpi
 @pytest.mark.slow  # nox -s cluster runs it; the default run keeps the cluster small
 @pytest.mark.timeout(120)
-def test_mpiexec_two_nodes_of_two_ranks(cluster: ec.EmulatedCluster) -> None:
+def test_mpiexec_two_nodes_of_two_ranks(
+    cluster: ec.EmulatedCluster, tool_env: dict[str, str]
+) -> None:
     try:
-        results = cluster.run_mpiexec([PROBE, "--mib", str(PROBE_MIB)], 2, timeout_s=100)
+        results = cluster.run_mpiexec([*PROBE, "--mib", str(PROBE_MIB)], 2, timeout_s=100,
+                                      env={"PYTHONPATH": tool_env["PYTHONPATH"]})  # fmt: skip
     except ec.ClusterUnavailable as exc:
         pytest.skip(f"mpiexec cannot reach the emulated hosts: {exc}")
     reports = _probe_reports(results[0].stdout)

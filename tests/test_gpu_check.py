@@ -1,5 +1,5 @@
-"""tools/gpu_check.py: fails loudly without a GPU, and its code runs (on CPU, for testing);
-tools/gpu_peers.py: the FLOPs formula, the batch plan against an H200's memory, the goal line."""
+"""tools/gpu/check.py: fails loudly without a GPU, and its code runs (on CPU, for testing);
+tools/gpu/mfu.py: the FLOPs formula, the batch plan against an H200's memory, the goal line."""
 
 from __future__ import annotations
 
@@ -12,27 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools.gpu import mfu
 from zero_models.gpt import PRESETS
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-TOOL = TOOLS / "gpu_check.py"
-sys.path.insert(0, str(TOOLS))
-import gpu_peers  # noqa: E402
+TOOL = ("-m", "tools.gpu.check")  # run as a module, with tool_env's PYTHONPATH
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check itself runs")
-def test_without_a_gpu_the_check_fails_and_says_why() -> None:
-    result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+def test_without_a_gpu_the_check_fails_and_says_why(tool_env: dict[str, str]) -> None:
+    result = subprocess.run([sys.executable, *TOOL], capture_output=True, text=True,
+                            timeout=120, env=tool_env)  # fmt: skip
     assert result.returncode == 1
     assert "FAILED: no CUDA device is visible to torch" in result.stderr
 
 
-def test_the_check_runs_every_stage_on_cpu_when_allowed(tmp_path: Path) -> None:
+def test_the_check_runs_every_stage_on_cpu_when_allowed(
+    tmp_path: Path, tool_env: dict[str, str]
+) -> None:
     out = tmp_path / "check.json"
     result = subprocess.run(
-        [sys.executable, str(TOOL), "--allow-cpu", "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [sys.executable, *TOOL, "--allow-cpu", "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=tool_env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -60,12 +60,14 @@ def test_the_check_runs_every_stage_on_cpu_when_allowed(tmp_path: Path) -> None:
     assert fragmentation[1]["arena_mib"] > 0 and fragmentation[1]["outside_arena"] == 0
 
 
-def test_a_spent_budget_lists_every_run_as_not_run(tmp_path: Path) -> None:
+def test_a_spent_budget_lists_every_run_as_not_run(
+    tmp_path: Path, tool_env: dict[str, str]
+) -> None:
     out = tmp_path / "check.json"
     result = subprocess.run(
-        [sys.executable, str(TOOL), "--allow-cpu", "--tiny", "--budget-s", "0",
+        [sys.executable, *TOOL, "--allow-cpu", "--tiny", "--budget-s", "0",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=tool_env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -74,53 +76,53 @@ def test_a_spent_budget_lists_every_run_as_not_run(tmp_path: Path) -> None:
     assert "not measured: time budget" in report["mfu_goal"]
 
 
-# ---------------------------------------------------------------- gpu_peers, pure parts
+# ---------------------------------------------------------------- mfu, pure parts
 H200_BYTES = 139 * 2**30  # about what the lent H200 reports as its total memory
 
 
 def test_flops_per_token_is_six_psi_plus_the_attention_term() -> None:
     config = PRESETS["gpt2"]
     psi = config.num_params
-    assert gpu_peers.flops_per_token(config, psi) == 6 * psi + 12 * 12 * 768 * 1024
+    assert mfu.flops_per_token(config, psi) == 6 * psi + 12 * 12 * 768 * 1024
     assert 124e6 < psi < 125e6  # GPT-2 small, the tied embedding counted once
 
 
 def test_the_plan_fits_gpt2_xl_at_stage_0_on_an_h200_with_room_to_spare() -> None:
     config = PRESETS["gpt2-xl"]
     psi = config.num_params
-    plan = gpu_peers.mfu_plan(config, psi, H200_BYTES, fallback=4, max_batch=32)
+    plan = mfu.mfu_plan(config, psi, H200_BYTES, fallback=4, max_batch=32)
     assert plan.skipped == {}
-    peak = gpu_peers.predicted_peak(config, psi, 0, plan.batch)
-    assert peak <= gpu_peers.FIT_FRACTION * H200_BYTES
+    peak = mfu.predicted_peak(config, psi, 0, plan.batch)
+    assert peak <= mfu.FIT_FRACTION * H200_BYTES
     # the next candidate up would not fit: the plan takes the largest that does
-    bigger = gpu_peers.BATCH_CANDIDATES[gpu_peers.BATCH_CANDIDATES.index(plan.batch) - 1]
-    assert gpu_peers.predicted_peak(config, psi, 0, bigger) > gpu_peers.FIT_FRACTION * H200_BYTES
+    bigger = mfu.BATCH_CANDIDATES[mfu.BATCH_CANDIDATES.index(plan.batch) - 1]
+    assert mfu.predicted_peak(config, psi, 0, bigger) > mfu.FIT_FRACTION * H200_BYTES
 
 
 def test_the_plan_skips_what_does_not_fit_and_says_by_how_much() -> None:
     config = PRESETS["gpt2-xl"]
     psi = config.num_params
     # 16 bytes per parameter of model states alone: 23 GiB; no stage fits 20 GiB
-    plan = gpu_peers.mfu_plan(config, psi, 20 * 2**30, fallback=4, max_batch=32)
+    plan = mfu.mfu_plan(config, psi, 20 * 2**30, fallback=4, max_batch=32)
     assert sorted(plan.skipped) == [0, 1, 2, 3]
     assert all("GiB at batch 1 >" in why for why in plan.skipped.values())
     # on CPU: no capacity, the fallback batch, nothing skipped
-    assert gpu_peers.mfu_plan(config, psi, None, fallback=4, max_batch=32) == (4, {})
+    assert mfu.mfu_plan(config, psi, None, fallback=4, max_batch=32) == (4, {})
 
 
 def test_the_goal_line_says_met_not_met_or_why_not_measured() -> None:
     row = {"preset": "gpt2-xl", "peer": "ours", "stage": 3, "mfu": 0.41}
-    assert gpu_peers.goal_line([row], "NVIDIA H200").endswith(": met: 41.0%")
-    low = gpu_peers.goal_line([{**row, "mfu": 0.39}], "NVIDIA H200")
+    assert mfu.goal_line([row], "NVIDIA H200").endswith(": met: 41.0%")
+    low = mfu.goal_line([{**row, "mfu": 0.39}], "NVIDIA H200")
     assert low.endswith(": not met: 39.0%")
     fsdp2_only = [{**row, "peer": "fsdp2", "mfu": 0.5}]
-    assert "not measured: not in --mfu-presets" in gpu_peers.goal_line(fsdp2_only, "NVIDIA H200")
+    assert "not measured: not in --mfu-presets" in mfu.goal_line(fsdp2_only, "NVIDIA H200")
     oom = [{"preset": "gpt2-xl", "peer": "ours", "stage": 3, "error": "OutOfMemoryError: x"}]
-    assert "not measured: OutOfMemoryError" in gpu_peers.goal_line(oom, "NVIDIA H200")
+    assert "not measured: OutOfMemoryError" in mfu.goal_line(oom, "NVIDIA H200")
 
 
 def test_the_goal_runs_first() -> None:
-    order = gpu_peers.mfu_order(["gpt2-xl", "gpt2"])
+    order = mfu.mfu_order(["gpt2-xl", "gpt2"])
     assert order[:2] == [("gpt2-xl", "ours", 3), ("gpt2-xl", "fsdp2", 3)]
     assert sorted(order) == sorted(
         [(p, "ours", s) for p in ("gpt2-xl", "gpt2") for s in range(4)]

@@ -12,7 +12,7 @@ the eighth (glibc's bins settling), with it on by about 70 MiB (2026-12-05, torc
 (The bounds are now on the slope; see the last paragraph.) If the control stops growing (a
 torch whose recorder no longer holds heap blocks, or a communicator that is not split: on
 the world group it grew 10 MiB against 6), this test no longer guards anything: find what
-grows the heap again with tools/malloc_trace/ before changing it.
+grows the heap again with tools/diagnose/malloc_trace/ before changing it.
 
 12 steps, not 8. Stage 3 now keeps backward's first units gathered from forward
 (param_gatherer), so it gathers less (likely fewer recorder entries); over 6 measured steps the

@@ -1,5 +1,5 @@
-"""tools/profile_step.py: the phases of one step add up, waits land in the phase that was open,
-and every variant it times trains the same model (so the profile is of a real step).
+"""tools/diagnose/profile_step.py: the phases of one step add up, waits land in the phase that
+was open, and every variant it times trains the same model (so the profile is of a real step).
 
 Losses agree to 1e-4 relative, not bit for bit: DDP divides each gradient by N before its
 all-reduce and our engine after, and the collectives may sum in different orders (the same
@@ -9,7 +9,6 @@ tolerance and reason as tests/test_bench_peers.py).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,10 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-TOOL = TOOLS / "profile_step.py"
-sys.path.insert(0, str(TOOLS))
-import profile_step  # noqa: E402
+from tools.diagnose import profile_step
 
 
 def test_a_wait_counts_in_the_phase_open_around_it() -> None:
@@ -50,14 +46,15 @@ def test_config_overrides_parse_numbers_and_refuse_a_missing_value() -> None:
 
 @pytest.mark.gloo
 @pytest.mark.timeout(300)
-def test_two_ranks_profile_every_stage_and_ddp(tmp_path: Path) -> None:
+def test_two_ranks_profile_every_stage_and_ddp(tmp_path: Path, tool_env: dict[str, str]) -> None:
     out, md = tmp_path / "profile.json", tmp_path / "profile.md"
     result = subprocess.run(
-        [sys.executable, "-m", "zero_comm.launch", "-n", "2", sys.executable, str(TOOL),
-         "--size", "smoke", "--warmup", "1", "--steps", "2", "--ddp", "--json", str(out),
-         "--markdown", str(md), "--trace", str(tmp_path / "trace"), "--top", "5"],
+        [sys.executable, "-m", "zero_comm.launch", "-n", "2", sys.executable, "-m",
+         "tools.diagnose.profile_step", "--size", "smoke", "--warmup", "1", "--steps", "2",
+         "--ddp", "--json", str(out), "--markdown", str(md), "--trace", str(tmp_path / "trace"),
+         "--top", "5"],
         capture_output=True, text=True, timeout=280, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**tool_env, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = json.loads(out.read_text())["summaries"]

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU (cuda_engine_body.py, in its own process); skipped without one.
 
-CI has no GPU: this runs where one is lent (tools/gpu_check.sh runs it first). The CPU
+CI has no GPU: this runs where one is lent (tools/gpu/check.sh runs it first). The CPU
 suite's guard against CPU-only bugs of this kind is test_explicit_devices.py."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An engine, once closed and dropped, leaves nothing behind: its model's parameters and
 its gradient buffers are freed.
 
-Found by tools/bench_peers.py, whose ranks build ten engines in one process: each stage-0
+Found by tools/peers/bench.py, whose ranks build ten engines in one process: each stage-0
 engine of 19M parameters left 435 MiB alive after ``close()``, ``del`` and
 ``gc.collect()``, and four ranks of the 101M benchmark ran out of memory. The gradient
 hooks held their slots, which hold the parameters; torch keeps a parameter's hooks in its

@@ -2,7 +2,7 @@
 
 A factory call without ``device`` makes a CPU tensor. On CPU test machines that is the
 right device by accident, and the bug shows only on a GPU: the first GPU run of
-tools/gpu_check.py failed at every stage with "all_gather: output is on cpu" (the stage 3
+tools/gpu/check.py failed at every stage with "all_gather: output is on cpu" (the stage 3
 gather buffers) and "assigning a gradient with device type 'cpu'" (the stage 0-2 gradient
 buffers). These tests train every stage and tier under :class:`ImplicitDeviceCalls`, which
 records each factory call from our packages that does not name a device, and ask for none.

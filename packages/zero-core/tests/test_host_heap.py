@@ -3,7 +3,7 @@ the heap has grown past the first step's (ZeroConfig.release_host_heap,
 zero_core.memory.host_heap): steps that reuse the heap as it is keep their pages, since a
 released page costs a fault when the next step touches it again.
 
-Found by tools/bench_peers.py: ours-3 at 101M parameters on 4 ranks, on a communicator
+Found by tools/peers/bench.py: ours-3 at 101M parameters on 4 ranks, on a communicator
 split from the world, grew its heap by about 500 MiB a step with the bytes in use
 constant (docs/stage3-memory.md). Which freed blocks stay resident depends on thread
 timing, so the test makes the pattern on purpose: in a fresh process with glibc's mmap

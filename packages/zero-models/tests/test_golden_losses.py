@@ -1,7 +1,7 @@
 """The README's expected output is the output of HEAD, and stays so.
 
 golden/default_run.txt holds the losses of the default zero-train run (the README's quick
-start, 600 steps) and what their bits depend on (tools/golden_losses.py writes it from a
+start, 600 steps) and what their bits depend on (tools/diagnose/golden_losses.py writes it from a
 run). A fresh run of the same command, cut off after PREFIX steps with ``--stop-after``
 (the learning-rate schedule stays that of 600 steps), must give:
 

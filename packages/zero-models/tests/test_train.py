@@ -405,7 +405,7 @@ def test_a_deepspeed_config_drives_the_run(tmp_path: Path) -> None:
 
 
 # zero-train whose every rank may take BUDGET MiB of address space more than it holds once
-# started (RLIMIT_AS, set as the build begins, as tools/bench_peers.py's probes do): each
+# started (RLIMIT_AS, set as the build begins, as tools/peers/bench.py's probes do): each
 # rank runs this file instead of `-m zero_models.train`, through zero-train's own launch.
 CAPPED_TRAIN = """
 import resource, sys

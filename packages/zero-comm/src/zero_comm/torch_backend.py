@@ -273,7 +273,8 @@ class TorchCommunicator(Communicator):
 
     def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
         # gloo's reduce_scatter is a whole all_reduce underneath; all-to-all plus a local
-        # fold moves (N-1)/N of the buffer instead and measured faster (tools/bench_collectives).
+        # fold moves (N-1)/N of the buffer instead and measured faster
+        # (tools/micro/collectives.py).
         return self.backend == "gloo" and collective == "reduce_scatter"
 
     def _split(self, color: int, key: int) -> Communicator:

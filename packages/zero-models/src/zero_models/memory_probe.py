@@ -7,7 +7,7 @@ communication buffers, the checkpoint arena) next to the prediction: model state
 the paper's formula (float32 parameters and gradients; K = 8 for AdamW's moments: the
 float32 parameters are the master weights at every stage), the communicator's buffers as
 counted, and zero_core.estimate.activations.
-Used by the memory tests and tools/memory_chart.py (run it on real ranks: resident memory
+Used by the memory tests and tools/diagnose/memory_chart.py (run it on real ranks: resident memory
 is per process).
 """
 

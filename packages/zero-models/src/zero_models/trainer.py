@@ -304,7 +304,8 @@ class Trainer:
     def gather_rank_stats(self, step_s: float, links: list[Fraction]) -> torch.Tensor:
         """Collective: every rank's (resident MiB, ``step_s``, intra-node and inter-node
         bytes its engine's communicators sent in the step), rank by rank as one flat
-        float64 tensor of RANK_STATS columns, for the metrics (tools/soak.py reads them)."""
+        float64 tensor of RANK_STATS columns, for the metrics (tools/diagnose/soak.py reads
+        them)."""
         comm = self.run.metrics_comm
         stats = [resident_mib(), step_s, *map(float, links)]
         mine = torch.tensor(stats, dtype=torch.float64, device=comm.device)

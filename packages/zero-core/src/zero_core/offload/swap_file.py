@@ -31,7 +31,7 @@ request into one segment per physically contiguous run of the buffer, and a devi
 bounded number per request (254 on a virtio disk), so a buffer of scattered 4 KiB pages
 limits requests to about 1 MiB. :func:`aligned_empty` therefore backs buffers of 2 MiB and
 more with transparent huge pages; on the development VM that took 16 MiB blocks from about
-1.0 to 2.0-2.5 GB/s, read and write (``tools/bench_swap.py --page-buffers`` shows the
+1.0 to 2.0-2.5 GB/s, read and write (``tools/offload/swap.py --page-buffers`` shows the
 difference). Pinned buffers allocated elsewhere should do the same (register huge-page
 memory rather than allocate page by page).
 
@@ -108,7 +108,7 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     advised ``MADV_HUGEPAGE``: an O_DIRECT request is cut into one segment per physically
     contiguous run of the buffer (a virtio disk takes at most 254 per request), so 4 KiB
     pages cap a request at about 1 MiB and halve or quarter the bandwidth; 2 MiB pages do
-    not (tools/bench_swap.py, ``--page-buffers``).
+    not (tools/offload/swap.py, ``--page-buffers``).
     """
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")

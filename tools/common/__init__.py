@@ -1,0 +1,1 @@
+"""Code several tool families share: where a benchmark's numbers came from."""

@@ -1,0 +1,1 @@
+"""glibc heap tracing: an LD_PRELOAD shim and the replay that finds the holes it cannot reuse."""

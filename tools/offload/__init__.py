@@ -1,0 +1,1 @@
+"""Offload measured: the largest model under a memory cap, swap I/O, the CPU optimizer step."""

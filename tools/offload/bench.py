@@ -1,0 +1,209 @@
+"""The offload headline: under one per-rank memory cap, the largest GPT that stage 3 trains
+with its model states on disk (ZeRO-Infinity) against the largest that stage 3 trains
+without offload, with tokens/s of both; written to docs/benchmarks/offload.md.
+
+    python -m tools.offload.bench --cap-mib 1024 --nproc 2 --minutes 40
+
+Each probe is `zero-launch -n N python -m tools.peers.bench --probe VARIANT ...`: after
+``zero_comm.init`` each rank caps its address space (RLIMIT_AS) at its size then plus
+``--cap-mib``, builds the GPT (width ``--width``, growing layers; on the meta device,
+values streamed), and trains ``--probe-steps`` steps of one sequence per rank; an
+allocation past the cap fails inside that rank. The search per variant grows the layer
+count x1.5 until a probe fails, then bisects. Model states are the paper's 16 bytes per
+parameter (float32 parameters and gradients, Adam's two moments), for the whole model.
+The swap files go to ``--offload-dir`` (default: a folder under the temporary folder).
+Figures of the swap pipeline and the CPU optimizer step (tools/offload/swap.py,
+tools/offload/cpu_optimizer.py) are added from their JSON files when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tools.peers.search import search_layers
+from zero_models.gpt import GPTConfig
+
+BENCH = "tools.peers.bench"  # run as a module: its launches inherit how this one found it
+LAUNCHER = (sys.executable, "-m", "zero_comm.launch")
+VARIANTS = ("ours-3", "ours-3-disk", "deepspeed-3-cpu")
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+MODEL_STATE_BYTES = 16  # float32 parameter + gradient + Adam's two moments
+MIB = 2**20
+
+
+def config(args: argparse.Namespace, layers: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=256, context=args.context, layers=layers, heads=args.heads, width=args.width
+    )
+
+
+def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]:
+    """One launch: {"ok", "how", "parameters", "seconds", ranks' records}."""
+    psi = config(args, layers).num_params
+    record: dict[str, Any] = {"variant": variant, "layers": layers, "parameters": psi}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        command = [
+            *LAUNCHER, "-n", str(args.nproc), sys.executable, "-m", BENCH, "--probe", variant,
+            "--width", str(args.width), "--heads", str(args.heads), "--context",
+            str(args.context), "--layers", str(layers), "--batch", "1", "--budget-mib",
+            str(args.cap_mib), "--probe-steps", str(args.probe_steps), "--json", str(out),
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            **MALLOC_ENV,
+            "OMP_NUM_THREADS": str(args.threads),
+            "ZERO_BENCH_OFFLOAD_DIR": str(args.offload_dir),
+            "ZERO_BENCH_BUCKET_NUMEL": str(args.bucket_numel),
+            "ZERO_BENCH_SUB_GROUP_NUMEL": str(args.sub_group_numel),
+            "ZERO_BENCH_PREFETCH_NUMEL": str(args.prefetch_numel),
+            "DS_ACCELERATOR": "cpu",
+        }
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=env, timeout=args.probe_timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {**record, "ok": False, "how": "timeout", "seconds": args.probe_timeout}
+        seconds = time.perf_counter() - started
+        if done.returncode == 0 and out.exists():
+            return {**record, **json.loads(out.read_text()), "how": "ran", "seconds": seconds}
+        oom = "PROBE-OOM" in done.stderr or "Cannot allocate memory" in done.stderr
+        tail = " | ".join(done.stderr.strip().splitlines()[-2:])[-400:]
+        return {**record, "ok": False, "how": ("oom: " if oom else "error: ") + tail,
+                "seconds": seconds}  # fmt: skip
+
+
+def largest(args: argparse.Namespace, variant: str, deadline: float) -> dict[str, Any]:
+    """The most layers ``variant`` trains under the cap (grow x1.5, then bisect)."""
+    per_layer = config(args, 2).num_params - config(args, 1).num_params
+    # A first guess from the resident model states: 16Ψ/N without offload; with every
+    # state on disk, the float32 gradient shard (4Ψ/N) and working buffers.
+    resident = 4 if variant == "ours-3-disk" else MODEL_STATE_BYTES
+    guess = max(1, int(0.5 * args.cap_mib * MIB * args.nproc / (resident * per_layer)))
+    given = dict(item.split("=") for item in args.first_layers)
+    guess = int(given.get(variant, guess))
+    lo, hi, probes = search_layers(
+        lambda layers: probe(args, variant, layers),
+        guess,
+        max_probes=args.max_probes,
+        deadline=deadline,
+        label="offload",
+    )
+    best = next((p for p in probes if p["ok"] and p["layers"] == lo), None)
+    return {"variant": variant, "layers": lo, "first_failing_layers": hi or None,
+            "best": best, "probes": probes}  # fmt: skip
+
+
+def tokens_per_second(args: argparse.Namespace, best: dict[str, Any] | None) -> float | None:
+    """Tokens of all ranks per second, from the slowest rank's median step."""
+    if best is None:
+        return None
+    steps = [statistics.median(r["step_seconds"]) for r in best["ranks"] if r["step_seconds"]]
+    return args.nproc * args.context / max(steps) if steps else None
+
+
+def row(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    best = result["best"]
+    if best is None:
+        return f"| {result['variant']} | - | - | - | - | - | - |"
+    psi = best["parameters"]
+    states = MODEL_STATE_BYTES * psi
+    rank0 = best["ranks"][0]
+    tps = tokens_per_second(args, best)
+    return (
+        f"| {result['variant']} | {result['layers']} ({psi / 1e6:.0f}M) "
+        f"| {states / MIB:,.0f} MiB = {states / (args.cap_mib * MIB):.1f}x the cap "
+        f"| {rank0['rss_increase_mib']:.0f} / {rank0['vm_increase_mib']:.0f} "
+        f"| {rank0.get('host_mib', 0):.0f} / {rank0.get('disk_mib', 0):.0f} "
+        f"| {tps:.1f} | {result['first_failing_layers'] or '-'} |"
+    )
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
+    lines = [
+        "# Offload: the largest model under a memory cap (ZeRO-Infinity)",
+        "",
+        f"Generated by `python -m tools.offload.bench {' '.join(sys.argv[1:])}`.",
+        "",
+        f"Cap: RLIMIT_AS = address space after start-up + {args.cap_mib} MiB, per rank, "
+        f"{args.nproc} ranks (gloo), GPT width {args.width}, {args.heads} heads, context "
+        f"{args.context}, one sequence per rank, float32, AdamW, bucket_numel "
+        f"{args.bucket_numel}, prefetch_numel {args.prefetch_numel} (ours), "
+        f"offload_sub_group_numel {args.sub_group_numel}, "
+        f"{args.threads} thread(s) per rank; "
+        + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+        + ". Model states: 16 bytes per parameter for the whole model. ours-3-disk: "
+        "offload_optimizer=disk and offload_params=disk. deepspeed-3-cpu: DeepSpeed's stage 3 "
+        "with offload_optimizer and offload_param on cpu (on a CPU-only machine that is the "
+        "same memory; its NVMe tier needs libaio, absent here), the same torch AdamW.",
+        "",
+        "| variant | largest (layers) | model states | RSS / VM increase, MiB (rank 0) "
+        "| host / disk, MiB (rank 0) | tokens/s | first failing layers |",
+        "|---|---|---|---|---|---|---|",
+        *(row(args, r) for r in results),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def deepspeed_available() -> bool:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, env=env)
+    return done.returncode == 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cap-mib", type=int, default=1536)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bucket-numel", type=int, default=2**20)
+    p.add_argument("--sub-group-numel", type=int, default=2**19)
+    p.add_argument("--prefetch-numel", type=int, default=2**22, help="ours: stage 3's window")
+    p.add_argument(
+        "--first-layers", nargs="*", default=[], metavar="VARIANT=LAYERS",
+        help="where a variant's search starts (default: from the paper's formula)",
+    )  # fmt: skip
+    p.add_argument("--probe-steps", type=int, default=3)
+    p.add_argument("--probe-timeout", type=int, default=900)
+    p.add_argument("--max-probes", type=int, default=6)
+    p.add_argument("--minutes", type=float, default=40.0)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--offload-dir", type=Path, default=Path(tempfile.gettempdir()) / "zero-offload")
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = p.parse_args()
+    args.offload_dir.mkdir(parents=True, exist_ok=True)
+    if "deepspeed-3-cpu" in args.variants and not deepspeed_available():
+        print("[offload] deepspeed does not import: deepspeed-3-cpu left out", file=sys.stderr)
+        args.variants = [v for v in args.variants if v != "deepspeed-3-cpu"]
+    deadline = time.time() + 60 * args.minutes
+    results = []
+    for k, variant in enumerate(args.variants):
+        share = (deadline - time.time()) / (len(args.variants) - k)
+        results.append(largest(args, variant, time.time() + share))
+    raw = args.out / "offload-json"
+    raw.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) for k, v in vars(args).items()}
+    (raw / "headline.json").write_text(
+        json.dumps({"settings": settings, "results": results}, indent=1)
+    )
+    text = report(args, results)
+    (args.out / "offload.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
