@@ -27,11 +27,13 @@ unless the backend prefers the rank-ordered algorithm for that collective and dt
 from __future__ import annotations
 
 import abc
+import functools
+import logging
 import pickle
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -50,9 +52,28 @@ from .handle import CompletedWork, Handle, Work
 from .node_groups import NodeGroups
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
+from .profiler_ranges import profiler_range
 from .reduce_op import ReduceOp
 from .stats import CommStats
 from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _launch_range(collective: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``collective`` inside the profiler range ``zero::<its name>`` (profiler_ranges):
+    every collective of every backend passes here, so a trace misses none."""
+    name = collective.__name__
+
+    @functools.wraps(collective)
+    def launch(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with profiler_range(name):
+            return collective(*args, **kwargs)
+
+    return launch
 
 
 class Communicator(CallCheck, NodeGroups):
@@ -115,6 +136,12 @@ class Communicator(CallCheck, NodeGroups):
         self._quantized_waits: deque[Any] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
+        log.debug(
+            "communicator created: backend %s, rank %d of %d, device %s, deterministic %s, "
+            "consistency check %s, timeout %s s",
+            backend, rank, world_size, device, self.deterministic, options.check_consistency,
+            self.timeout,
+        )  # fmt: skip
 
     @property
     def options(self) -> CommOptions:
@@ -315,6 +342,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ..., *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @_launch_range
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -376,6 +404,7 @@ class Communicator(CallCheck, NodeGroups):
         async_op: bool,
         label: str = ...,
     ) -> Handle | None: ...
+    @_launch_range
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -438,6 +467,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @_launch_range
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -478,6 +508,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @_launch_range
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -511,6 +542,7 @@ class Communicator(CallCheck, NodeGroups):
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @_launch_range
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -534,6 +566,7 @@ class Communicator(CallCheck, NodeGroups):
     def barrier(self, *, async_op: Literal[True]) -> Handle: ...
     @overload
     def barrier(self, *, async_op: bool) -> Handle | None: ...
+    @_launch_range
     def barrier(self, *, async_op: bool = False) -> Handle | None:
         """Return (or complete the handle) only when every rank has entered the barrier."""
         self._enter("barrier", lambda: (-1, 0, -1, -1))
@@ -541,6 +574,7 @@ class Communicator(CallCheck, NodeGroups):
         work = self._barrier() if self.world_size > 1 else CompletedWork()
         return self._complete(Handle(self, "barrier", work), async_op)
 
+    @_launch_range
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Collective: ranks passing the same ``color`` form a new communicator.
 
@@ -595,6 +629,7 @@ class Communicator(CallCheck, NodeGroups):
         return handle
 
     # --------------------------------------------------------- object collectives
+    @_launch_range
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
         self._enter(
@@ -613,6 +648,7 @@ class Communicator(CallCheck, NodeGroups):
             self._wait(self._broadcast(payload, src), "broadcast_object")
         return pickle.loads(payload.cpu().numpy().tobytes())
 
+    @_launch_range
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
         self._enter("all_gather_object", lambda: (-1, 0, -1, -1))

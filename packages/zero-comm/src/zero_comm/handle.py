@@ -6,6 +6,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .profiler_ranges import profiler_range
+
 
 class Work(Protocol):
     """An operation in flight; ``wait()`` blocks until it has completed."""
@@ -63,11 +65,13 @@ class Handle:
         self._complete_now()
 
     def _complete_now(self) -> None:
-        if not isinstance(self._work, CompletedWork):
-            self._comm._wait(self._work, self._name)
-        self._done = True
-        if self._finish is not None:
-            self._finish()
+        # One range per wait on a trace: zero::all_gather.wait, ... (profiler_ranges).
+        with profiler_range(self._name, ".wait"):
+            if not isinstance(self._work, CompletedWork):
+                self._comm._wait(self._work, self._name)
+            self._done = True
+            if self._finish is not None:
+                self._finish()
 
     def is_completed(self) -> bool:
         return self._done

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from zero_comm import Communicator
+from zero_comm.profiler_ranges import profiler_range
 
 from ..group_layout import GroupLayout
 from .partial_blocks import PartialBlocks
@@ -153,7 +154,8 @@ class ParameterShards:
             host = self._host_buffer(layout_bucket.slice_numel)
             self._files[(group, bucket)].read(0, host, BLOCK)
         else:
-            future.result()
+            with profiler_range("swap.read.wait"):
+                future.result()
         self.bytes_read += host.numel() * host.element_size()
         if self.comm.device.type == "cpu":
             return host
