@@ -22,18 +22,21 @@ Which reduction is used:
 
 unless the backend prefers the rank-ordered algorithm for that collective and dtype
 (``_prefers_ordered``: where it is faster, or where the backend has no native reduction).
+
+Every collective of every backend passes here, so this is where a profiler's timeline
+gets them: each public collective is the range ``zero::<its name>`` (``@ranged``) and
+each wait ``zero::<its name>.wait`` (handle.py), see profiler_ranges.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 import logging
 import pickle
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -52,28 +55,12 @@ from .handle import CompletedWork, Handle, Work
 from .node_groups import NodeGroups
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
-from .profiler_ranges import profiler_range
+from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
 from .stats import CommStats
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _launch_range(collective: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``collective`` inside the profiler range ``zero::<its name>`` (profiler_ranges):
-    every collective of every backend passes here, so a trace misses none."""
-    name = collective.__name__
-
-    @functools.wraps(collective)
-    def launch(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with profiler_range(name):
-            return collective(*args, **kwargs)
-
-    return launch
 
 
 class Communicator(CallCheck, NodeGroups):
@@ -342,7 +329,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ..., *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -404,7 +391,7 @@ class Communicator(CallCheck, NodeGroups):
         async_op: bool,
         label: str = ...,
     ) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -467,7 +454,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -508,7 +495,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -542,7 +529,7 @@ class Communicator(CallCheck, NodeGroups):
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -566,7 +553,7 @@ class Communicator(CallCheck, NodeGroups):
     def barrier(self, *, async_op: Literal[True]) -> Handle: ...
     @overload
     def barrier(self, *, async_op: bool) -> Handle | None: ...
-    @_launch_range
+    @ranged
     def barrier(self, *, async_op: bool = False) -> Handle | None:
         """Return (or complete the handle) only when every rank has entered the barrier."""
         self._enter("barrier", lambda: (-1, 0, -1, -1))
@@ -574,7 +561,7 @@ class Communicator(CallCheck, NodeGroups):
         work = self._barrier() if self.world_size > 1 else CompletedWork()
         return self._complete(Handle(self, "barrier", work), async_op)
 
-    @_launch_range
+    @ranged
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Collective: ranks passing the same ``color`` form a new communicator.
 
@@ -629,7 +616,7 @@ class Communicator(CallCheck, NodeGroups):
         return handle
 
     # --------------------------------------------------------- object collectives
-    @_launch_range
+    @ranged
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
         self._enter(
@@ -648,7 +635,7 @@ class Communicator(CallCheck, NodeGroups):
             self._wait(self._broadcast(payload, src), "broadcast_object")
         return pickle.loads(payload.cpu().numpy().tobytes())
 
-    @_launch_range
+    @ranged
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
         self._enter("all_gather_object", lambda: (-1, 0, -1, -1))

@@ -35,13 +35,18 @@ The names the ZeRO packages emit (docs/step-profile.md shows them on a timeline)
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from torch.autograd import profiler as _autograd_profiler
 from torch.profiler import record_function
 
 PREFIX = "zero::"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # One context for every range while nothing records: entering it does nothing.
 _NOTHING: AbstractContextManager[None] = nullcontext()
@@ -58,3 +63,18 @@ def profiler_range(name: str, suffix: str = "") -> AbstractContextManager[Any]:
     if _autograd_profiler._is_profiler_enabled:
         return record_function(PREFIX + name + suffix)
     return _NOTHING
+
+
+def ranged(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function`` inside the range ``zero::<its name>`` while a profiler records; else
+    called straight away (the hot path's wrapper: a flag test, no ``with``)."""
+    name = PREFIX + function.__name__
+
+    @functools.wraps(function)
+    def in_range(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not _autograd_profiler._is_profiler_enabled:
+            return function(*args, **kwargs)
+        with record_function(name):
+            return function(*args, **kwargs)
+
+    return in_range
