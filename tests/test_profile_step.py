@@ -92,4 +92,5 @@ def test_two_ranks_profile_every_stage_and_ddp(tmp_path: Path) -> None:
     for name in summaries:
         assert f"| {name} |" in text
         assert (tmp_path / "trace" / f"{name}.json").stat().st_size > 0
+        assert (tmp_path / "trace" / f"{name}.rank1.json").stat().st_size > 0
     assert "top 5 operators by self CPU time" in text

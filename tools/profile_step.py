@@ -40,10 +40,11 @@ inside autograd, where no range of ours is: its wait columns read "-". The profi
 each operator a microsecond or two, on every variant; see docs/step-profile.md.
 
 ``--trace DIR`` runs one more step of each variant under torch.profiler on every rank (all
-threads: the swap pipeline's I/O threads too) and writes rank 0's Chrome trace
-(``DIR/<variant>.json``: open it in https://ui.perfetto.dev or chrome://tracing, or draw it
-with tools/trace_picture.py) and its top operators by self CPU time (gloo's collectives
-appear as ``gloo:all_reduce`` etc., the engine's phases as ``zero::...``) into the Markdown.
+threads: the swap pipeline's I/O threads too) and writes each rank's Chrome trace
+(``DIR/<variant>.json`` rank 0's, ``DIR/<variant>.rank<r>.json`` the others': open them in
+https://ui.perfetto.dev or chrome://tracing, or draw them with tools/trace_picture.py) and
+rank 0's top operators by self CPU time (gloo's collectives appear as ``gloo:all_reduce``
+etc., the engine's phases as ``zero::...``) into the Markdown.
 """
 
 from __future__ import annotations
@@ -270,17 +271,20 @@ def markdown(summaries: dict[str, dict[str, Any]], header: str) -> list[str]:
 
 def trace_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor, rank: int,
                folder: Path | None, top: int) -> list[str]:  # fmt: skip
-    """One more step under torch.profiler; rank 0 writes the trace, returns the top ops."""
+    """One more step under torch.profiler; every rank writes its trace (rank 0's is
+    ``<variant>.json``, rank r's ``<variant>.rank<r>.json``), rank 0 returns the top ops."""
     every_thread = _ExperimentalConfig(profile_all_threads=True)
-    with (
-        profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof,
-        record_function(variant.name),
-    ):
-        variant._timed_step(inputs, targets)
-    if rank != 0 or folder is None:
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        variant.comm.barrier()  # the ranks' profilers started apart: start the step together
+        with record_function(variant.name):
+            variant._timed_step(inputs, targets)
+    if folder is None:
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(folder / f"{variant.name}.json"))
+    suffix = "" if rank == 0 else f".rank{rank}"
+    prof.export_chrome_trace(str(folder / f"{variant.name}{suffix}.json"))
+    if rank != 0:
+        return []
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
     return [f"#### {variant.name}: top {top} operators by self CPU time", "", "```",
             table.strip(), "```", ""]  # fmt: skip

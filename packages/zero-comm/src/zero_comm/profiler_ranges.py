@@ -9,8 +9,10 @@ While a profiler records (``torch.profiler.profile``, ``torch.autograd.profiler.
 each range is a ``torch.profiler.record_function`` and shows on the timeline of the thread
 that ran it, beside torch's own operators. With no profiler running it is one shared
 ``nullcontext``: no ``record_function`` (about 5 us per range on a CPU even with nothing
-recording) and no string built, so the engine's hot path pays one attribute read per
-range. Ranges on threads other than the profiler's own (the swap pipeline's I/O threads)
+recording) and no string built: about 0.3 us a range (a ``@ranged`` function the same
+over a plain call; the communicator's waits test the flag themselves, 0.07 us), on a
+2-core AMD EPYC VM where a stage-3 step of a small GPT in 4096-element buckets has ~200
+ranges. Ranges on threads other than the profiler's own (the swap pipeline's I/O threads)
 are recorded with ``experimental_config=torch._C._profiler._ExperimentalConfig(
 profile_all_threads=True)``.
 
