@@ -25,8 +25,9 @@ The names the ZeRO packages emit (docs/step-profile.md shows them on a timeline)
     zero::<collective>.wait       waiting for it to complete (Handle.wait): blocked on
                                   the backend, then the local finish (the rank-ordered
                                   fold, AVG's division)
-    zero::gather_unit             stage 3: launching a unit's all-gathers
-    zero::gather_unit.wait        stage 3: waiting for them and attaching the parameters
+    zero::gather_unit             stage 3: launching the all-gathers of the units one
+                                  demand or prefetch starts
+    zero::gather_unit.wait        stage 3: waiting for one unit's, attaching its parameters
     zero::free_unit               stage 3: releasing a unit's gathered storage
     zero::optimizer_step          one optimizer.step() over a part of the master tiles
     zero::swap.read               reading one block of a swap file (an I/O thread, or

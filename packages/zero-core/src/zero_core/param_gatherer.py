@@ -70,6 +70,10 @@ instead of the shards over every rank:
 The parts are the forward's gathered bits, so backward computes with exactly the
 weights forward used (lossless, and with quantized forward gathers too); they are
 dropped when the backward pass ends.
+
+On a torch.profiler timeline: each start of gathers is ``zero::gather_unit``, each wait for
+a unit ``zero::gather_unit.wait`` and each release ``zero::free_unit`` (the collectives
+inside them are the communicator's ``zero::all_gather`` ranges).
 """
 
 from __future__ import annotations
