@@ -13,25 +13,40 @@ Each phase is wall-clock time on rank 0, the median over ``--steps`` steps after
     forward    engine(inputs) and the loss
     backward   engine.backward(loss): autograd, then the gradient collectives
     step       engine.step(): gradient checks, then
-                 optimizer   engine.optimizer.step() over the float32 masters
-                 publish     engine.parameters.publish(): all-gather of the updated
+                 optimizer   each optimizer.step() over the float32 master tiles
+                 publish     what follows the last of them: all-gather of the updated
                              parameters (stages 1-2), stage 3's persistent refresh
-    wait       of each phase, the time blocked in Communicator._wait (a collective issued
-               but not finished); the rest of the phase is computing or issuing
+    wait       of each phase, the time in the waits of collectives (issued but not
+               finished: the ``zero::<collective>.wait`` ranges); the rest of the phase
+               is computing or issuing
     CPU        the step's CPU time on rank 0 (user + system): of the whole process (every
                thread: gloo's and torch's too), and of the main thread alone. With as many
                ranks as cores, a step cannot take less wall time than its CPU time, so what
                the other threads add (collectives, their copies) is time the step pays
 
-The optimizer and publish columns come from wrapping those bound methods of the engine,
-and the wait columns from wrapping the communicator's ``_wait``; where the code under test
-has no such method the column reads "-" (the tool runs on the code before and after a
-change, see docs/step-profile.md). DDP (torch's, gloo, ``gradient_as_bucket_view=True``)
-waits inside autograd, out of sight of this shim: its wait columns read "-".
+The wait, optimizer and publish columns come from the engine's ``zero::`` ranges
+(zero_comm.profiler_ranges): every measured step runs under torch.profiler (CPU activity,
+on every variant alike, DDP too), and the step's ranges on rank 0's main thread give
 
-``--trace DIR`` runs one more step of each variant under torch.profiler on every rank and
-writes rank 0's Chrome trace (``DIR/<variant>.json``) and its top operators by self CPU time
-(gloo's collectives appear as ``gloo:all_reduce`` etc.) into the Markdown.
+    wait        the union of the ``zero::<collective>.wait`` ranges within the phase
+    optimizer   the sum of the ``zero::optimizer_step`` ranges (each optimizer.step())
+    publish     the end of the step phase's last ``zero::optimizer_step`` to the end of
+                the step: the updated parameters' last all-gathers and the wait for all
+                of them (stages 1-2), stage 3's persistent refresh, the step's counters
+
+Code that emits no ``zero::`` range (the code before issue 45, see docs/step-profile.md)
+reads "-" in those columns. DDP (torch's, gloo, ``gradient_as_bucket_view=True``) waits
+inside autograd, where no range of ours is: its wait columns read "-". The profiler costs
+every operator a few microseconds (an aten::add of 16 elements: 4.6 us, 8.6 us under it,
+on the 2-core AMD EPYC VM), every variant alike: totals measured before issue 45, without
+it, are a little lower.
+
+``--trace DIR`` runs one more step of each variant under torch.profiler on every rank (all
+threads: the swap pipeline's I/O threads too) and writes each rank's Chrome trace
+(``DIR/<variant>.json`` rank 0's, ``DIR/<variant>.rank<r>.json`` the others': open them in
+https://ui.perfetto.dev or chrome://tracing, or draw them with tools/diagnose/trace_picture.py) and
+rank 0's top operators by self CPU time (gloo's collectives appear as ``gloo:all_reduce``
+etc., the engine's phases as ``zero::...``) into the Markdown.
 """
 
 from __future__ import annotations
@@ -39,16 +54,18 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -64,45 +81,81 @@ SIZES = {  # vocabulary 256 (bytes), as tools/peers/bench.py
 PHASES = ("forward", "backward", "step")
 COLUMNS = ("forward", "forward_wait", "backward", "backward_wait", "step", "optimizer",
            "publish", "step_wait", "total", "cpu", "cpu_main")  # fmt: skip
+RANGED = ("forward_wait", "backward_wait", "step_wait", "optimizer", "publish")
+# The wait of a collective (not of a unit's gather, nor of the swap files): what the
+# columns called wait count, as Communicator's waits.
+COLLECTIVE_WAIT = re.compile(
+    r"zero::(all_gather|reduce_scatter|all_reduce|all_to_all|broadcast|barrier)\.wait"
+)
+OPTIMIZER_STEP = "zero::optimizer_step"
+
+
+class Span(NamedTuple):
+    """One recorded range: its name, the thread that ran it, start and end (microseconds)."""
+
+    name: str
+    thread: int
+    start: float
+    end: float
 
 
 class PhaseClock:
-    """Seconds per named phase of the current step, and the time blocked in collective waits
-    attributed to the phase that was open when the wait happened."""
+    """Seconds per named phase of the current step, each phase also a ``phase: <name>``
+    range on the profiler's timeline (what the ``zero::`` ranges are attributed by)."""
 
     def __init__(self) -> None:
-        self.current = "idle"
         self.seconds: dict[str, float] = defaultdict(float)
-        self.labelled = False  # name phases and waits in a torch.profiler trace
-
-    def _label(self, name: str) -> AbstractContextManager[Any]:
-        return record_function(name) if self.labelled else nullcontext()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        outer, self.current = self.current, name
         started = time.perf_counter()
         try:
-            with self._label(f"phase: {name}"):
+            with record_function(f"phase: {name}"):
                 yield
         finally:
             self.seconds[name] += time.perf_counter() - started
-            self.current = outer
 
-    def timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        """``function`` that adds its own duration to ``name`` (``"wait"`` goes to
-        ``<open phase>_wait``)."""
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            key = f"{self.current}_wait" if name == "wait" else name
-            started = time.perf_counter()
-            try:
-                with self._label(key):
-                    return function(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - started
+def spans_of(prof: profile) -> list[Span]:
+    """The phases and the ``zero::`` ranges a profiler recorded."""
+    return [Span(e.name, e.thread, e.time_range.start, e.time_range.end)
+            for e in prof.events()  # type: ignore[no-untyped-call]
+            if e.name.startswith(("phase: ", "zero::"))]  # fmt: skip
 
-        return wrapper
+
+def merged_microseconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` (nested or overlapping ones count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        start = max(start, reach)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def ranged_columns(spans: list[Span]) -> dict[str, float] | None:
+    """Seconds of the wait, optimizer and publish columns of one step, from its
+    ``phase: ...`` and ``zero::`` spans (module docstring); only the ranges of the thread
+    that ran the phases count (not the swap pipeline's). None when the code emits no
+    ``zero::`` range."""
+    phases = {s.name.removeprefix("phase: "): s for s in spans if s.name.startswith("phase: ")}
+    if not phases or not any(s.name.startswith("zero::") for s in spans):
+        return None
+    main = next(iter(phases.values())).thread
+    own = [s for s in spans if s.thread == main and s.name.startswith("zero::")]
+    out: dict[str, float] = {}
+    for name, phase in phases.items():
+        waits = [(max(s.start, phase.start), min(s.end, phase.end)) for s in own
+                 if COLLECTIVE_WAIT.fullmatch(s.name) and s.start < phase.end
+                 and s.end > phase.start]  # fmt: skip
+        out[f"{name}_wait"] = merged_microseconds(waits) / 1e6
+    optimizer = [s for s in own if s.name == OPTIMIZER_STEP]
+    out["optimizer"] = merged_microseconds([(s.start, s.end) for s in optimizer]) / 1e6
+    step = phases.get("step")
+    in_step = [s.end for s in optimizer if step is not None and step.start <= s.start < step.end]
+    out["publish"] = (step.end - max(in_step)) / 1e6 if step is not None and in_step else 0.0
+    return out
 
 
 class Variant:
@@ -112,14 +165,12 @@ class Variant:
     def __init__(self, name: str, config: GPTConfig, comm: zero_comm.Communicator,
                  zero_options: dict[str, Any]) -> None:  # fmt: skip
         self.name, self.comm, self.clock = name, comm, PhaseClock()
-        self.seen = {"forward_wait", "backward_wait", "step_wait", "optimizer", "publish"}
         if name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             model = GPT(config, seed=0)
             self.model = DDP(model, process_group=comm.group, gradient_as_bucket_view=True)  # type: ignore[attr-defined]
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-            self.seen = set()
             return
         stage = int(name.split("-")[1])
         init_values = None
@@ -133,18 +184,18 @@ class Variant:
             model, torch.optim.AdamW(model.parameters(), lr=1e-4),
             zero_core.ZeroConfig(stage=stage, **zero_options), comm, init_values=init_values,
         )  # fmt: skip
-        self._wrap(comm, "_wait", "wait")
-        self._wrap(self.engine.optimizer, "step", "optimizer")
-        self._wrap(getattr(self.engine, "parameters", None), "publish", "publish")
-
-    def _wrap(self, owner: Any, method: str, column: str) -> None:
-        if owner is None or not callable(getattr(owner, method, None)):
-            waits = {"forward_wait", "backward_wait", "step_wait"}
-            self.seen -= waits if column == "wait" else {column}
-            return
-        setattr(owner, method, self.clock.timed(column, getattr(owner, method)))
 
     def one_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | None]:
+        """One step under torch.profiler: the phases' wall-clock time and CPU time, and
+        the columns of its ``zero::`` ranges (None where the code emits none)."""
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            row = self._timed_step(inputs, targets)
+        ranged = ranged_columns(spans_of(prof)) if self.name != "ddp" else None
+        for column in RANGED:
+            row[column] = None if ranged is None else ranged[column]
+        return row
+
+    def _timed_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float | None]:
         clock = self.clock
         clock.seconds.clear()
         started = time.perf_counter()
@@ -168,9 +219,7 @@ class Variant:
         cpu, cpu_main = time.process_time() - cpu_started, time.thread_time() - main_started
         self.last_loss = float(loss.detach())  # after the clock: .item() waits for nothing here
         row: dict[str, float | None] = {"total": total, "cpu": cpu, "cpu_main": cpu_main}
-        for column in COLUMNS[: COLUMNS.index("total")]:
-            measured = column in PHASES or column in self.seen
-            row[column] = clock.seconds.get(column, 0.0) if measured else None
+        row.update({phase: clock.seconds[phase] for phase in PHASES})
         return row
 
     def close(self) -> None:
@@ -224,14 +273,20 @@ def markdown(summaries: dict[str, dict[str, Any]], header: str) -> list[str]:
 
 def trace_step(variant: Variant, inputs: torch.Tensor, targets: torch.Tensor, rank: int,
                folder: Path | None, top: int) -> list[str]:  # fmt: skip
-    """One more step under torch.profiler; rank 0 writes the trace, returns the top ops."""
-    variant.clock.labelled = True
-    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(variant.name):
-        variant.one_step(inputs, targets)
-    if rank != 0 or folder is None:
+    """One more step under torch.profiler; every rank writes its trace (rank 0's is
+    ``<variant>.json``, rank r's ``<variant>.rank<r>.json``), rank 0 returns the top ops."""
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        variant.comm.barrier()  # the ranks' profilers started apart: start the step together
+        with record_function(variant.name):
+            variant._timed_step(inputs, targets)
+    if folder is None:
         return []
     folder.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(folder / f"{variant.name}.json"))
+    suffix = "" if rank == 0 else f".rank{rank}"
+    prof.export_chrome_trace(str(folder / f"{variant.name}{suffix}.json"))
+    if rank != 0:
+        return []
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
     return [f"#### {variant.name}: top {top} operators by self CPU time", "", "```",
             table.strip(), "```", ""]  # fmt: skip

@@ -12,11 +12,17 @@ results are bit-identical on every backend and to the same sum done in one proce
 The names below load on first use (PEP 562), so a process that only launches ranks
 (``zero-launch``, ``python -m zero_comm.launch``) never imports torch: it starts the ranks
 about two seconds sooner and holds no copy of torch beside them.
+
+Modules log to ``logging.getLogger(__name__)`` under the logger ``zero_comm``, which has a
+``NullHandler``: nothing shows unless the application configures logging (e.g.
+``logging.basicConfig()`` and ``logging.getLogger("zero_comm").setLevel(logging.DEBUG)``
+to see each communicator as it is created).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,6 +52,10 @@ if TYPE_CHECKING:
     from .stats import CommStats, ring_volume
     from .topology import Topology
     from .world import detect_topology, init
+
+# A library adds no handler of its own but this one, so that an application that has not
+# configured logging does not get Python's "last resort" output of our warnings.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # Each public name and the module that defines it.
 _HOMES = {

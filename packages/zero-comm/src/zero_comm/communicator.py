@@ -22,11 +22,16 @@ Which reduction is used:
 
 unless the backend prefers the rank-ordered algorithm for that collective and dtype
 (``_prefers_ordered``: where it is faster, or where the backend has no native reduction).
+
+Every collective of every backend passes here, so this is where a profiler's timeline
+gets them: each public collective is the range ``zero::<its name>`` (``@ranged``) and
+each wait ``zero::<its name>.wait`` (handle.py), see profiler_ranges.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import pickle
 import weakref
 from collections import deque
@@ -50,9 +55,12 @@ from .handle import CompletedWork, Handle, Work
 from .node_groups import NodeGroups
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
+from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
 from .stats import CommStats
 from .topology import Topology
+
+log = logging.getLogger(__name__)
 
 
 class Communicator(CallCheck, NodeGroups):
@@ -115,6 +123,12 @@ class Communicator(CallCheck, NodeGroups):
         self._quantized_waits: deque[Any] = deque()
         # (host, pid) of every rank, where the backend knows them (see peers.py).
         self.peers: list[Peer] | None = None
+        log.debug(
+            "communicator created: backend %s, rank %d of %d, device %s, deterministic %s, "
+            "consistency check %s, timeout %s s",
+            backend, rank, world_size, device, self.deterministic, options.check_consistency,
+            self.timeout,
+        )  # fmt: skip
 
     @property
     def options(self) -> CommOptions:
@@ -315,6 +329,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOp = ..., *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @ranged
     def all_reduce(
         self,
         tensor: torch.Tensor,
@@ -376,6 +391,7 @@ class Communicator(CallCheck, NodeGroups):
         async_op: bool,
         label: str = ...,
     ) -> Handle | None: ...
+    @ranged
     def reduce_scatter(
         self,
         output: torch.Tensor,
@@ -438,6 +454,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @ranged
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -478,6 +495,7 @@ class Communicator(CallCheck, NodeGroups):
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @ranged
     def all_to_all(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -511,6 +529,7 @@ class Communicator(CallCheck, NodeGroups):
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool, label: str = ...
     ) -> Handle | None: ...
+    @ranged
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, label: str = ""
     ) -> Handle | None:
@@ -534,6 +553,7 @@ class Communicator(CallCheck, NodeGroups):
     def barrier(self, *, async_op: Literal[True]) -> Handle: ...
     @overload
     def barrier(self, *, async_op: bool) -> Handle | None: ...
+    @ranged
     def barrier(self, *, async_op: bool = False) -> Handle | None:
         """Return (or complete the handle) only when every rank has entered the barrier."""
         self._enter("barrier", lambda: (-1, 0, -1, -1))
@@ -541,6 +561,7 @@ class Communicator(CallCheck, NodeGroups):
         work = self._barrier() if self.world_size > 1 else CompletedWork()
         return self._complete(Handle(self, "barrier", work), async_op)
 
+    @ranged
     def split(self, color: int, key: int | None = None) -> Communicator:
         """Collective: ranks passing the same ``color`` form a new communicator.
 
@@ -595,6 +616,7 @@ class Communicator(CallCheck, NodeGroups):
         return handle
 
     # --------------------------------------------------------- object collectives
+    @ranged
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
         self._enter(
@@ -613,6 +635,7 @@ class Communicator(CallCheck, NodeGroups):
             self._wait(self._broadcast(payload, src), "broadcast_object")
         return pickle.loads(payload.cpu().numpy().tobytes())
 
+    @ranged
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
         self._enter("all_gather_object", lambda: (-1, 0, -1, -1))

@@ -7,7 +7,15 @@
     loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
 
 With a deterministic communicator every stage's parameters equal stage 0's bit for bit.
+
+Modules log to ``logging.getLogger(__name__)`` under the logger ``zero_core`` (a
+``NullHandler`` here: silent unless the application configures logging); at DEBUG the
+engine says what it built, e.g. each offload tier's swap folder, tiles and threads. Its
+phases are named ranges on a ``torch.profiler`` trace (``zero::...``, see
+zero_comm.profiler_ranges).
 """
+
+import logging
 
 from .checkpoint.format import CheckpointError
 from .checkpoint.loader import DeterminismWarning
@@ -24,6 +32,8 @@ from .memory.tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .offload.swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
 from .zero_r.activation_checkpoint import ActivationCheckpointing
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 

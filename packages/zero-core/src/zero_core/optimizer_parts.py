@@ -31,6 +31,8 @@ from collections.abc import Sequence
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from zero_comm.profiler_ranges import profiler_range
+
 # Exact types: a subclass may override step().
 IN_PARTS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -64,7 +66,8 @@ def step_part(
     for tensor, gradient in part:
         tensor.grad = gradient
     try:
-        optimizer.step()
+        with profiler_range("optimizer_step"):
+            optimizer.step()
     finally:
         for tensor, _ in part:
             tensor.grad = None

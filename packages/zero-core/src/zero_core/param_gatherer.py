@@ -70,6 +70,10 @@ instead of the shards over every rank:
 The parts are the forward's gathered bits, so backward computes with exactly the
 weights forward used (lossless, and with quantized forward gathers too); they are
 dropped when the backward pass ends.
+
+On a torch.profiler timeline: each start of gathers is ``zero::gather_unit``, each wait for
+a unit ``zero::gather_unit.wait`` and each release ``zero::free_unit`` (the collectives
+inside them are the communicator's ``zero::all_gather`` ranges).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ from zero_comm import (
     quantized_all_gather,
 )
 from zero_comm.hierarchy import hierarchical_all_gather
+from zero_comm.profiler_ranges import profiler_range
 
 from .coalescing import coalesced_groups
 from .gather_unit import GatherUnit, UnitState
@@ -375,6 +380,11 @@ class ParameterGatherer:
     def _start_gathers(self, units: list[GatherUnit]) -> None:
         """Start gathering ``units`` (in this order on every rank): consecutive ones on
         the same path, up to ``coalesce_numel`` elements in all, share one collective."""
+        if units:
+            with profiler_range("gather_unit"):
+                self._start_gathers_now(units)
+
+    def _start_gathers_now(self, units: list[GatherUnit]) -> None:
         for unit in units:
             unit.expect(UnitState.RELEASED, doing="start gathering")
         paths = [self._path(unit) for unit in units]
@@ -477,15 +487,17 @@ class ParameterGatherer:
 
     def _wait(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.GATHERING, doing="wait for")
-        self._finish_gathers(unit)
-        unit.state = UnitState.GATHERED
-        self._attach(unit)
+        with profiler_range("gather_unit.wait"):
+            self._finish_gathers(unit)
+            unit.state = UnitState.GATHERED
+            self._attach(unit)
 
     def _release(self, unit: GatherUnit) -> None:
         unit.expect(UnitState.GATHERED, doing="release")
-        self._detach(unit)
-        self._resize(unit, gathered=False)
-        unit.state = UnitState.RELEASED
+        with profiler_range("free_unit"):
+            self._detach(unit)
+            self._resize(unit, gathered=False)
+            unit.state = UnitState.RELEASED
 
     def _resize(self, unit: GatherUnit, *, gathered: bool) -> None:
         """Give the unit's full buffers their storage, or take it away."""

@@ -6,10 +6,16 @@
     values = model.initial_values(seed=0)            # for zero_core.initialize(init_values=)
 
 The default corpus (:func:`default_corpus_bytes`) is every machine's Python standard library.
+Modules log under the logger ``zero_models`` (a ``NullHandler``: silent unless configured);
+zero-train prints its own lines.
 """
+
+import logging
 
 from .corpus import default_corpus_bytes, stdlib_source_files
 from .gpt import GPT, PRESETS, GPTConfig
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 

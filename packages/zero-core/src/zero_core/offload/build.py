@@ -3,11 +3,15 @@ anything is built), the tile plan, the disk pipeline, and the parameter shards' 
 
     offload_dir/zero-swap.rank{r}.pid{p}.{n}/   the swap files of this rank's n-th engine
                                                 (removed when the engine is closed)
+
+Each tier says at DEBUG (logger ``zero_core.offload.build``) what it built: the swap
+folder, the tiles per tier and their elements, the buffers and I/O threads.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import socket
@@ -29,6 +33,8 @@ from .tiers import Tier, TileSpec, plan_tiles
 # Bytes per master element a disk tile needs: the float32 master and two float32 states
 # (Adam's); an optimizer with more states makes its files when it first steps.
 DISK_BYTES_PER_MASTER_ELEMENT = 12
+
+log = logging.getLogger(__name__)
 
 
 _ENGINES = itertools.count()
@@ -97,7 +103,37 @@ def build_offloaded_masters(
             buffer_count=config.offload_buffer_count,
             io_threads=config.offload_io_threads,
         )
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("[rank %d] offloaded masters (offload_optimizer=%s): %s", rank,
+                  config.offload_optimizer, _tier_counts(plan))  # fmt: skip
+        if swap is not None:
+            log.debug("[rank %d] master swap pipeline: folder %s, %d buffers of up to %d "
+                      "elements per state, %d I/O threads", rank, swap.folder,
+                      config.offload_buffer_count, max(s.numel for s in disk),
+                      config.offload_io_threads)  # fmt: skip
     return OffloadedMasters(layouts, rank, plan, comm.device, swap, config.offload_pin_memory)
+
+
+def _tier_counts(plan: list[list[TileSpec]]) -> str:
+    """Per tier, its tiles and their float32 elements, e.g. ``disk: 12 tiles, 3145728
+    elements (12.0 MiB)``."""
+    parts = []
+    for tier in Tier:
+        numels = [s.numel for specs in plan for s in specs if s.tier is tier]
+        if numels:
+            parts.append(f"{tier.name.lower()}: {len(numels)} tiles, {sum(numels)} "
+                         f"elements ({_size(sum(numels) * 4)} of float32)")  # fmt: skip
+    return "; ".join(parts) or "no tiles"
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a person: ``512 B``, ``22.0 KiB``, ``1.5 GiB``."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def master_plan(layouts: list[GroupLayout], config: ZeroConfig) -> list[list[TileSpec]] | None:
@@ -124,6 +160,8 @@ def check_space(
         return
     assert config.offload_dir is not None
     needed = disk_bytes_needed(config, plan, layouts, dtype)
+    log.debug("[rank %d] offload_dir %s: this rank's swap files need %d bytes (%s)",
+              world.rank, config.offload_dir, needed, _size(needed))  # fmt: skip
     here = (socket.gethostname(), _filesystem(config.offload_dir))
     everyone = world.all_gather_object((here, needed))
     sharing = [bytes_ for where, bytes_ in everyone if where == here]
@@ -152,8 +190,18 @@ def build_parameter_shards(
     comm: Communicator, dtype: torch.dtype, folder: Path | None,
 ) -> ParameterShards:  # fmt: skip
     tier = Tier(config.offload_params)
+    slices = [b.slice_numel for lay in layouts for b in lay.buckets]
     if tier is not Tier.DISK:
+        log.debug("[rank %d] parameter shards in the %s tier (offload_params=%s): %d bucket "
+                  "slices, %d elements of %s (%s)", rank, tier.name.lower(),
+                  config.offload_params, len(slices), sum(slices), dtype,
+                  _size(sum(slices) * dtype.itemsize))  # fmt: skip
         return ParameterShards(layouts, rank, dtype, comm, tier, pin=config.offload_pin_memory)
+    log.debug("[rank %d] parameter shards swapped (offload_params=disk): folder %s, %d swap "
+              "files (one per bucket slice, %d elements of %s in all (%s), the largest %d), %d "
+              "I/O threads", rank, folder, len(slices), sum(slices), dtype,
+              _size(sum(slices) * dtype.itemsize), max(slices, default=0),
+              config.offload_io_threads)  # fmt: skip
     starts = [(g, b.local_offset) for g, lay in enumerate(layouts) for b in lay.buckets]
     names = first_names(layouts, slots, rank, starts)
     labels = {

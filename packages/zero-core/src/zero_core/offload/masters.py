@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zero_comm import Communicator
+from zero_comm.profiler_ranges import profiler_range
 
 from ..buckets import Bucket, build_buckets
 from ..checkpoint.sharded_state import MasterPiece
@@ -167,7 +168,8 @@ class OffloadedMasters:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host grads have landed
         if resident:
-            optimizer.step()
+            with profiler_range("optimizer_step"):
+                optimizer.step()
         for spec, tile in resident:
             tile.grad = None
             updated(spec.group, spec.start, tile.detach())
@@ -184,7 +186,8 @@ class OffloadedMasters:
                 optimizer.state[tile] = state
             tile.grad = gradients[spec.group][spec.where].to(host_device())
             try:
-                optimizer.step()
+                with profiler_range("optimizer_step"):
+                    optimizer.step()
             finally:
                 tile.grad = None
                 after = optimizer.state.pop(tile, {})

@@ -55,6 +55,8 @@ from typing import NamedTuple
 
 import torch
 
+from zero_comm.profiler_ranges import profiler_range
+
 log = logging.getLogger(__name__)
 
 ALIGNMENT = 4096  # bytes: offsets, buffer addresses and I/O sizes for O_DIRECT
@@ -318,6 +320,10 @@ class SwapFile:
 
     def write(self, offset: int, tensor: torch.Tensor, block: str) -> None:
         """Write ``tensor``'s bytes at ``offset`` and record their CRC-32 as ``block``."""
+        with profiler_range("swap.write"):  # the checksum too: both take time
+            self._write(offset, tensor, block)
+
+    def _write(self, offset: int, tensor: torch.Tensor, block: str) -> None:
         raw = _byte_view(tensor, f"{self!r}.write(block {block!r})")
         self._check_range(offset, raw.numel(), block, "write")
         data = _memview(raw)
@@ -351,6 +357,10 @@ class SwapFile:
 
     def read(self, offset: int, tensor: torch.Tensor, block: str) -> None:
         """Fill ``tensor`` from ``offset`` and check the bytes against ``block``'s CRC-32."""
+        with profiler_range("swap.read"):
+            self._read(offset, tensor, block)
+
+    def _read(self, offset: int, tensor: torch.Tensor, block: str) -> None:
         raw = _byte_view(tensor, f"{self!r}.read(block {block!r})")
         self._check_range(offset, raw.numel(), block, "read")
         with self._lock:

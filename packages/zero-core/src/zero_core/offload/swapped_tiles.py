@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from zero_comm.profiler_ranges import profiler_range
+
 from .swap_file import SwapFile, aligned_empty
 from .tiers import TileSpec
 
@@ -130,8 +132,9 @@ class SwappedTiles:
         writes: dict[int, list[Future[None]]] = {}
 
         def start_reads(index: int) -> None:
-            for future in writes.pop(index - slots, []):
-                future.result()  # that buffer's previous tile has landed
+            with profiler_range("swap.write.wait"):
+                for future in writes.pop(index - slots, []):
+                    future.result()  # that buffer's previous tile has landed
             buffer = self._buffers[index % slots]
             numel = self.specs[index].numel
             keys = [MASTER, *(self.keys[index] if states else [])]
@@ -157,8 +160,9 @@ class SwappedTiles:
                 while started < count and started <= index + ahead - 1:
                     start_reads(started)
                     started += 1
-                for future in reads.pop(index):
-                    future.result()
+                with profiler_range("swap.read.wait"):
+                    for future in reads.pop(index):
+                        future.result()
                 tile = ResidentTile(self, index, self._buffers[index % slots], states)
                 visit(tile)
                 if write:
@@ -169,7 +173,8 @@ class SwappedTiles:
                     ]
         finally:
             pending = [f for fs in (*reads.values(), *writes.values()) for f in fs]
-            errors = [f.exception() for f in pending]  # waits for each
+            with profiler_range("swap.write.wait"):
+                errors = [f.exception() for f in pending]  # waits for each
         for error in errors:
             if error is not None:
                 raise error

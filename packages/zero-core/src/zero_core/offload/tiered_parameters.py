@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from zero_comm import Communicator
+from zero_comm.profiler_ranges import profiler_range
 
 from ..buckets import build_buckets
 from ..group_layout import GroupLayout
@@ -152,7 +153,8 @@ class ParameterShards:
             host = self._host_buffer(local.size)
             self._files[(group, bucket)].read(0, host, BLOCK)
         else:
-            future.result()
+            with profiler_range("swap.read.wait"):
+                future.result()
         self.bytes_read += host.numel() * host.element_size()
         if self.comm.device.type == "cpu":
             return host
