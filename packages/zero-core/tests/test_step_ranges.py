@@ -30,7 +30,7 @@ STAGE3 = {
     "zero::gather_unit", "zero::gather_unit.wait", "zero::free_unit",
     "zero::all_gather", "zero::all_gather.wait",
     "zero::reduce_scatter", "zero::reduce_scatter.wait",
-    "zero::optimizer_step",
+    "zero::optimizer_step", "zero::publish",
 }  # fmt: skip
 SWAP = {"zero::swap.read", "zero::swap.write", "zero::swap.read.wait"}
 
@@ -70,3 +70,19 @@ def test_offload_to_disk_names_the_swap_reads_and_writes(tmp_path: Path) -> None
                 "offload_sub_group_numel": 64, "offload_dir": str(tmp_path)}  # fmt: skip
     names = ranges_within_steps(CASE, settings)
     assert names >= STAGE3 | SWAP, f"missing: {sorted((STAGE3 | SWAP) - names)}"
+
+
+def test_a_checkpoint_save_and_load_are_ranges(tmp_path: Path) -> None:
+    case = normalised(ParityCase(widths=(8, 16, 4), persistence_threshold=0))
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 3, {})
+        run_steps(engine, case, comm, 0, 1)
+        engine.save(tmp_path)
+        engine.load(tmp_path)
+
+    config = _ExperimentalConfig(profile_all_threads=True)  # simulated ranks are threads
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+        run_simulated(2, body)
+    names = {e.name for e in prof.events()}
+    assert {"zero::checkpoint.save", "zero::checkpoint.load"} <= names

@@ -34,6 +34,10 @@ The names the ZeRO packages emit (docs/step-profile.md shows them on a timeline)
     zero::swap.write              the main one), writing one
     zero::swap.read.wait          the step or a gather waiting for swap reads, or the
     zero::swap.write.wait         pipeline for a buffer's writes to land
+    zero::publish                 after the optimizer step: the parameters take the new
+                                  values (stages 1-2: the all-gathers' last waits)
+    zero::checkpoint.save         engine.save / engine.load, whole
+    zero::checkpoint.load
 """
 
 from __future__ import annotations

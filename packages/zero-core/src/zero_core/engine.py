@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from zero_comm.determinism import Fingerprint, current_fingerprint
+from zero_comm.profiler_ranges import profiler_range
 
 from .builder import EngineParts, close_components
 from .checkpoint.format import CheckpointError
@@ -253,7 +254,8 @@ class Engine:
             self.parameters.take_master_values,
             bucket_by_bucket=self.policy.parameters is ParameterPlacement.REPLICATED,
         )
-        self.parameters.publish()
+        with profiler_range("publish"):
+            self.parameters.publish()
         self._applied()
         return True
 

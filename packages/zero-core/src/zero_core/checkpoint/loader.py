@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from zero_comm import Communicator
 from zero_comm.determinism import fingerprint_differences
+from zero_comm.profiler_ranges import profiler_range
 
 from ..flat_layout import Range
 from .format import CheckpointError
@@ -36,7 +36,7 @@ def load(state: ShardedState, comm: Communicator, path: str | os.PathLike[str]) 
     reads only the byte ranges of the pieces it holds, straight into its master tiles; the
     tensors held whole are copied into ``state.whole``'s. The caller then applies ``state``
     (``Engine.load_sharded_state``)."""
-    with record_function("zero::checkpoint.load"):
+    with profiler_range("checkpoint.load"):
         return _load(state, comm, path)
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from zero_comm import Communicator
+from zero_comm.profiler_ranges import profiler_range
 
 from .format import (
     FORMAT,
@@ -60,7 +60,7 @@ def save(
     """Collective over ``comm`` (the data-parallel world): write every rank's ``state`` to
     directory ``path`` (see the module doc). ``state`` is all it reads: this module never
     calls into an engine."""
-    with record_function("zero::checkpoint.save"):
+    with profiler_range("checkpoint.save"):
         _save(state, comm, Path(path), extra)
 
 
