@@ -96,6 +96,7 @@ class Communicator(CallCheck, NodeGroups):
         self.deterministic = options.deterministic
         self._init_call_check(options.check_consistency)
         self.timeout = options.timeout
+        self.heartbeat_timeout = options.heartbeat_timeout
         self._topology = Topology.single_node(world_size)
         self.stats = CommStats(world_size, rank=rank, topology=self._topology)
         self.parent_ranks: list[int] | None = None
@@ -119,7 +120,9 @@ class Communicator(CallCheck, NodeGroups):
     @property
     def options(self) -> CommOptions:
         """This communicator's options now (what a subgroup split from it inherits)."""
-        return CommOptions(self.deterministic, self.check_consistency, self.timeout)
+        return CommOptions(
+            self.deterministic, self.check_consistency, self.timeout, self.heartbeat_timeout
+        )
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,7 @@ from typing import Any
 from torch.distributed import HashStore, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from .errors import BackendUnavailableError, CommTimeoutError
+from .heartbeat import first_beat
 from .launcher_env import LaunchEnv
 from .peers import Peer, this_peer
 
@@ -96,6 +97,26 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
     return PrefixStore("zero_comm", store)
 
 
+def store_address(store: Any) -> str:
+    """ "host:port" of the TCPStore under ``store`` (what rendezvous_store gave)."""
+    tcp = store.underlying_store
+    return f"{tcp.host}:{tcp.port}"
+
+
+def store_client(store: Any, timeout: float) -> Any:
+    """A connection of its own to the TCPStore under ``store`` (what rendezvous_store
+    gave), with the same prefix; its calls wait at most ``timeout`` seconds."""
+    tcp = store.underlying_store
+    client = TCPStore(
+        tcp.host,
+        tcp.port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    return PrefixStore("zero_comm", client)
+
+
 def read_peers(store: Any, world_size: int) -> list[Peer]:
     """Every rank's (host, pid), as checked in (``store``: what rendezvous_store gave)."""
     if world_size == 1:
@@ -105,6 +126,7 @@ def read_peers(store: Any, world_size: int) -> list[Peer]:
 
 def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
     store.set(f"{_PREFIX}/arrived/{env.rank}", this_peer().encode())
+    first_beat(PrefixStore("zero_comm", store), env.rank)
     store.add(f"{_PREFIX}/count", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
