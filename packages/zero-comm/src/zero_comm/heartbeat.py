@@ -112,7 +112,8 @@ class Heartbeat:
         self._asking_since: float | None = None  # a store call not answered yet
         self._store_error: str | None = None  # the store's connection failed
         self._store_silent: float | None = None  # its call timed out after this long
-        self._ending = "its script ended"  # what check_out says at interpreter exit
+        # What check_out says at interpreter exit; a failure met or raised sets it.
+        self.ending = "its script ended"
         self.checked_out = False
         self.named: set[int] = set()  # ranks a verdict named: nobody waits for them again
 
@@ -127,7 +128,7 @@ class Heartbeat:
         def note_uncaught(
             kind: type[BaseException], value: BaseException, tb: TracebackType | None
         ) -> None:
-            self._ending = f"it raised an uncaught {kind.__name__}"
+            self.ending = f"it raised an uncaught {kind.__name__}"
             previous_hook(kind, value, tb)
 
         sys.excepthook = note_uncaught
@@ -144,7 +145,7 @@ class Heartbeat:
         if not self._lock.acquire(timeout=self.period + 1.0):
             return
         try:
-            self._store.set(left_key(self.rank), how or self._ending)
+            self._store.set(left_key(self.rank), how or self.ending)
             self._store.add(beat_key(self.rank), LEFT)
         except RuntimeError:  # the store is gone (rank 0 ended): nobody is left to tell
             pass

@@ -22,7 +22,7 @@ from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
 from .heartbeat import Heartbeat
 from .launcher_env import LaunchEnv
-from .peers import Peer, describe_dead, is_running
+from .peers import Peer, dead_ranks, describe_dead, is_running
 from .reduce_op import ReduceOp
 from .rendezvous import read_peers, rendezvous_store, store_address, store_client
 
@@ -160,6 +160,7 @@ class TorchCommunicator(Communicator):
             _InFlight.failed(work)
             if self._failed is None:
                 self._failed = f"{name} #{self._sequence}"
+            self._note_failure(silent)
             raise PeerFailureError(self._err(f"{name}: {silent}. {_WHAT_TO_DO}"))
         try:
             work.wait()
@@ -218,13 +219,20 @@ class TorchCommunicator(Communicator):
         """The error for collective ``name`` whose wait raised ``text``."""
         lowered = text.lower()
         if any(word.lower() in lowered for word in _PEER_WORDS):
-            heard = self._heard_of_peers()
-            if heard is not None:  # it checked out (its script ended), or it stopped beating
+            # A check-out read already names a peer that left; a dead peer of this host is
+            # named by /proc within a second; else the heartbeat may say within two beats
+            # (a peer on another host that exited, or rank 0's store that went with it).
+            heard = self._heartbeat.verdict(self.peers) if self._heartbeat is not None else None
+            dead = describe_dead(self.peers, self.rank)
+            if heard is None and not (self.peers and dead_ranks(self.peers, self.rank)[0]):
+                heard = self._heard_of_peers()
+            if heard is not None:
+                self._note_failure(heard)
                 return PeerFailureError(self._err(f"{name}: {heard}. {_WHAT_TO_DO}"))
             return PeerFailureError(
                 self._err(
                     f"{name}: a peer closed its connection, most likely because its process "
-                    f"died.{describe_dead(self.peers, self.rank)}{self._store_host_note()} "
+                    f"died.{dead}{self._store_host_note()} "
                     f"See the launcher's report and that rank's log ({text.strip()})"
                 )
             )
@@ -237,6 +245,12 @@ class TorchCommunicator(Communicator):
                 )
             )
         return CommError(self._err(f"{name} failed: {text.strip()}"))
+
+    def _note_failure(self, said: str) -> None:
+        """What this rank's check-out will say: the failure that ends it (so the ranks
+        that wait on it next name the peer that failed first, through it)."""
+        if self._heartbeat is not None:
+            self._heartbeat.ending = f"its collective failed: {said}"
 
     def _heard_of_peers(self) -> str | None:
         """The heartbeat's verdict on this group's members, waiting up to two beats for
@@ -343,6 +357,7 @@ class TorchCommunicator(Communicator):
                     if silent is not None:
                         if self._failed is None:
                             self._failed = f"{what} #{self._sequence}"
+                        self._note_failure(silent)
                         raise PeerFailureError(self._err(f"{what}: {silent}. {_WHAT_TO_DO}"))
                     next_beat = waited + heartbeat.period
                 time.sleep(delay)
