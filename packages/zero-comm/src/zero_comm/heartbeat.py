@@ -6,7 +6,8 @@ keeps its connections open: a collective waiting on it ends only by its timeout 
 default), and a peer on another host cannot be looked at in /proc. A peer that exited
 cleanly (its script returned, or closed zero_comm) while the others wait in a collective
 is no different for gloo. So every rank runs a daemon thread, with a store connection of
-its own (it never waits behind a collective's store traffic, nor makes one wait)::
+its own (it never waits behind a collective's store traffic, nor makes one wait; gloo
+and nccl: the rendezvous store; mpi: one rank 0 opens for it, rendezvous.heartbeat_over_mpi)::
 
     every `period` s     add 1 to heartbeat/beat/<rank>             (its beat counter)
     while a collective   multi_get every peer's counter, and note the time
@@ -167,36 +168,53 @@ class Heartbeat:
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
-        others = [r for r in range(len(self.peers)) if r != self.rank]
         while not self._stop.wait(self.period):
-            values: list[int] | None = None
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                asked = self._asking_since = time.monotonic()
-                try:
+            if not self._tick(beat=True, read=self._waiting > 0):
+                return  # its connection is broken: no more beats
+
+    def read_now(self) -> None:
+        """Read the peers' counters now, on the caller's thread (a rank whose collective
+        failed: a peer that checked out is then named as having left, not as dead). Not
+        while a call of the thread's is unanswered: it would wait for its timeout."""
+        if self._store is None or self._asking_since is not None or self._store_error:
+            return
+        if self._lock.acquire(timeout=self.period):
+            self._lock.release()
+            self._tick(beat=False, read=True)
+
+    def _tick(self, *, beat: bool, read: bool) -> bool:
+        """Beat and/or read the peers' counters; False once the store has failed."""
+        others = [r for r in range(len(self.peers)) if r != self.rank]
+        values: list[int] | None = None
+        with self._lock:
+            if self._stop.is_set() and beat:
+                return False
+            asked = self._asking_since = time.monotonic()
+            try:
+                if beat:
                     self._store.add(beat_key(self.rank), 1)
-                    if self._waiting and others:
-                        keys = [beat_key(r) for r in others]
-                        values = [int(v) for v in self._store.multi_get(keys)]
-                        for r, value in zip(others, values, strict=True):
-                            if value >= LEFT and r not in self._left:
-                                self._left[r] = bytes(self._store.get(left_key(r))).decode()
-                except RuntimeError as exc:  # DistNetworkError, DistStoreError (a timeout)
-                    if any(word in str(exc).lower() for word in ("timeout", "timed out")):
-                        self._store_silent = time.monotonic() - asked
-                    else:
-                        self._store_error = str(exc).strip().splitlines()[0]
-                    return  # its connection is broken: no more beats
-                finally:
-                    self._asking_since = None
-            if values is not None:
-                now = time.monotonic()
-                for r, value in zip(others, values, strict=True):
-                    seen = self._seen.get(r)
-                    if seen is None or seen[0] != value:
-                        self._seen[r] = (value, now)
-                self._read_at = now
+                if read and others:
+                    keys = [beat_key(r) for r in others]
+                    values = [int(v) for v in self._store.multi_get(keys)]
+                    for r, value in zip(others, values, strict=True):
+                        if value >= LEFT and r not in self._left:
+                            self._left[r] = bytes(self._store.get(left_key(r))).decode()
+            except RuntimeError as exc:  # DistNetworkError, DistStoreError (a timeout)
+                if any(word in str(exc).lower() for word in ("timeout", "timed out")):
+                    self._store_silent = time.monotonic() - asked
+                else:
+                    self._store_error = str(exc).strip().splitlines()[0]
+                return False
+            finally:
+                self._asking_since = None
+        if values is not None:
+            now = time.monotonic()
+            for r, value in zip(others, values, strict=True):
+                seen = self._seen.get(r)
+                if seen is None or seen[0] != value:
+                    self._seen[r] = (value, now)
+            self._read_at = now
+        return True
 
     # ------------------------------------------------------------- the verdict
     def verdict(self, members: list[Peer] | None = None) -> str | None:

@@ -222,7 +222,10 @@ class TorchCommunicator(Communicator):
             # A check-out read already names a peer that left; a dead peer of this host is
             # named by /proc within a second; else the heartbeat may say within two beats
             # (a peer on another host that exited, or rank 0's store that went with it).
-            heard = self._heartbeat.verdict(self.peers) if self._heartbeat is not None else None
+            heard = None
+            if self._heartbeat is not None:
+                self._heartbeat.read_now()
+                heard = self._heartbeat.verdict(self.peers)
             dead = describe_dead(self.peers, self.rank)
             if heard is None and not (self.peers and dead_ranks(self.peers, self.rank)[0]):
                 heard = self._heard_of_peers()

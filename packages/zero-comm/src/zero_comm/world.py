@@ -85,9 +85,9 @@ def init(
             naming it (stopped, swapped out, hung in C code); a peer that left the job
             (closed zero_comm, or its interpreter exited) is named as soon as its
             check-out is seen. A slow collective whose peers beat still waits up to
-            ``timeout``. Every rank beats into the rendezvous store (gloo and nccl; see
-            zero_comm.heartbeat); nccl's waits do not block the host, so there only the
-            digest check's waits use it.
+            ``timeout``. Every rank beats into the rendezvous store (gloo, nccl; under
+            mpi, a store rank 0 opens for it: see zero_comm.heartbeat); nccl's waits do
+            not block the host, so there only the digest check's waits use it.
     """
     options = CommOptions(deterministic, check_consistency, timeout, heartbeat_timeout)
     env = detect_launch_env()

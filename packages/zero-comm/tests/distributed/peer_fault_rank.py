@@ -2,6 +2,7 @@
 other waits in a collective (test_peer_faults.py starts both by hand: no launcher).
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python peer_fault_rank.py CASE DIR HB
+    mpiexec -n 2 python -m mpi4py peer_fault_rank.py CASE DIR HB mpi
 
 CASE (HB: the heartbeat timeout in seconds; the collective timeout is 120 s, far beyond):
 
@@ -41,8 +42,9 @@ def event(folder: Path, what: str) -> None:
 
 def main() -> int:
     case, folder, heartbeat = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    backend = sys.argv[4] if len(sys.argv) > 4 else "gloo"
     comm = zero_comm.init(
-        "gloo",
+        backend,
         timeout=120.0,
         heartbeat_timeout=heartbeat,
         check_consistency="digest" if case not in ("stop", "slow") else False,  # gloo waits

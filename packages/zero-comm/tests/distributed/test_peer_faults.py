@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from zero_comm.launch import free_port, rank_environment
+from zero_comm.testing import find_mpiexec, is_open_mpi
 
 HERE = Path(__file__).parent
 HEARTBEAT_S = 3.0
@@ -152,3 +153,30 @@ def test_rank_0_killed_is_one_line_naming_it_and_its_store(tmp_path: Path) -> No
     assert "rank 0" in line and "rendezvous store" in line, line
     rank_0 = f"rank 0 (host {socket.gethostname()}, pid {victim_pid(tmp_path)}) is dead"
     assert rank_0 in line, line
+
+
+@pytest.mark.mpi
+@SLOW
+@pytest.mark.skipif(find_mpiexec() is None, reason="no mpiexec")
+def test_under_mpiexec_a_stopped_peer_is_named_within_the_heartbeat_timeout(
+    tmp_path: Path,
+) -> None:
+    """The same stop on the mpi backend: the heartbeat lives in a store that rank 0 opens
+    and announces over MPI (rendezvous.heartbeat_over_mpi), and the MPI wait's polling
+    asks it; mpiexec then ends the stopped rank."""
+    mpiexec = str(find_mpiexec())
+    flags = ["--oversubscribe"] if is_open_mpi(mpiexec) else []
+    command = [mpiexec, *flags, "-n", "2", sys.executable, "-m", "mpi4py",
+               str(HERE / "peer_fault_rank.py"), "stop", str(tmp_path), str(HEARTBEAT_S),
+               "mpi"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    said = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert said["error"] == "PeerFailureError", said
+    assert HEARTBEAT_S < float(said["after_s"]) < HEARTBEAT_S + NAMING_SLACK_S, said
+    pid = victim_pid(tmp_path)
+    assert f"rank 1 (host {socket.gethostname()}, pid {pid}) has sent no heartbeat" in (
+        result.stderr
+    ), result.stderr[-3000:]
+    for noise in ("c10d", "recvValue", "frame #"):
+        assert noise not in result.stderr, result.stderr[-3000:]
