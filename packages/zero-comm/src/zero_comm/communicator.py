@@ -71,6 +71,8 @@ class Communicator(CallCheck, NodeGroups):
             (call_schedule.py); a training loop's steps after the first cost nothing.
             False / "off": no check.
         timeout: seconds a collective may wait for its peers.
+        heartbeat_timeout: seconds a peer a collective waits on may go without a heartbeat
+            before it is named as stuck (zero_comm.heartbeat).
         stats: calls and ring-convention volume per collective, split into intra-node and
             inter-node bytes by ``topology``.
         topology: which of its ranks share a node (zero_comm.topology); the world's is

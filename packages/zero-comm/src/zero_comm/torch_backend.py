@@ -42,8 +42,6 @@ LOOK_EVERY_S = 0.1
 # A collective whose peer the heartbeat names gets this long to complete all the same: the
 # peer may have checked out right after completing its part of this very collective.
 LAST_CHANCE_S = 1.0
-# The digest check's store waits look at the store this often at most (_collect_calls).
-STORE_LOOK_MAX_S = 0.05
 _TIMEOUT_WORDS = ("timed out", "timeout")  # matched without case
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
 # What a rank that met a stuck or departed peer can do (the end of its error's line).
@@ -338,16 +336,23 @@ class TorchCommunicator(Communicator):
 
     def _wait_for_keys(self, store: Any, keys: list[str], what: str) -> None:
         """Until every rank's call is in the store: at most ``timeout`` seconds, and only
-        while the heartbeat names no member that stopped beating or checked out. Looks
-        1, 2, 4, ... ms apart, then every STORE_LOOK_MAX_S (a check does not block, so the
-        heartbeat's verdict is asked in between, unlike a blocking store wait)."""
+        while the heartbeat names no member that stopped beating or checked out. The
+        store's wait returns as soon as the keys are there; it is cut into waits of one
+        beat each, and the heartbeat's verdict is asked between two."""
         heartbeat = self._heartbeat
+        step = heartbeat.period if heartbeat is not None else self.timeout
         start = time.monotonic()
-        delay, next_beat = 0.001, heartbeat.period if heartbeat is not None else math.inf
         with heartbeat.watching() if heartbeat is not None else contextlib.nullcontext():
-            while not store.check(keys):
-                waited = time.monotonic() - start
-                if waited > self.timeout:
+            while True:
+                left = self.timeout - (time.monotonic() - start)
+                try:
+                    store.wait(keys, datetime.timedelta(seconds=max(0.001, min(step, left))))
+                    return
+                except dist.DistNetworkError:
+                    raise  # the store's host is gone (_collect_calls says so)
+                except RuntimeError:  # DistStoreError: this wait's time is up
+                    pass
+                if time.monotonic() - start >= self.timeout:
                     missing = [r for r, key in enumerate(keys) if not store.check([key])]
                     raise CommTimeoutError(
                         self._err(
@@ -355,16 +360,12 @@ class TorchCommunicator(Communicator):
                             f"{self.timeout}s.{describe_dead(self.peers, self.rank)}"
                         )
                     )
-                if heartbeat is not None and waited >= next_beat:
-                    silent = heartbeat.verdict(self.peers)
-                    if silent is not None:
-                        if self._failed is None:
-                            self._failed = f"{what} #{self._sequence}"
-                        self._note_failure(silent)
-                        raise PeerFailureError(self._err(f"{what}: {silent}. {_WHAT_TO_DO}"))
-                    next_beat = waited + heartbeat.period
-                time.sleep(delay)
-                delay = min(2 * delay, STORE_LOOK_MAX_S)
+                silent = heartbeat.verdict(self.peers) if heartbeat is not None else None
+                if silent is not None:
+                    if self._failed is None:
+                        self._failed = f"{what} #{self._sequence}"
+                    self._note_failure(silent)
+                    raise PeerFailureError(self._err(f"{what}: {silent}. {_WHAT_TO_DO}"))
 
     def _issued(self, work: Any) -> Work:
         _InFlight.issued(work, self.timeout, self.rank)
