@@ -49,6 +49,11 @@ from typing import Any
 
 from .peers import Peer, is_running, is_stopped
 
+# What a rank that met a stuck or departed peer can do (the end of its error's line).
+WHAT_TO_DO = (
+    "The job cannot go on without it: end every rank (the launcher's Ctrl-C, or kill), see "
+    "that rank's log for why it stopped, and resume from the last checkpoint"
+)
 LEFT = 1 << 40  # added to a beat counter at check-out: larger than any count of beats
 BEATS_PER_TIMEOUT = 10
 MAX_PERIOD_S = 2.0
@@ -259,6 +264,18 @@ class Heartbeat:
             )
         return None
 
+    def verdict_within_beats(self, members: list[Peer] | None, beats: int) -> str | None:
+        """:meth:`verdict`, waiting up to ``beats`` beats for one (a peer that exited
+        cleanly checked out before its connections closed, but this rank may not have
+        read it yet); None where the heartbeat has nothing to say by then."""
+        deadline = time.monotonic() + beats * self.period + 0.1
+        with self.watching():
+            while (said := self.verdict(members)) is None:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.02)
+        return said
+
     def store_lost(self, error: str) -> str:
         """The sentence for a store call that failed with ``error`` (its first line):
         rank 0, which hosts the store, is dead (on this host, by /proc) or gone."""
@@ -279,3 +296,14 @@ class Heartbeat:
         if peer.host == self.peers[self.rank].host and is_stopped(peer.pid):
             return f"it is stopped (SIGSTOP or Ctrl-Z: kill -CONT {peer.pid} to go on)"
         return "it is stopped, swapped out, or hung in C code holding the GIL"
+
+
+def store_host_note(heartbeat: Heartbeat | None, members: list[Peer] | None) -> str:
+    """ " Rank 0 hosted the rendezvous store at ADDRESS." where rank 0 is a member of the
+    failed group and not known to be running ("" otherwise): its death took the store."""
+    if heartbeat is None or members is None or heartbeat.peers[0] not in members:
+        return ""
+    rank_0, here = heartbeat.peers[0], heartbeat.peers[heartbeat.rank]
+    if rank_0.host == here.host and is_running(rank_0.pid):
+        return ""
+    return f" Rank 0 hosted the rendezvous store at {heartbeat.store_address}."

@@ -31,7 +31,7 @@ from .comm_options import CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from .handle import Work
-from .heartbeat import Heartbeat
+from .heartbeat import WHAT_TO_DO, Heartbeat
 from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
 
@@ -168,13 +168,7 @@ class MPICommunicator(Communicator):
                 next_beat = waited + heartbeat.period
                 silent = heartbeat.verdict(self.peers)
                 if silent is not None and not self._completes_within(request, name, 1.0):
-                    raise PeerFailureError(
-                        self._err(
-                            f"{name}: {silent}. The job cannot go on without it: end it "
-                            "(mpiexec's Ctrl-C), see that rank's log, and resume from the "
-                            "last checkpoint"
-                        )
-                    )
+                    raise PeerFailureError(self._err(f"{name}: {silent}. {WHAT_TO_DO}"))
             if waited > 0.002 and polls % 256 == 0:
                 self._join_resolution()
             if waited > 0.01:

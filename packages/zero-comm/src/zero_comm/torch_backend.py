@@ -20,7 +20,7 @@ from .communicator import Communicator
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
 from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
-from .heartbeat import Heartbeat
+from .heartbeat import WHAT_TO_DO, Heartbeat, store_host_note
 from .launcher_env import LaunchEnv
 from .peers import Peer, dead_ranks, describe_dead, is_running
 from .reduce_op import ReduceOp
@@ -44,11 +44,6 @@ LOOK_EVERY_S = 0.1
 LAST_CHANCE_S = 1.0
 _TIMEOUT_WORDS = ("timed out", "timeout")  # matched without case
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
-# What a rank that met a stuck or departed peer can do (the end of its error's line).
-_WHAT_TO_DO = (
-    "The job cannot go on without it: end every rank (the launcher's Ctrl-C, or kill), see "
-    "that rank's log for why it stopped, and resume from the last checkpoint"
-)
 # gloo all-gathers of at least this many bytes per rank run as one broadcast per rank
 # (TorchCommunicator._all_gather); below it the one all-gather is as fast or faster.
 GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 18
@@ -159,7 +154,7 @@ class TorchCommunicator(Communicator):
             if self._failed is None:
                 self._failed = f"{name} #{self._sequence}"
             self._note_failure(silent)
-            raise PeerFailureError(self._err(f"{name}: {silent}. {_WHAT_TO_DO}"))
+            raise PeerFailureError(self._err(f"{name}: {silent}. {WHAT_TO_DO}"))
         try:
             work.wait()
         except RuntimeError as exc:
@@ -225,15 +220,19 @@ class TorchCommunicator(Communicator):
                 self._heartbeat.read_now()
                 heard = self._heartbeat.verdict(self.peers)
             dead = describe_dead(self.peers, self.rank)
-            if heard is None and not (self.peers and dead_ranks(self.peers, self.rank)[0]):
-                heard = self._heard_of_peers()
+            if (
+                heard is None
+                and self._heartbeat is not None
+                and not (self.peers and dead_ranks(self.peers, self.rank)[0])
+            ):
+                heard = self._heartbeat.verdict_within_beats(self.peers, 2)
             if heard is not None:
                 self._note_failure(heard)
-                return PeerFailureError(self._err(f"{name}: {heard}. {_WHAT_TO_DO}"))
+                return PeerFailureError(self._err(f"{name}: {heard}. {WHAT_TO_DO}"))
             return PeerFailureError(
                 self._err(
                     f"{name}: a peer closed its connection, most likely because its process "
-                    f"died.{dead}{self._store_host_note()} "
+                    f"died.{dead}{store_host_note(self._heartbeat, self.peers)} "
                     f"See the launcher's report and that rank's log ({text.strip()})"
                 )
             )
@@ -253,32 +252,6 @@ class TorchCommunicator(Communicator):
         if self._heartbeat is not None:
             self._heartbeat.ending = f"its collective failed: {said}"
 
-    def _heard_of_peers(self) -> str | None:
-        """The heartbeat's verdict on this group's members, waiting up to two beats for
-        a reading (a peer that exited cleanly has checked out before its connections
-        close); None where it has nothing to say."""
-        heartbeat = self._heartbeat
-        if heartbeat is None:
-            return None
-        deadline = time.monotonic() + 2 * heartbeat.period + 0.1
-        with heartbeat.watching():
-            while (heard := heartbeat.verdict(self.peers)) is None:
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.02)
-        return heard
-
-    def _store_host_note(self) -> str:
-        """Where this world's store lived, when its host (rank 0) is among the dead."""
-        heartbeat = self._heartbeat
-        if heartbeat is None or self.peers is None or heartbeat.peers[0] not in self.peers:
-            return ""
-        if heartbeat.peers[0].host == heartbeat.peers[heartbeat.rank].host and is_running(
-            heartbeat.peers[0].pid
-        ):
-            return ""
-        return f" Rank 0 hosted the rendezvous store at {heartbeat.store_address}."
-
     def _store_lost(self, what: str, exc: RuntimeError) -> CommError:
         """The error for a digest-check store call that failed with ``exc``: the store's
         host, rank 0, is gone (or stopped) where the heartbeat knows it."""
@@ -288,7 +261,7 @@ class TorchCommunicator(Communicator):
         heartbeat = self._heartbeat
         if heartbeat is not None and self.rank != 0:
             said = heartbeat.store_lost(first_line)
-            return PeerFailureError(self._err(f"{what}: {said}. {_WHAT_TO_DO}"))
+            return PeerFailureError(self._err(f"{what}: {said}. {WHAT_TO_DO}"))
         return CommError(self._err(f"{what}: the rendezvous store failed ({first_line})"))
 
     def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
@@ -365,7 +338,7 @@ class TorchCommunicator(Communicator):
                     if self._failed is None:
                         self._failed = f"{what} #{self._sequence}"
                     self._note_failure(silent)
-                    raise PeerFailureError(self._err(f"{what}: {silent}. {_WHAT_TO_DO}"))
+                    raise PeerFailureError(self._err(f"{what}: {silent}. {WHAT_TO_DO}"))
 
     def _issued(self, work: Any) -> Work:
         _InFlight.issued(work, self.timeout, self.rank)
