@@ -6,7 +6,7 @@
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
-    nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec
+    nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec; stuck peers
     nox -s slow          what the default tests leave out for time (pytest -m slow)
     nox -s soak          2,000 steps on 4 ranks at stage 3, twice: flat memory, same bits
     nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
@@ -224,9 +224,14 @@ def tests_mpi(session: nox.Session, mpi: str) -> None:
 @nox.session
 def faults(session: nox.Session) -> None:
     """Every fault-injection case: a rank SIGKILLed in forward, backward, a collective, the
-    optimizer step and a save, on gloo and under mpiexec; zero-launch and zero-train."""
+    optimizer step and a save, on gloo and under mpiexec; zero-launch and zero-train; a
+    peer stopped, slow, gone or rank 0 killed while another waits (zero-comm's heartbeat)."""
     _install(session, *TEST_DEPS, *MPI_DEPS)
-    _pytest(session, f"{CROSS_PACKAGE_TESTS}/test_faults.py")
+    _pytest(
+        session,
+        f"{CROSS_PACKAGE_TESTS}/test_faults.py",
+        f"{TEST_DIRS['zero-comm']}/distributed/test_peer_faults.py",
+    )
 
 
 @nox.session

@@ -269,6 +269,12 @@ def rows(tmp: Path) -> list[Row]:
             r"timeout must be a positive number of seconds, got 0",
         ),
         (
+            "a heartbeat timeout of NaN",
+            lambda: zero_comm.init("gloo", heartbeat_timeout=float("nan")),
+            ValueError,
+            r"heartbeat_timeout must be a positive number of seconds, got nan",
+        ),
+        (
             "nccl without a GPU",
             lambda: zero_comm.init("nccl"),
             BackendUnavailableError,
@@ -394,6 +400,7 @@ def zero_train(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.Comple
                            "multiple of 3 (e.g. --batch-size 18) or another --nproc"),
         (["--out", "a-file"], "--out a-file is a file; name a folder for the run's results"),
         (["--lr", "-1"], "--lr -1.0 must be a positive learning rate"),
+        (["--heartbeat-timeout", "-5"], "--heartbeat-timeout -5.0 must be a number of seconds > 0"),
         (["--preempt-signals", "KILL"], "'KILL' is not a signal that can be caught"),
         (["--out", "used"], "--out used holds the results of another run (metrics.jsonl); "
                             "continue it with --resume auto, replace it with --overwrite"),

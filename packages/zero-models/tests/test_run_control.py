@@ -1,5 +1,6 @@
 """zero-train's run control: signals (preemption, Ctrl-C), the results folder a live run
-holds, and a stuck peer named within --comm-timeout; each test runs real processes."""
+holds, and a stuck peer named within --heartbeat-timeout or --comm-timeout; each test runs
+real processes."""
 
 from __future__ import annotations
 
@@ -151,13 +152,19 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
-def test_a_stopped_peer_is_named_within_the_comm_timeout(tmp_path: Path) -> None:
-    """kill -STOP of rank 1: with --comm-timeout 3, rank 0 stops in one line naming rank 1
-    as stopped, within seconds (the default waits 300 s; a probe met 316 s, and the line
-    said "Every rank on this host is still running")."""
+@pytest.mark.parametrize(
+    "option",
+    ["--heartbeat-timeout", pytest.param("--comm-timeout", marks=pytest.mark.slow)],
+)
+def test_a_stopped_peer_is_named_within_seconds(tmp_path: Path, option: str) -> None:
+    """kill -STOP of rank 1: rank 0 stops in one line naming rank 1 as stopped, within
+    seconds (a probe met 316 s, and the line said "Every rank on this host is still
+    running"). With --heartbeat-timeout 3 (the collective timeout left at 300 s) the
+    heartbeat names it: it has not beaten for 3 s; with --comm-timeout 3 (the heartbeat
+    timeout left at 60 s) the collective times out, and the line says it is stopped."""
     out = tmp_path / "stuck"
     command = [sys.executable, "-m", "zero_models.train", "--model", "test", "--steps", "100000",
-               "--sample-tokens", "1", "--comm-timeout", "3", "--out", str(out)]  # fmt: skip
+               "--sample-tokens", "1", option, "3", "--out", str(out)]  # fmt: skip
     run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     assert run.stdout is not None
@@ -176,5 +183,10 @@ def test_a_stopped_peer_is_named_within_the_comm_timeout(tmp_path: Path) -> None
             os.kill(stopped, signal.SIGKILL)
     assert run.returncode == 3 and took < 30, (run.returncode, took, err)
     last = err.strip().splitlines()[-1]
-    assert "CommTimeoutError" in last and "within 3.0s" in last, last
-    assert f"rank 1 (pid {stopped}) is stopped" in last, last
+    if option == "--comm-timeout":
+        assert "CommTimeoutError" in last and "within 3.0s" in last, last
+        assert f"rank 1 (pid {stopped}) is stopped" in last, last
+    else:
+        assert "PeerFailureError" in last, last
+        assert f"pid {stopped}) has sent no heartbeat for" in last, last
+        assert f"it is stopped (SIGSTOP or Ctrl-Z: kill -CONT {stopped} to go on)" in last, last

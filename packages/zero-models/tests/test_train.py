@@ -50,6 +50,10 @@ def run(
         (["--warmup", "-1"], "--warmup -1 must be 0 or more steps"),
         (["--sample-tokens", "-1"], "--sample-tokens -1 must be 0 (no sample) or more"),
         (["--comm-timeout", "0"], "--comm-timeout 0.0 must be a number of seconds > 0"),
+        (
+            ["--heartbeat-timeout", "inf"],
+            "--heartbeat-timeout inf must be a number of seconds > 0",
+        ),
         (["--threads", "100000"], "--threads 100000 is more than 4 per core"),
         (["--out", "afile/sub"], "--out afile/sub: cannot make the results folder"),
         (["--model", "test", "--data", "big.u16"], "token id 65000 is beyond the model's vocab"),

@@ -9,21 +9,24 @@ from dataclasses import dataclass
 from .call_check import check_mode
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class CommOptions:
     """``deterministic``: float sums in rank order; ``check_consistency``: compare calls
     across ranks (True/"every", "digest", False/"off"); ``timeout``: seconds a rendezvous
-    or collective waits for its peers."""
+    or collective waits for its peers; ``heartbeat_timeout``: seconds without a heartbeat
+    after which a peer that a collective waits on is named as stuck (zero_comm.heartbeat)."""
 
     deterministic: bool = False
     check_consistency: bool | str = "digest"
     timeout: float = DEFAULT_TIMEOUT_S
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.timeout, int | float) and math.isfinite(self.timeout)) or (
-            self.timeout <= 0
-        ):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        for name in ("timeout", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         check_mode(self.check_consistency)  # raises, naming the accepted values

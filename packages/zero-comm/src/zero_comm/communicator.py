@@ -79,6 +79,8 @@ class Communicator(CallCheck, NodeGroups):
             (call_schedule.py); a training loop's steps after the first cost nothing.
             False / "off": no check.
         timeout: seconds a collective may wait for its peers.
+        heartbeat_timeout: seconds a peer a collective waits on may go without a heartbeat
+            before it is named as stuck (zero_comm.heartbeat).
         stats: calls and ring-convention volume per collective, split into intra-node and
             inter-node bytes by ``topology``.
         topology: which of its ranks share a node (zero_comm.topology); the world's is
@@ -104,6 +106,7 @@ class Communicator(CallCheck, NodeGroups):
         self.deterministic = options.deterministic
         self._init_call_check(options.check_consistency)
         self.timeout = options.timeout
+        self.heartbeat_timeout = options.heartbeat_timeout
         self._topology = Topology.single_node(world_size)
         self.stats = CommStats(world_size, rank=rank, topology=self._topology)
         self.parent_ranks: list[int] | None = None
@@ -133,7 +136,9 @@ class Communicator(CallCheck, NodeGroups):
     @property
     def options(self) -> CommOptions:
         """This communicator's options now (what a subgroup split from it inherits)."""
-        return CommOptions(self.deterministic, self.check_consistency, self.timeout)
+        return CommOptions(
+            self.deterministic, self.check_consistency, self.timeout, self.heartbeat_timeout
+        )
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,8 @@ whose default action would end them silently, so a waiting rank raises
 
 from __future__ import annotations
 
+import contextlib
+import math
 import signal
 import threading
 import time
@@ -24,10 +26,12 @@ from typing import Any
 
 import torch
 
+from .c10d_log import quiet_cpp_warnings
 from .comm_options import CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from .handle import Work
+from .heartbeat import WHAT_TO_DO, Heartbeat
 from .peers import Peer, describe_dead, this_peer
 from .reduce_op import ReduceOp
 
@@ -96,6 +100,9 @@ class MPICommunicator(Communicator):
         # there can ever match a data collective.
         self._calls_comm = mpi_comm.Dup()
         self._call_sends: list[tuple[Any, torch.Tensor]] = []
+        # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split
+        # from it; None for one rank, or where a rank could not reach its store.
+        self._heartbeat: Heartbeat | None = None
 
     @classmethod
     def create_world(cls, options: CommOptions) -> MPICommunicator:
@@ -103,6 +110,13 @@ class MPICommunicator(Communicator):
         world = cls(mpi.COMM_WORLD.Dup(), options=options)
         world.peers = [Peer(*p) for p in world.mpi_comm.allgather(tuple(this_peer()))]
         _FailureNotice.listen()
+        if world.world_size > 1:
+            from .rendezvous import heartbeat_over_mpi
+
+            quiet_cpp_warnings()  # a dead rank 0's store: one line, not c10d's stacks
+            world._heartbeat = heartbeat_over_mpi(
+                world.mpi_comm, world.rank, world.peers, options.heartbeat_timeout
+            )
         return world
 
     def _bytes(self, tensor: torch.Tensor) -> list[Any]:
@@ -116,13 +130,20 @@ class MPICommunicator(Communicator):
         return [address, tensor.numel(), self._typed[tensor.dtype]]
 
     def _wait(self, work: Work, name: str) -> None:
+        heartbeat = self._heartbeat
+        with heartbeat.watching() if heartbeat is not None else contextlib.nullcontext():
+            self._poll(work, name, heartbeat)
+
+    def _poll(self, request: Any, name: str, heartbeat: Heartbeat | None) -> None:
+        """Until ``request`` (an mpi4py Request) completes; raises where a peer is named
+        dead (the launcher's SIGUSR1), stuck or gone (``heartbeat``), or at the timeout."""
         # MPICH advances a non-blocking collective only while a rank is inside an MPI call,
         # so a rank that naps holds the others up (a 1e4-element all_reduce went from
         # 0.04 ms to 0.8 ms with 1 ms naps), while pure spinning starves oversubscribed
         # ranks. So: spin for 1 ms, then poll yielding the core up to 10 ms, then nap 0.1 ms.
-        request: Any = work  # an mpi4py Request
         start = time.monotonic()
         polls = 0
+        next_beat = heartbeat.period if heartbeat is not None else math.inf
         while not self._test(request, name):
             if _FailureNotice.signalled:
                 raise PeerFailureError(
@@ -143,12 +164,27 @@ class MPICommunicator(Communicator):
                         + describe_dead(self.peers, self.rank)
                     )
                 )
+            if heartbeat is not None and waited >= next_beat:
+                next_beat = waited + heartbeat.period
+                silent = heartbeat.verdict(self.peers)
+                if silent is not None and not self._completes_within(request, name, 1.0):
+                    raise PeerFailureError(self._err(f"{name}: {silent}. {WHAT_TO_DO}"))
             if waited > 0.002 and polls % 256 == 0:
                 self._join_resolution()
             if waited > 0.01:
                 time.sleep(1e-4)
             elif waited > 0.001:
                 time.sleep(0)
+
+    def _completes_within(self, request: Any, name: str, seconds: float) -> bool:
+        """Whether ``request`` completes within ``seconds`` (a peer that checked out may
+        have done so right after its part of this very collective)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._test(request, name):
+                return True
+            time.sleep(1e-3)
+        return False
 
     def _test(self, request: Any, name: str) -> bool:
         """Whether ``request`` completed; an MPI error (a peer's process failed, where
@@ -236,6 +272,7 @@ class MPICommunicator(Communicator):
         members = child.mpi_comm.allgather((tuple(this_peer()), self.rank))
         child.peers = [Peer(*peer) for peer, _ in members]
         child.parent_ranks = [parent for _, parent in members]
+        child._heartbeat = self._heartbeat
         return child
 
     def shared_memory_node_key(self) -> int:
@@ -251,6 +288,8 @@ class MPICommunicator(Communicator):
         if self.closed:
             return
         super().close()
+        if self.parent_ranks is None and self._heartbeat is not None:
+            self._heartbeat.check_out("it closed zero_comm")
         if self.mpi_comm is not None and not self._MPI.Is_finalized():
             self.mpi_comm.Free()
             self._calls_comm.Free()

@@ -10,6 +10,7 @@ all of them, so that a rank that never starts is named instead of waited for for
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import time
 from typing import Any
@@ -17,10 +18,12 @@ from typing import Any
 from torch.distributed import HashStore, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from .errors import BackendUnavailableError, CommTimeoutError
+from .heartbeat import Heartbeat, first_beat
 from .launcher_env import LaunchEnv
 from .peers import Peer, this_peer
 
 _PREFIX = "zero_comm/rendezvous"
+log = logging.getLogger(__name__)
 
 
 def _own_address() -> str:
@@ -96,6 +99,26 @@ def rendezvous_store(env: LaunchEnv, timeout: float) -> Any:
     return PrefixStore("zero_comm", store)
 
 
+def store_address(store: Any) -> str:
+    """ "host:port" of the TCPStore under ``store`` (what rendezvous_store gave)."""
+    tcp = store.underlying_store
+    return f"{tcp.host}:{tcp.port}"
+
+
+def store_client(store: Any, timeout: float) -> Any:
+    """A connection of its own to the TCPStore under ``store`` (what rendezvous_store
+    gave), with the same prefix; its calls wait at most ``timeout`` seconds."""
+    tcp = store.underlying_store
+    client = TCPStore(
+        tcp.host,
+        tcp.port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    return PrefixStore("zero_comm", client)
+
+
 def read_peers(store: Any, world_size: int) -> list[Peer]:
     """Every rank's (host, pid), as checked in (``store``: what rendezvous_store gave)."""
     if world_size == 1:
@@ -105,6 +128,7 @@ def read_peers(store: Any, world_size: int) -> list[Peer]:
 
 def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
     store.set(f"{_PREFIX}/arrived/{env.rank}", this_peer().encode())
+    first_beat(PrefixStore("zero_comm", store), env.rank)
     store.add(f"{_PREFIX}/count", 1)
     deadline = time.monotonic() + timeout
     delay = 0.001
@@ -120,3 +144,64 @@ def _check_in(store: Any, env: LaunchEnv, timeout: float) -> None:
             )
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def heartbeat_over_mpi(
+    mpi_comm: Any, rank: int, peers: list[Peer], heartbeat_timeout: float
+) -> Heartbeat | None:
+    """Collective over ``mpi_comm`` (a world): the heartbeat of an MPI job, in a store that
+    rank 0 opens on a free port and whose address it broadcasts, as the gloo rendezvous
+    does under an MPI launcher. None on every rank where some rank could not reach it
+    (the job then runs without: a stuck peer waits out the collective timeout)."""
+    from mpi4py import MPI
+
+    master = None
+    address: tuple[str, int] | None = None
+    if rank == 0:
+        try:
+            master = TCPStore(
+                "0.0.0.0",
+                0,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=heartbeat_timeout),
+                wait_for_workers=False,
+            )
+            address = (_own_address(), master.port)
+        except (RuntimeError, OSError) as exc:
+            log.warning("zero_comm: [rank 0] no heartbeat store (%s)", exc)
+    address = mpi_comm.bcast(address, root=0)
+    if address is None:
+        return None
+    host, port = address
+    client = None
+    try:
+        client = PrefixStore(
+            "zero_comm",
+            TCPStore(
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=heartbeat_timeout),
+                wait_for_workers=False,
+            ),
+        )
+        first_beat(client, rank)
+    except (RuntimeError, OSError) as exc:
+        log.warning("zero_comm: [rank %d] cannot reach the heartbeat store (%s)", rank, exc)
+        client = None
+    if not mpi_comm.allreduce(client is not None, op=MPI.LAND):
+        return None  # every counter exists from here (the all-reduce comes after each)
+
+    def connect() -> Any:
+        connect.master = master  # type: ignore[attr-defined]  # rank 0 hosts it while it beats
+        return client
+
+    heartbeat = Heartbeat(
+        connect,
+        rank=rank,
+        peers=peers,
+        heartbeat_timeout=heartbeat_timeout,
+        store_address=f"{host}:{port}",
+    )
+    heartbeat.start()
+    return heartbeat

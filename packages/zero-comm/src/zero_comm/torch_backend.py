@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import sys
 import threading
 import time
@@ -13,15 +14,17 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from .c10d_log import quiet_cpp_warnings
 from .comm_options import CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError, CommError, CommTimeoutError, PeerFailureError
 from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
+from .heartbeat import WHAT_TO_DO, Heartbeat, store_host_note
 from .launcher_env import LaunchEnv
-from .peers import Peer, describe_dead, is_running
+from .peers import Peer, dead_ranks, describe_dead, is_running
 from .reduce_op import ReduceOp
-from .rendezvous import read_peers, rendezvous_store
+from .rendezvous import read_peers, rendezvous_store, store_address, store_client
 
 _TORCH_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -33,9 +36,12 @@ _CLOSE_KEY = "zero_comm/closed"
 # how often it looks for those among them that died meanwhile.
 CHECK_OUT_WAIT_S = 10.0
 LOOK_FOR_DEAD_S = 0.1
-# The digest check's looks for posts while a gloo collective waits (_wait_looking_for_posts).
+# The digest check's looks for posts while a gloo collective waits (_wait_watching).
 FIRST_LOOK_S = 0.01
 LOOK_EVERY_S = 0.1
+# A collective whose peer the heartbeat names gets this long to complete all the same: the
+# peer may have checked out right after completing its part of this very collective.
+LAST_CHANCE_S = 1.0
 _TIMEOUT_WORDS = ("timed out", "timeout")  # matched without case
 _PEER_WORDS = ("Connection closed by peer", "Connection reset", "Broken pipe", "ECONNRESET")
 # gloo all-gathers of at least this many bytes per rank run as one broadcast per rank
@@ -67,6 +73,9 @@ class TorchCommunicator(Communicator):
         self._calls_prefix = ""
         self._posts_seen = 0
         self._splits = 0
+        # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split
+        # from it; None where zero_comm did not create the world, or for one rank.
+        self._heartbeat: Heartbeat | None = None
 
     @classmethod
     def create(
@@ -102,9 +111,21 @@ class TorchCommunicator(Communicator):
                 )
         else:
             keep_flight_recorder_off()  # its entries fragment the heap (flight_recorder.py)
+            quiet_cpp_warnings()  # a dead rank 0's store: one line, not c10d's stacks
             store = rendezvous_store(env, options.timeout)
             peers = read_peers(store, env.world_size)
-            _WorldSession.start(store, env.rank, env.world_size, peers)
+            heartbeat = None
+            if env.world_size > 1:
+                heartbeat = Heartbeat(
+                    lambda: store_client(store, options.heartbeat_timeout),
+                    rank=env.rank,
+                    peers=peers,
+                    heartbeat_timeout=options.heartbeat_timeout,
+                    store_address=store_address(store),
+                )
+            _WorldSession.start(store, env.rank, env.world_size, peers, heartbeat)
+            if heartbeat is not None:
+                heartbeat.start()  # its exit handler after the session's: it runs first
             dist.init_process_group(
                 backend,
                 store=store,
@@ -114,6 +135,8 @@ class TorchCommunicator(Communicator):
             )
         world = cls(dist.group.WORLD, backend=backend, device=device, options=options)
         world.peers = peers
+        if _WorldSession._current is not None:
+            world._heartbeat = _WorldSession._current.heartbeat
         world._calls_store = (
             _WorldSession._current.store
             if _WorldSession._current is not None
@@ -124,8 +147,14 @@ class TorchCommunicator(Communicator):
         return world
 
     def _wait(self, work: Work, name: str) -> None:
-        if self._check_mode == "digest" and not self._resolving and self.backend == "gloo":
-            self._wait_looking_for_posts(work)
+        silent = self._wait_watching(work)
+        if silent is not None:
+            # Kept, not let go: its worker thread is still in it (_InFlight).
+            _InFlight.failed(work)
+            if self._failed is None:
+                self._failed = f"{name} #{self._sequence}"
+            self._note_failure(silent)
+            raise PeerFailureError(self._err(f"{name}: {silent}. {WHAT_TO_DO}"))
         try:
             work.wait()
         except RuntimeError as exc:
@@ -136,36 +165,75 @@ class TorchCommunicator(Communicator):
             raise self._failure(name, str(exc)) from exc
         _InFlight.waited(work)
 
-    def _wait_looking_for_posts(self, work: Work) -> None:
-        """Block until ``work`` completes, looking for another rank's post 10, 20, 40, ...
+    def _wait_watching(self, work: Work) -> str | None:
+        """Block until ``work`` completes, or until the heartbeat names a member of this
+        group that checked out or stopped beating (then that sentence; the work is left in
+        flight). Not on nccl, where wait() does not block the host.
+
+        With the digest check, it also looks for another rank's post 10, 20, 40, ...
         ms in (then every 100 ms): a resolution that rank has started must be joined, or
-        this collective never completes (see call_schedule.py). Not on nccl, where wait()
-        does not block the host. A look is a round trip to the rendezvous store, across the
-        slow link for another node's ranks, so the first comes late: most waits end before
-        it, and only a diverging rank, which is rare, waits for one.
+        this collective never completes (see call_schedule.py). A look is a round trip
+        to the rendezvous store, across the slow link for another node's ranks, so the
+        first comes late: most waits end before it, and only a diverging rank, which is
+        rare, waits for one. The heartbeat's verdict is a look at what its thread read
+        last, every beat (zero_comm.heartbeat), no round trip.
 
         The thread sleeps on an event that the collective's future sets, rather than
         polling ``is_completed``: with more ranks than cores a polling waiter takes the CPU
         from the ranks and the gloo threads it waits for (ZeRO++'s step on 2 cores, 4 ranks:
         ~8% of it, docs/across-nodes.md), and wakes up to 100 us late."""
+        if self.backend != "gloo":
+            return None
+        looking = self._check_mode == "digest" and not self._resolving
+        heartbeat = self._heartbeat
+        if not looking and heartbeat is None:
+            return None
         if work.is_completed():  # type: ignore[attr-defined]
-            return  # most waits in a step: no event, no callback
+            return None  # most waits in a step: no event, no callback
         finished = threading.Event()
         work.get_future().add_done_callback(lambda _: finished.set())  # type: ignore[attr-defined]
-        start, next_look = time.monotonic(), FIRST_LOOK_S
-        while not finished.wait(max(0.0, start + next_look - time.monotonic())):
-            self._join_resolution()
-            next_look = min(2 * next_look, time.monotonic() - start + LOOK_EVERY_S)
+        start = time.monotonic()
+        next_look = FIRST_LOOK_S if looking else math.inf
+        next_beat = heartbeat.period if heartbeat is not None else math.inf
+        with heartbeat.watching() if heartbeat is not None else contextlib.nullcontext():
+            while not finished.wait(max(0.0, start + min(next_look, next_beat) - time.monotonic())):
+                waited = time.monotonic() - start
+                if waited >= next_look:
+                    self._join_resolution()
+                    next_look = min(2 * next_look, time.monotonic() - start + LOOK_EVERY_S)
+                if heartbeat is not None and waited >= next_beat:
+                    silent = heartbeat.verdict(self.peers)
+                    if silent is not None and not finished.wait(LAST_CHANCE_S):
+                        return silent
+                    next_beat = waited + heartbeat.period
+        return None
 
     def _failure(self, name: str, text: str) -> CommError:
         """The error for collective ``name`` whose wait raised ``text``."""
         lowered = text.lower()
         if any(word.lower() in lowered for word in _PEER_WORDS):
+            # A check-out read already names a peer that left; a dead peer of this host is
+            # named by /proc within a second; else the heartbeat may say within two beats
+            # (a peer on another host that exited, or rank 0's store that went with it).
+            heard = None
+            if self._heartbeat is not None:
+                self._heartbeat.read_now()
+                heard = self._heartbeat.verdict(self.peers)
+            dead = describe_dead(self.peers, self.rank)
+            if (
+                heard is None
+                and self._heartbeat is not None
+                and not (self.peers and dead_ranks(self.peers, self.rank)[0])
+            ):
+                heard = self._heartbeat.verdict_within_beats(self.peers, 2)
+            if heard is not None:
+                self._note_failure(heard)
+                return PeerFailureError(self._err(f"{name}: {heard}. {WHAT_TO_DO}"))
             return PeerFailureError(
                 self._err(
                     f"{name}: a peer closed its connection, most likely because its process "
-                    f"died.{describe_dead(self.peers, self.rank)} See the launcher's report "
-                    f"and that rank's log ({text.strip()})"
+                    f"died.{dead}{store_host_note(self._heartbeat, self.peers)} "
+                    f"See the launcher's report and that rank's log ({text.strip()})"
                 )
             )
         if any(word in lowered for word in _TIMEOUT_WORDS):
@@ -178,15 +246,36 @@ class TorchCommunicator(Communicator):
             )
         return CommError(self._err(f"{name} failed: {text.strip()}"))
 
+    def _note_failure(self, said: str) -> None:
+        """What this rank's check-out will say: the failure that ends it (so the ranks
+        that wait on it next name the peer that failed first, through it)."""
+        if self._heartbeat is not None:
+            self._heartbeat.ending = f"its collective failed: {said}"
+
+    def _store_lost(self, what: str, exc: RuntimeError) -> CommError:
+        """The error for a digest-check store call that failed with ``exc``: the store's
+        host, rank 0, is gone (or stopped) where the heartbeat knows it."""
+        if self._failed is None:
+            self._failed = f"{what} #{self._sequence}"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        heartbeat = self._heartbeat
+        if heartbeat is not None and self.rank != 0:
+            said = heartbeat.store_lost(first_line)
+            return PeerFailureError(self._err(f"{what}: {said}. {WHAT_TO_DO}"))
+        return CommError(self._err(f"{what}: the rendezvous store failed ({first_line})"))
+
     def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
         if self._calls_store is None:
             raise BackendUnavailableError(
                 self._err("check_consistency='digest' needs torch's rendezvous store; use True")
             )
         store, prefix = self._calls_store, self._calls_prefix
-        store.set(f"{prefix}/{sequence}/{self.rank}", " ".join(map(str, call)))
-        store.set(f"{prefix}/posted", str(sequence))
-        store.add(f"{prefix}/posts", 1)
+        try:
+            store.set(f"{prefix}/{sequence}/{self.rank}", " ".join(map(str, call)))
+            store.set(f"{prefix}/posted", str(sequence))
+            store.add(f"{prefix}/posts", 1)
+        except RuntimeError as exc:  # DistNetworkError: the store's host is gone
+            raise self._store_lost("digest check", exc) from exc
 
     def _posted_call(self) -> int | None:
         store, prefix = self._calls_store, self._calls_prefix
@@ -206,21 +295,50 @@ class TorchCommunicator(Communicator):
         store, prefix = self._calls_store, self._calls_prefix
         keys = [f"{prefix}/{sequence}/{r}" for r in range(self.world_size)]
         try:
-            store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:  # torch's DistStoreError is one
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            raise CommTimeoutError(
-                self._err(
-                    f"{what}: ranks {missing} did not compare their call within "
-                    f"{self.timeout}s.{describe_dead(self.peers, self.rank)}"
-                )
-            ) from exc
-        rows = [[int(v) for v in bytes(value).split()] for value in store.multi_get(keys)]
-        self._posts_seen += self.world_size
-        if store.add(f"{prefix}/{sequence}/collected", 1) == self.world_size:
-            for key in [*keys, f"{prefix}/{sequence}/collected"]:
-                store.delete_key(key)
+            self._wait_for_keys(store, keys, what)
+            rows = [[int(v) for v in bytes(value).split()] for value in store.multi_get(keys)]
+            self._posts_seen += self.world_size
+            if store.add(f"{prefix}/{sequence}/collected", 1) == self.world_size:
+                for key in [*keys, f"{prefix}/{sequence}/collected"]:
+                    store.delete_key(key)
+        except CommError:
+            raise
+        except RuntimeError as exc:  # DistNetworkError: the store's host is gone
+            raise self._store_lost(what, exc) from exc
         return rows
+
+    def _wait_for_keys(self, store: Any, keys: list[str], what: str) -> None:
+        """Until every rank's call is in the store: at most ``timeout`` seconds, and only
+        while the heartbeat names no member that stopped beating or checked out. The
+        store's wait returns as soon as the keys are there; it is cut into waits of one
+        beat each, and the heartbeat's verdict is asked between two."""
+        heartbeat = self._heartbeat
+        step = heartbeat.period if heartbeat is not None else self.timeout
+        start = time.monotonic()
+        with heartbeat.watching() if heartbeat is not None else contextlib.nullcontext():
+            while True:
+                left = self.timeout - (time.monotonic() - start)
+                try:
+                    store.wait(keys, datetime.timedelta(seconds=max(0.001, min(step, left))))
+                    return
+                except dist.DistNetworkError:
+                    raise  # the store's host is gone (_collect_calls says so)
+                except RuntimeError:  # DistStoreError: this wait's time is up
+                    pass
+                if time.monotonic() - start >= self.timeout:
+                    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                    raise CommTimeoutError(
+                        self._err(
+                            f"{what}: ranks {missing} did not compare their call within "
+                            f"{self.timeout}s.{describe_dead(self.peers, self.rank)}"
+                        )
+                    )
+                silent = heartbeat.verdict(self.peers) if heartbeat is not None else None
+                if silent is not None:
+                    if self._failed is None:
+                        self._failed = f"{what} #{self._sequence}"
+                    self._note_failure(silent)
+                    raise PeerFailureError(self._err(f"{what}: {silent}. {WHAT_TO_DO}"))
 
     def _issued(self, work: Any) -> Work:
         _InFlight.issued(work, self.timeout, self.rank)
@@ -303,6 +421,7 @@ class TorchCommunicator(Communicator):
         if self.peers is not None:
             child.peers = [peer for _, _, _, peer in chosen]
         child._calls_store = self._calls_store
+        child._heartbeat = self._heartbeat
         child._calls_prefix = f"{self._calls_prefix}.{self._splits}:{color}"
         self._splits += 1
         return child
@@ -325,7 +444,7 @@ class TorchCommunicator(Communicator):
         if self.group is dist.group.WORLD and dist.is_initialized():
             if _WorldSession.created_here():
                 self.barrier()
-                _WorldSession.release(self.timeout)
+                _WorldSession.release(self.timeout, "it closed zero_comm")
         elif self.group is not None and dist.is_initialized():
             self.barrier()
             dist.destroy_process_group(self.group)
@@ -349,22 +468,46 @@ class _WorldSession:
     has checked out of the store (or, on rank 0's host, is no longer running: a dead rank
     uses no store) before dropping it. A session that was never closed is released at
     interpreter exit, with a short wait.
+
+    Each rank's heartbeat (zero_comm.heartbeat) checks out first, at close or at exit, so
+    that a peer still waiting in a collective on it names it at once.
     """
 
     _current: _WorldSession | None = None
     worlds = 0  # world communicators created in this process (every rank alike)
 
-    def __init__(self, store: Any, rank: int, world_size: int, peers: list[Peer]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        peers: list[Peer],
+        heartbeat: Heartbeat | None = None,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.peers = peers
+        self.heartbeat = heartbeat
 
     @classmethod
-    def start(cls, store: Any, rank: int, world_size: int, peers: list[Peer]) -> None:
+    def start(
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        peers: list[Peer],
+        heartbeat: Heartbeat | None = None,
+    ) -> None:
         if cls._current is None:
             atexit.register(cls.release, CHECK_OUT_WAIT_S)
-        cls._current = cls(store, rank, world_size, peers)
+        cls._current = cls(store, rank, world_size, peers, heartbeat)
+
+    @classmethod
+    def check_out(cls, how: str | None = None) -> None:
+        """This rank joins no more collectives: say so to its peers (see Heartbeat)."""
+        if cls._current is not None and cls._current.heartbeat is not None:
+            cls._current.heartbeat.check_out(how)
 
     @classmethod
     def created_here(cls) -> bool:
@@ -372,10 +515,15 @@ class _WorldSession:
         return cls._current is not None
 
     @classmethod
-    def release(cls, wait_limit: float) -> None:
+    def release(cls, wait_limit: float, how: str | None = None) -> None:
+        """Let go of the world (``how``: what the check-out says; None at exit)."""
+        cls.check_out(how)
         session, cls._current = cls._current, None
         _InFlight.settle()
-        if dist.is_initialized():
+        stuck = session is not None and session.heartbeat is not None and session.heartbeat.named
+        if dist.is_initialized() and stuck:
+            _keep_groups_for_good()
+        elif dist.is_initialized():
             dist.destroy_process_group()
         if session is None or session.world_size == 1:
             return
@@ -389,6 +537,8 @@ class _WorldSession:
                 session.store.add(_check_out_key(session.rank), 1)
             return
         session.wait_for_check_outs(wait_limit)
+        if session.heartbeat is not None:
+            session.heartbeat.stop()
 
     def wait_for_check_outs(self, wait_limit: float) -> None:
         """On rank 0: wait until every other rank has checked out or, on this host, has
@@ -405,12 +555,29 @@ class _WorldSession:
                     for r in waiting
                     if not self.store.check([_check_out_key(r)]) and not self._died(r)
                 ]
+                if self.heartbeat is not None:  # stuck or gone: it will not check out
+                    waiting = [r for r in waiting if r not in self.heartbeat.named]
                 next_look = time.monotonic() + LOOK_FOR_DEAD_S
             time.sleep(0.005)
 
     def _died(self, rank: int) -> bool:
         peer = self.peers[rank]
         return peer.host == self.peers[0].host and not is_running(peer.pid)
+
+
+def _keep_groups_for_good() -> None:
+    """Never destroy this process's process groups (it is about to exit).
+
+    A collective is still in flight on a peer that stopped or left (the heartbeat named
+    it): destroying or aborting a gloo group joins its worker threads, which wait in that
+    collective until its timeout (minutes) and then abort the process ("terminate called
+    after throwing an instance of 'gloo::IoException'"). One more reference to each group
+    keeps it alive through the interpreter's finalization; the process ends with its own
+    exit code, and its threads with it."""
+    import ctypes
+
+    for group in list(dist.distributed_c10d._world.pg_map):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _check_out_key(rank: int) -> str:
@@ -466,6 +633,9 @@ class _InFlight:
         if not cls._exit_hook:  # after _WorldSession's, so it runs before (LIFO)
             cls._exit_hook = True
             atexit.register(cls.settle)
+            # Last registered, so first to run: the peers hear that this rank leaves
+            # before it waits here for what it left in flight.
+            atexit.register(_WorldSession.check_out)
         if len(cls.works) > cls._prune_at:
             for key in [k for k, (w, _, _) in cls.works.items() if w.is_completed()]:
                 del cls.works[key]

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from . import host_watch
-from .comm_options import DEFAULT_TIMEOUT_S, CommOptions
+from .comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CommOptions
 from .communicator import Communicator
 from .errors import BackendUnavailableError, LaunchEnvError
 from .launcher_env import LaunchEnv, detect_launch_env, node_key_from_env
@@ -48,6 +48,7 @@ def init(
     timeout: float = DEFAULT_TIMEOUT_S,
     check_consistency: bool | str = "digest",
     ranks_per_node: int | None = None,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> Communicator:
     """The world communicator of this process, as its launcher set it up.
 
@@ -79,8 +80,16 @@ def init(
         ranks_per_node: the ranks on each node, node-major (rank r on node
             r // ranks_per_node); None: detect them (:func:`detect_topology`). The result
             is ``comm.topology``.
+        heartbeat_timeout: seconds a peer may go without a heartbeat before a rank waiting
+            on it in a collective raises :class:`~zero_comm.errors.PeerFailureError`
+            naming it (stopped, swapped out, hung in C code); a peer that left the job
+            (closed zero_comm, or its interpreter exited) is named as soon as its
+            check-out is seen. A slow collective whose peers beat still waits up to
+            ``timeout``. Every rank beats into the rendezvous store (gloo, nccl; under
+            mpi, a store rank 0 opens for it: see zero_comm.heartbeat); nccl's waits do
+            not block the host, so there only the digest check's waits use it.
     """
-    options = CommOptions(deterministic, check_consistency, timeout)  # checks them
+    options = CommOptions(deterministic, check_consistency, timeout, heartbeat_timeout)
     env = detect_launch_env()
     if ranks_per_node is not None:
         try:

@@ -70,7 +70,12 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     Running out of memory in the build, or a peer's end met there, ends this rank with
     one line (out_of_memory.stop_in_one_line; ``signalled``: whether this rank has
     received a signal, which ends its wait to be stopped)."""
-    world = zero_comm.init(args.backend, deterministic=True, timeout=args.comm_timeout)
+    world = zero_comm.init(
+        args.backend,
+        deterministic=True,
+        timeout=args.comm_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
     metrics_comm = world.split(color=0)
     mesh = make_mesh(world, args.tp)
     config = model_config(args)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import zero_core
-from zero_comm.comm_options import DEFAULT_TIMEOUT_S
+from zero_comm.comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.checkpoint.reader import CheckpointReader
 from zero_core.command_line import CommandLineParser
@@ -203,9 +203,15 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--comm-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-        help="how long a rank waits in a collective for its peers before it stops, naming "
-        f"what it can see of them (default {DEFAULT_TIMEOUT_S:g}; a dead peer of this host "
-        "is named at once)",
+        help="how long a rank waits in a collective for peers that are alive and beating "
+        f"before it stops, naming what it can see of them (default {DEFAULT_TIMEOUT_S:g}; "
+        "a dead peer of this host, or one that exited, is named at once)",
+    )  # fmt: skip
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a peer may go without a heartbeat (stopped, swapped out, hung) before "
+        f"a rank waiting on it stops, naming it (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g})",
     )  # fmt: skip
     p.add_argument(
         "--stop-after", type=int, metavar="STEP",
@@ -355,6 +361,8 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--stop-after {args.stop_after} must be a step from 1 to --steps ({args.steps})")
     if not 0 < args.comm_timeout < math.inf:
         p.error(f"--comm-timeout {args.comm_timeout} must be a number of seconds > 0")
+    if not 0 < args.heartbeat_timeout < math.inf:
+        p.error(f"--heartbeat-timeout {args.heartbeat_timeout} must be a number of seconds > 0")
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints} must be 0 (keep all) or more")
     if args.save_every < 0:
