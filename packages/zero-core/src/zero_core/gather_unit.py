@@ -53,15 +53,12 @@ class GatherUnit:
     views: list[torch.Tensor] = field(default_factory=list)
     placeholders: list[torch.Tensor] = field(default_factory=list)
     slots: list[ParamSlot] = field(init=False, default_factory=list)
+    lent: bool = False  # gathered for the user (gathered_parameters) since its last release
 
     def __post_init__(self) -> None:
         self.slots = [slot for bucket in self.buckets for slot in bucket.slots]
         self.numel = sum(full.numel() for full in self.fulls)
-        self.views = [
-            bucket.full_buffer[s.flat.start : s.flat.stop].view(s.shape)
-            for bucket in self.buckets
-            for s in bucket.slots
-        ]
+        self._make_views()
         self.placeholders = [
             torch.full((1,), float("nan"), dtype=s.param.dtype, device=s.param.device).expand(
                 s.shape
@@ -71,6 +68,24 @@ class GatherUnit:
         if not self.persistent:  # views are made while the storage exists, then it goes
             for full in self.fulls:
                 full.untyped_storage().resize_(0)
+
+    def _make_views(self) -> None:
+        self.views = [
+            bucket.full_buffer[s.flat.start : s.flat.stop].view(s.shape)
+            for bucket in self.buckets
+            for s in bucket.slots
+        ]
+
+    def renew_buffers(self) -> None:
+        """Give each bucket a new full buffer (and the parameters new views into it),
+        leaving the gathered storage to whatever still holds a view of it: a tensor kept
+        from a ``gathered_parameters`` block (``p.data.cpu()`` is ``p.data`` itself on a
+        CPU device; DeepSpeed-Chat's ZeRO-3 export keeps them) stays whole and unchanged,
+        instead of pointing into storage the release takes away. Costs one unit's
+        buffers, on the user's path only; the old storage goes with its last view."""
+        for bucket in self.buckets:
+            bucket.full_buffer = torch.empty_like(bucket.full_buffer)
+        self._make_views()
 
     @property
     def fulls(self) -> list[torch.Tensor]:

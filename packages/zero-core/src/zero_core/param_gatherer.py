@@ -496,6 +496,9 @@ class ParameterGatherer:
         unit.expect(UnitState.GATHERED, doing="release")
         with profiler_range("free_unit"):
             self._detach(unit)
+            if unit.lent:  # the user may have kept views of the gathered storage
+                unit.renew_buffers()
+                unit.lent = False
             self._resize(unit, gathered=False)
             unit.state = UnitState.RELEASED
 

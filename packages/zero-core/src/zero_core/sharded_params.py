@@ -186,7 +186,10 @@ class ShardedParameters:
         return sorted({slot.unit for slot in slots if slot.unit is not None})
 
     def gather_for_user(self, slots: list[ParamSlot]) -> None:
-        self.gatherer.enter(self._user_units(slots))
+        units = self._user_units(slots)
+        for index in units:
+            self.gatherer.units[index].lent = True  # released onto new buffers (GatherUnit)
+        self.gatherer.enter(units)
 
     def release_for_user(self, slots: list[ParamSlot]) -> None:
         self.gatherer.leave(self._user_units(slots), free=True)
