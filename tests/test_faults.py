@@ -112,7 +112,9 @@ def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_pa
     the disk tiers or not (the tiers are exact: torch.equal)."""
     victim_pid = survivors_name_the_killed_rank("swap", tmp_path)
     swap, checkpoint = tmp_path / "swap", tmp_path / "ckpt"
-    saved = json.loads((checkpoint / "index.json").read_text())["extra"]["steps"]
+    found = zero_core.complete_checkpoint(checkpoint)  # the tag that ckpt/latest names
+    assert found is not None
+    saved = json.loads((found / "index.json").read_text())["extra"]["steps"]
     assert saved == KILL_STEP  # the save before the step it died in
     left = swap_files(swap)
     victims = {Path(name).parts[0] for name in left}

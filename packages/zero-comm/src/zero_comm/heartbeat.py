@@ -140,6 +140,10 @@ class Heartbeat:
         sys.excepthook = note_uncaught
         atexit.register(self.check_out)
 
+    def left_ranks(self) -> set[int]:
+        """The ranks whose check-out this rank has read (they left; they did not die)."""
+        return set(self._left)
+
     def check_out(self, how: str | None = None) -> None:
         """Tell the peers this rank takes part in no more collectives (``how``: why, for
         their message), and stop beating. At most once; never raises."""

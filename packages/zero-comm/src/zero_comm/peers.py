@@ -76,18 +76,27 @@ def dead_ranks(peers: list[Peer], me: int) -> tuple[list[int], list[int]]:
     return dead, elsewhere
 
 
-def describe_dead(peers: list[Peer] | None, me: int, settle_s: float = 1.0) -> str:
-    """A sentence naming the dead ranks, for an error message ("" if none is known).
+def describe_dead(
+    peers: list[Peer] | None, me: int, settle_s: float = 1.0, exclude: set[int] | None = None
+) -> str:
+    """A sentence naming the dead ranks, for an error message ("" if none is known);
+    ``exclude``: ranks not to name (those that checked out: they left, they did not die).
 
     A peer's connection closes while its process is still exiting, so a rank that sees
     no dead peer looks again for up to ``settle_s`` seconds."""
     if not peers:
         return ""
+    skip = exclude or set()
+
+    def found() -> tuple[list[int], list[int]]:
+        dead, elsewhere = dead_ranks(peers, me)
+        return [r for r in dead if r not in skip], elsewhere
+
     deadline = time.monotonic() + settle_s
-    dead, elsewhere = dead_ranks(peers, me)
+    dead, elsewhere = found()
     while not dead and time.monotonic() < deadline:
         time.sleep(0.02)
-        dead, elsewhere = dead_ranks(peers, me)
+        dead, elsewhere = found()
     parts = []
     if dead:
         named = ", ".join(f"rank {r} (pid {peers[r].pid})" for r in dead)

@@ -215,11 +215,20 @@ class TorchCommunicator(Communicator):
             # A check-out read already names a peer that left; a dead peer of this host is
             # named by /proc within a second; else the heartbeat may say within two beats
             # (a peer on another host that exited, or rank 0's store that went with it).
-            heard = None
+            # A peer of this host that died without checking out (killed) is the first
+            # cause: named before a peer that checked out after meeting that failure.
+            heard, left = None, set()
             if self._heartbeat is not None:
                 self._heartbeat.read_now()
+                left = self._heartbeat.left_ranks()
+            killed = (
+                [r for r in dead_ranks(self.peers, self.rank)[0] if r not in left]
+                if self.peers
+                else []
+            )
+            if self._heartbeat is not None and not killed:
                 heard = self._heartbeat.verdict(self.peers)
-            dead = describe_dead(self.peers, self.rank)
+            dead = describe_dead(self.peers, self.rank, exclude=left)
             if (
                 heard is None
                 and self._heartbeat is not None
@@ -229,6 +238,8 @@ class TorchCommunicator(Communicator):
             if heard is not None:
                 self._note_failure(heard)
                 return PeerFailureError(self._err(f"{name}: {heard}. {WHAT_TO_DO}"))
+            if dead:
+                self._note_failure(dead.strip())
             return PeerFailureError(
                 self._err(
                     f"{name}: a peer closed its connection, most likely because its process "
