@@ -34,6 +34,20 @@ def _own_address() -> str:
         return socket.gethostname()
 
 
+# How long a rank tries to open a TCP connection to the heartbeat store before the job goes
+# on without one: an address of rank 0's host that this rank cannot reach (a name that
+# resolves to the loopback, a host in another network namespace) would otherwise hold every
+# rank's start-up for the store's whole timeout.
+REACH_TIMEOUT_S = 3.0
+
+
+def _reachable(host: str, port: int) -> None:
+    """Raise OSError unless a TCP connection to ``host``:``port`` opens within
+    REACH_TIMEOUT_S seconds."""
+    with socket.create_connection((host, port), timeout=REACH_TIMEOUT_S):
+        pass
+
+
 def _address_over_mpi(env: LaunchEnv, timeout: float) -> tuple[str, int, Any]:
     try:
         from mpi4py import MPI
@@ -175,6 +189,7 @@ def heartbeat_over_mpi(
     host, port = address
     client = None
     try:
+        _reachable(host, port)  # seconds, not the store's own heartbeat_timeout to connect
         client = PrefixStore(
             "zero_comm",
             TCPStore(
