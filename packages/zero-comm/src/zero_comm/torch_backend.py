@@ -221,18 +221,15 @@ class TorchCommunicator(Communicator):
             if self._heartbeat is not None:
                 self._heartbeat.read_now()
                 left = self._heartbeat.left_ranks()
-            killed = (
-                [r for r in dead_ranks(self.peers, self.rank)[0] if r not in left]
-                if self.peers
-                else []
-            )
+            gone = dead_ranks(self.peers, self.rank)[0] if self.peers else []
+            killed = [r for r in gone if r not in left]
             if self._heartbeat is not None and not killed:
                 heard = self._heartbeat.verdict(self.peers)
             dead = describe_dead(self.peers, self.rank, exclude=left)
             if (
                 heard is None
                 and self._heartbeat is not None
-                and not (self.peers and dead_ranks(self.peers, self.rank)[0])
+                and not (self.peers and dead_ranks(self.peers, self.rank)[0])  # after settling
             ):
                 heard = self._heartbeat.verdict_within_beats(self.peers, 2)
             if heard is not None:
