@@ -61,7 +61,7 @@ def main() -> None:
                 if round_index > 0:
                     times[limit].append(time.perf_counter() - start)
     if comm.rank == 0:
-        units = len(next(iter(engines.values())).parameters.gatherer.units)
+        units = len(next(iter(engines.values())).compute_params.gatherer.units)
         for limit, seconds in times.items():
             ms = [s * 1000 for s in seconds]
             print(

@@ -55,7 +55,7 @@ def measured_step(
     buckets = [bucket.layout.padded_numel for layout in engine.layouts for bucket in layout.buckets]
     if stage == 0:  # all-reduced from whole flat buffers (volume is linear in the pieces)
         buckets = [flat.numel() for flat in engine.gradients.tensors()]
-    kept = engine.parameters.gatherer.backward_head_numels() if stage == 3 else []
+    kept = engine.compute_params.gatherer.backward_head_numels() if stage == 3 else []
     intra, inter = comm.family_link_bytes()
     engine.close()
     return intra, inter, buckets, kept

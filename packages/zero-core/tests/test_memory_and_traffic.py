@@ -97,14 +97,14 @@ def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n:
             assert all(torch.equal(params[k], reference_params[k]) for k in params)
         pieces = [tile for tiles in engine.masters.tiles for tile, _ in tiles]
         held = (
-            engine.parameters.store.shards if hasattr(engine.parameters, "store") else None
+            engine.compute_params.store.shards if hasattr(engine.compute_params, "store") else None
         ) or list(engine.module.parameters())
         assert {p.untyped_storage().data_ptr() for p in pieces} <= {
             h.untyped_storage().data_ptr() for h in held
         }, "the optimizer steps a tensor that is not the parameters' storage"
         if stage in (1, 2):
-            assert isinstance(engine.parameters, ReplicatedParameters)
-            groups = engine.parameters.buckets.groups
+            assert isinstance(engine.compute_params, ReplicatedParameters)
+            groups = engine.compute_params.buckets.groups
             for layout, group in zip(engine.layouts, groups, strict=True):
                 padding = [bucket.full_buffer.clone() for bucket in group]
                 for k, flat in layout.param_places():

@@ -333,9 +333,9 @@ def test_values_handed_over_twice_before_a_publish_are_refused() -> None:
 
     def body(comm: Communicator) -> None:
         engine = build_engine(case, comm, 1)
-        engine.masters.visit(engine.parameters.take_master_values)
+        engine.masters.visit(engine.compute_params.take_master_values)
         with pytest.raises(RuntimeError, match=r"\[rank \d\] bucket 0 of group 0 was handed more"):
-            engine.masters.visit(engine.parameters.take_master_values)
-        engine.parameters.publish()
+            engine.masters.visit(engine.compute_params.take_master_values)
+        engine.compute_params.publish()
 
     run_simulated(2, body)

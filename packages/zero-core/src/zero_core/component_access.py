@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def sharded_parameters(engine: Engine) -> ShardedParameters:
     """Stage 3's parameters (the compute shards, their gatherer and fetch-unit plan)."""
-    parameters = engine.parameters
+    parameters = engine.compute_params
     if not isinstance(parameters, ShardedParameters):
         raise TypeError(
             f"this engine (stage {engine.config.stage}) holds {type(parameters).__name__}: "

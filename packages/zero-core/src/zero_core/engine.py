@@ -91,14 +91,14 @@ class Engine:
         self.secondary = parts.secondary  # hpZ: stage 3's backward gathers stay in it
         # Declared here, with their layouts; see component_contracts for when each is called.
         self.layouts = parts.layouts  # per group: buckets of a shard over N (stage 0: 1) ranks
-        self.parameters = parts.parameters  # compute params: whole views, or shard + gatherer
+        self.compute_params = parts.parameters  # compute params: whole views, or shard + gatherer
         self.gradients = parts.gradients  # whole all-reduced, or this rank's reduced slice
         self.masters = parts.masters  # float32 shard per group; tiles the optimizer steps
         self.optimizer = parts.optimizer
         # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
         self.backward_stepper = parts.backward_stepper
         self._module_hooks = parts.module_hooks
-        self._closer = weakref.finalize(self, close_components, self.masters, self.parameters)
+        self._closer = weakref.finalize(self, close_components, self.masters, self.compute_params)
         self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self.micro_steps = 0
         self._said_step_without_backward = False  # step() with nothing to apply: said once
@@ -112,6 +112,39 @@ class Engine:
         self._step_heap_release = StepHeapRelease()
         if self._heap_release_on():
             release_free_heap()  # the build's temporaries (whole values, full buffers)
+
+    # ----------------------------------------------------------- the module's API
+    # Code written for DeepSpeed or DDP treats the engine as the model: these reach the
+    # module (the engine's own components are compute_params, gradients, masters).
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters (``module.parameters()``)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's named parameters (``module.named_parameters()``)."""
+        return self.module.named_parameters(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> Engine:
+        """Set the module's training mode; returns the engine, as ``nn.Module.train`` does."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """The module in evaluation mode (``module.eval()``)."""
+        return self.train(False)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the engine lacks: the module's attributes (a config, a
+        # custom method), as DeepSpeed's engine forwards them.
+        if name.startswith("__") or "module" not in self.__dict__:
+            raise AttributeError(name)
+        try:
+            return getattr(self.__dict__["module"], name)
+        except AttributeError:
+            raise AttributeError(
+                f"neither the engine nor its module ({type(self.__dict__['module']).__name__}) "
+                f"has an attribute {name!r}"
+            ) from None
 
     # ----------------------------------------------------------- parameters
     def trainable_parameters(self) -> Iterator[tuple[int, nn.Parameter]]:
@@ -160,7 +193,7 @@ class Engine:
         if self.backward_stepper is not None:
             self.backward_stepper.begin()  # raises before anything has begun
         self.gradients.before_backward(first, self.micro_step_label)
-        self.parameters.before_backward()
+        self.compute_params.before_backward()
         try:
             scale = self.loss_scaler.scale
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
@@ -169,9 +202,9 @@ class Engine:
                 self.backward_stepper.finish(self.global_steps)
         finally:
             self.gradients.end_backward()
-            self.parameters.end_backward()
+            self.compute_params.end_backward()
         if self.backward_stepper is not None:
-            self.parameters.publish()  # the update is whole now, not at step()
+            self.compute_params.publish()  # the update is whole now, not at step()
         self.micro_steps += 1
 
     def _check_requires_grad(self) -> None:
@@ -251,11 +284,11 @@ class Engine:
         self.masters.step(
             self.optimizer,
             gradients,
-            self.parameters.take_master_values,
+            self.compute_params.take_master_values,
             bucket_by_bucket=self.policy.parameters is ParameterPlacement.REPLICATED,
         )
         with profiler_range("publish"):
-            self.parameters.publish()
+            self.compute_params.publish()
         self._applied()
         return True
 
@@ -344,8 +377,8 @@ class Engine:
         if self.lr_scheduler is not None and state.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         self.zero_grad()
-        self.masters.visit(self.parameters.take_master_values)
-        self.parameters.publish()
+        self.masters.visit(self.compute_params.take_master_values)
+        self.compute_params.publish()
 
     def save(
         self,
@@ -423,17 +456,17 @@ class Engine:
         modify = modify or modifier_rank is not None  # as DeepSpeed's GatheredParameters
         every = list(self.slots)
         wanted = every if params is None else [s for s in map(self.slots.get, params) if s]
-        self.parameters.gather_for_user(wanted)
+        self.compute_params.gather_for_user(wanted)
         try:
             yield
             if modify:
                 if modifier_rank is not None:
                     for slot in wanted:
                         self.comm.broadcast(slot.param.data, src=modifier_rank)
-                self.masters.write_back(wanted, self.parameters.full_bucket)
-                self.parameters.after_write_back(self.masters)
+                self.masters.write_back(wanted, self.compute_params.full_bucket)
+                self.compute_params.after_write_back(self.masters)
         finally:
-            self.parameters.release_for_user(wanted)
+            self.compute_params.release_for_user(wanted)
 
     # ---------------------------------------------------------------- reports
     @property
@@ -470,10 +503,10 @@ class Engine:
         counts what the step holds: at stages 2 and 3 (and 1 with accumulation) the
         gradient shard has storage only from backward to the step (shard_gradient.py)."""
         device_states, host, disk = self.masters.tier_bytes(self.optimizer)
-        host += self.parameters.host_bytes
-        disk += self.parameters.disk_bytes
+        host += self.compute_params.host_bytes
+        disk += self.compute_params.disk_bytes
         return MemoryReport(
-            parameters=tensor_bytes(self.parameters.report_tensors(self.module)),
+            parameters=tensor_bytes(self.compute_params.report_tensors(self.module)),
             gradients=self.gradients.step_bytes()
             if self.backward_stepper is None
             else self.backward_stepper.held_bytes(),

@@ -48,7 +48,7 @@ def report(
     if not lead:
         return
     print_memory(reports, stage0_model_state_bytes(psi, args.dtype))
-    kept = engine.parameters.backward_head_numel()
+    kept = engine.compute_params.backward_head_numel()
     print_communication(args, moved, psi, engine.comm.world_size, kept)
     if args.tp > 1:
         print(f"tensor-parallel layers moved {tp_volume:,.0f} elements per rank per step "
