@@ -13,6 +13,7 @@
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~3 h)
     nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~40 min)
+    nox -s deepspeed     DeepSpeed-shaped scripts under real DeepSpeed and zero_core.deepspeed
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
 
@@ -57,8 +58,8 @@ LINT_DEPS = ("ruff", "mypy", "import-linter")
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
 CROSS_PACKAGE_TESTS = "tests"
 # The default run (nox, and so CI): under 20 minutes on a 2-core machine. The marked cases
-# have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl.
-DEFAULT_MARKS = "not nccl and not faults and not slow"
+# have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl, nox -s deepspeed.
+DEFAULT_MARKS = "not nccl and not faults and not slow and not deepspeed"
 
 
 def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
@@ -383,3 +384,23 @@ def bench_offload(session: nox.Session) -> None:
         session.run("python", "-m", "tools.offload.cpu_optimizer", "--threads", threads, "--json",
                     str(raw / f"cpu-optimizer-{threads}.json"))  # fmt: skip
     session.run("python", "-m", "tools.offload.bench", "--out", str(out), *session.posargs)
+
+
+@nox.session
+def deepspeed(session: nox.Session) -> None:
+    """The DeepSpeed-shaped scripts of tests/deepspeed_scripts/ run twice on 2 ranks at
+    stages 0-3 in every dtype DeepSpeed's CPU accelerator takes: as written, under real
+    DeepSpeed (its own launcher, gloo), and with only their imports changed, under
+    zero_core.deepspeed (zero-launch); the per-step losses must agree within float
+    tolerance. Writes docs/benchmarks/deepspeed-agreement.md and .json (pytest -m deepspeed).
+
+    DeepSpeed is installed here only, as in nox -s bench: torch held at TORCH, no pre-built
+    ops. Where it does not install or import, the tests skip, saying why.
+    """
+    _install(session, *TEST_DEPS)
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    session.run("python", "-m", "pip", "install", "-c", str(constraints), "deepspeed",
+                env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
+    _pytest(session, f"{CROSS_PACKAGE_TESTS}/test_deepspeed_real.py", "-m", "deepspeed",
+            env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
