@@ -5,8 +5,8 @@ ds_config.json``, the data handed to ``deepspeed.initialize`` to be distributed.
     deepspeed --num_gpus 2 cifar10_deepspeed.py --deepspeed --deepspeed_config ds.json
 
 The stage and the dtype come from the JSON ("zero_optimization.stage", "bf16"/"fp16").
-Rank 0 prints one line per step, ``step N loss X`` (X as Python writes a float, so it
-reads back exactly), and the checkpoint is saved under ``--save_dir`` at the end.
+Rank 0 prints one line per step, ``step N loss X lr Y`` (as Python writes floats, so they
+read back exactly; Y is the engine's learning rate after the step), and the checkpoint is saved under ``--save_dir`` at the end.
 
 The only lines that name DeepSpeed are the two imports: tests/deepspeed_scripts/port.py
 rewrites them to zero_core.deepspeed and checks that nothing else changed.
@@ -93,7 +93,8 @@ def main(args):
             model_engine.backward(loss)
             model_engine.step()
             if local_rank == 0:
-                print(f"step {step} loss {loss.item()!r}", flush=True)
+                lr = model_engine.get_lr()[0]
+                print(f"step {step} loss {loss.item()!r} lr {lr!r}", flush=True)
             step += 1
 
     if args.save_dir is not None:
