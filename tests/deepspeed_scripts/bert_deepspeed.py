@@ -134,7 +134,9 @@ class MaskedLM(nn.Module):
 
     def forward(self, input_ids, labels):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.embedding_norm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
+        x = self.embedding_norm(
+            self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        )
         for layer in self.layers:
             x = layer(x)
         logits = self.decoder(x)  # (B, T, vocab)
@@ -251,9 +253,7 @@ def main():
     optimizer = torch.optim.AdamW(
         optimizer_grouped_parameters, lr=args.learning_rate, betas=(0.9, 0.95)
     )
-    num_update_steps_per_epoch = math.ceil(
-        len(train_dataloader) / args.gradient_accumulation_steps
-    )
+    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer,
         num_warmup_steps=args.num_warmup_steps,
@@ -277,8 +277,10 @@ def main():
             model.backward(loss)
             model.step()
             if args.global_rank == 0:
-                print(f"step {step} loss {loss.item()!r} lr {lr_scheduler.get_last_lr()[0]!r}",
-                      flush=True)
+                print(
+                    f"step {step} loss {loss.item()!r} lr {lr_scheduler.get_last_lr()[0]!r}",
+                    flush=True,
+                )
             step += 1
         if args.global_rank == 0:
             print(f"epoch {epoch} done", flush=True)

@@ -6,7 +6,8 @@ ds_config.json``, the data handed to ``deepspeed.initialize`` to be distributed.
 
 The stage and the dtype come from the JSON ("zero_optimization.stage", "bf16"/"fp16").
 Rank 0 prints one line per step, ``step N loss X lr Y`` (as Python writes floats, so they
-read back exactly; Y is the engine's learning rate after the step), and the checkpoint is saved under ``--save_dir`` at the end.
+read back exactly; Y is the engine's learning rate after the step), and the checkpoint is
+saved under ``--save_dir`` at the end.
 
 The only lines that name DeepSpeed are the two imports: tests/deepspeed_scripts/port.py
 rewrites them to zero_core.deepspeed and checks that nothing else changed.
@@ -68,7 +69,7 @@ def main(args):
     trainset = synthetic_cifar(args.samples, args.seed)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    model_engine, optimizer, trainloader, __ = deepspeed.initialize(
+    model_engine, _optimizer, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset
     )
     local_device = get_accelerator().device_name(model_engine.local_rank)

@@ -51,7 +51,7 @@ def changed_lines(original: str, ported: str) -> list[tuple[str, str]]:
     if len(old) != len(new):
         diff = "".join(difflib.unified_diff(old, new, lineterm="\n"))
         raise AssertionError(f"the port added or removed lines:\n{diff}")
-    return [(a, b) for a, b in zip(old, new) if a != b]
+    return [(a, b) for a, b in zip(old, new, strict=True) if a != b]
 
 
 def port(script: Path, out_dir: Path) -> Path:

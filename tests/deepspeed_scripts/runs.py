@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from port import port
+from .port import port
 
 HERE = Path(__file__).resolve().parent
 CIFAR = HERE / "cifar10_deepspeed.py"
@@ -36,6 +36,7 @@ SCRIPTS = (CIFAR, BERT)
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
 LAUNCH_TIMEOUT_S = 240
+STEPS = 4  # both scripts: 64 images in batches of 8 a rank; 32 sequences in batches of 4
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)(?: lr (\S+))?$")
 
 
