@@ -9,8 +9,9 @@
 One step, for every stage, in this order (the order is part of the bit-for-bit contract):
 
     per micro-step   loss * loss_scale -> backward -> gradients reduced across ranks in the
-                     compute dtype (rank order when the communicator is deterministic) and
-                     accumulated, in the compute dtype, over micro-steps
+                     gradient dtype (the compute dtype, or config.reduce_dtype: each one cast
+                     as it lands) in rank order when the communicator is deterministic, and
+                     accumulated, in that dtype, over micro-steps
     at the boundary  g = float32(accumulated) / (N * accumulation_steps * loss_scale)
                      float16: if any rank sees inf/nan, skip the step on every rank
                      clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)

@@ -47,15 +47,38 @@ def offload_stage_error(stage: int, offload_optimizer: str, offload_params: str)
     return ""
 
 
-def _dtype(value: torch.dtype | str) -> torch.dtype:
+def _dtype(value: torch.dtype | str, field: str = "param_dtype") -> torch.dtype:
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
     raise ValueError(
-        f"param_dtype={value!r} is not supported; use one of float32, bfloat16, float16 "
+        f"{field}={value!r} is not supported; use one of float32, bfloat16, float16 "
         "(or the strings 'fp32', 'bf16', 'fp16')"
     )
+
+
+def _reduce_dtype(value: torch.dtype | str | None, param_dtype: torch.dtype) -> torch.dtype | None:
+    """``reduce_dtype`` resolved: None (the compute dtype), or a dtype the gradients can be
+    reduced in losslessly from ``param_dtype``: the compute dtype itself or float32. A
+    narrower or different 16-bit dtype would round every gradient before its reduction."""
+    if value is None:
+        return None
+    choices = (
+        "use None (reduce in the compute dtype, the default) or 'fp32' / torch.float32 "
+        "(FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32))"
+    )
+    try:
+        dtype = _dtype(value, "reduce_dtype")
+    except ValueError:
+        raise ValueError(f"reduce_dtype={value!r} is not supported; {choices}") from None
+    if dtype not in (param_dtype, torch.float32):
+        raise ValueError(
+            f"reduce_dtype={value!r} with param_dtype={param_dtype}: gradients are reduced in "
+            f"the compute dtype or in a wider one, and {dtype} would round every "
+            f"{param_dtype} gradient first; {choices}"
+        )
+    return dtype
 
 
 # Stage 3's prefetch window: docs/stage3-memory.md measured 2**21..2**24 against the
@@ -193,6 +216,15 @@ class ZeroConfig:
         after step with pages the allocator holds but nobody uses. Steps that reuse the
         heap as it is do not release, since each released page costs
         a fault when touched again. A no-op with another C library.
+    reduce_dtype: the dtype gradients are reduced (all-reduced at stage 0, reduce-scattered
+        at stages 1-3) and accumulated in: None (the default) reduces in ``param_dtype``;
+        float32 (or "fp32") with bfloat16 or float16 compute casts each gradient into
+        float32 buffers as it lands, so the sum over ranks and micro-steps rounds once per
+        addition in float32 instead of in the compute dtype (FSDP2's
+        ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``). It costs twice the gradient
+        buffers' bytes and twice the gradient traffic (docs/precision.md). At stages 0 and 1
+        ``p.grad`` is then None after backward, as at stages 2 and 3: a float32 buffer
+        cannot be a bfloat16 parameter's ``.grad``.
     optimizer_in_backward: stage 3: step each gradient bucket's slice of the optimizer as
         soon as backward has reduced it, then free that slice, so no rank ever holds its
         whole gradient shard: model states peak at 12 bytes per parameter / N instead of
@@ -238,9 +270,11 @@ class ZeroConfig:
     allow_quantize_fallback: bool = False
     release_host_heap: bool = True
     optimizer_in_backward: bool = False
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype, self.param_dtype))
         self._check_offload()
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (
             0, 1, 2, 3,
@@ -341,6 +375,12 @@ class ZeroConfig:
         if self.coalesce_numel is not None:
             return self.coalesce_numel
         return QGZ_COALESCE_NUMEL if self.quantize_gradients else DEFAULT_COALESCE_NUMEL
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced and accumulated in: ``reduce_dtype``, or the
+        compute dtype where that is None."""
+        return self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
 
     @property
     def offloads(self) -> bool:
