@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from zero_comm.arrival import DEFAULT_WITHIN_S as DEFAULT_ARRIVAL_TIMEOUT_S
 from zero_comm.determinism import Fingerprint, current_fingerprint
 from zero_comm.profiler_ranges import profiler_range
 
@@ -448,13 +449,18 @@ class Engine:
         *,
         tag: str | None = None,
         keep_last: int | None = None,
+        arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_S,
     ) -> Path:
         """Collective: write a sharded checkpoint to ``path/<tag>/`` (default tag
         ``global_step<N>``) atomically, then point ``path/latest`` at it; every other file
         in ``path`` is left alone (zero_core.checkpoint.tags). ``keep_last=K`` removes this
         folder's older checkpoints beyond the newest K. ``extra`` (JSON values, e.g. the
-        data position) comes back from :meth:`load`. Call it after ``step()``. Returns
-        the checkpoint's folder."""
+        data position) comes back from :meth:`load`. Call it after ``step()``, on every
+        rank: a rank that exited without calling it is named within seconds, and one that
+        is alive elsewhere after ``arrival_timeout`` seconds (default 60, at most the
+        communicator's timeout), instead of a wait of the whole collective timeout; a rank
+        that is only late by less than that saves as usual. Returns the checkpoint's
+        folder."""
         if self.micro_steps:
             raise RuntimeError(
                 f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
@@ -469,7 +475,9 @@ class Engine:
                 "supported yet: checkpoints hold data-parallel shards only"
             )
         tag = DEFAULT_TAG.format(steps=self.global_steps) if tag is None else tag
-        return save_tagged(self.sharded_state(), self.comm, Path(path), tag, extra, keep_last)
+        return save_tagged(
+            self.sharded_state(), self.comm, Path(path), tag, extra, keep_last, arrival_timeout
+        )
 
     def load(self, path: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
         """Collective: restore the state saved at ``path`` by any world size and stage:
