@@ -10,9 +10,11 @@ configs of each precision, and sets of refused keys whose one error names every 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -150,20 +152,26 @@ def test_prescale_gradients_true_says_why() -> None:
 
 
 @pytest.mark.parametrize(
-    ("precision", "value", "accepted"),
-    [({}, "fp32", True), ({"bf16": {"enabled": True}}, "bf16", True), ({}, None, True),
-     ({"bf16": {"enabled": True}}, "fp32", False), ({"fp16": {"enabled": True}}, "bf16", False)],
+    ("precision", "value", "reduce_dtype"),
+    [({}, "fp32", None), ({"bf16": {"enabled": True}}, "bf16", None), ({}, None, None),
+     ({"bf16": {"enabled": True}}, "fp32", torch.float32),
+     ({"fp16": {"enabled": True}}, "fp32", torch.float32),
+     ({"fp16": {"enabled": True}}, "bf16", "refused"), ({}, "int8", "refused")],
 )  # fmt: skip
-def test_communication_data_type_is_accepted_only_as_the_compute_dtype(
-    precision: dict[str, Any], value: str | None, accepted: bool
+def test_communication_data_type_is_read_as_reduce_dtype(
+    precision: dict[str, Any], value: str | None, reduce_dtype: Any
 ) -> None:
+    """The compute dtype changes nothing; float32 from 16-bit compute is reduce_dtype;
+    anything else is refused, naming the choices."""
     config = {**precision, "communication_data_type": value}
-    if accepted:
-        setup = zero_core.read_deepspeed(config, world_size=2)
-        assert setup.zero == zero_core.read_deepspeed(precision, world_size=2).zero
-    else:
-        with pytest.raises(ValueError, match="coming as ZeroConfig's reduce_dtype"):
+    plain = zero_core.read_deepspeed(precision, world_size=2).zero
+    if reduce_dtype == "refused":
+        with pytest.raises(ValueError, match=r"communication_data_type|reduce_dtype"):
             zero_core.read_deepspeed(config, world_size=2)
+        return
+    setup = zero_core.read_deepspeed(config, world_size=2)
+    assert setup.zero.reduce_dtype is reduce_dtype
+    assert dataclasses.replace(setup.zero, reduce_dtype=None) == plain
 
 
 def test_bfloat16_is_still_read_as_bf16() -> None:

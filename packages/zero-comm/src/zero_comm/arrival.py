@@ -13,10 +13,12 @@ peers that are not coming, in seconds, instead of waiting out the collective tim
               the labels differ                    -> each rank's label named
               the last rank out deletes the keys
 
-A slow rank that is alive and beating is waited for up to ``within`` seconds
-(DEFAULT_WITHIN_S, 60, and never beyond the collective timeout): a save after a rank-0
-evaluation of a minute still meets; a rank that returned from its script is named as
-soon as its check-out is read (one heartbeat period, at most 2 s). The cost where every
+A slow rank that is alive and beating is waited for up to ``within`` seconds (by default
+the collective timeout, what the collective itself would wait: a save after a long rank-0
+evaluation still meets, as it did before the meeting existed); after WARN_AFTER_S (60) of
+waiting for a live rank, the waiting rank warns once, naming it. A rank that returned
+from its script is named as soon as its check-out is read (one heartbeat period, at
+most 2 s). The cost where every
 rank comes: five store round trips per rank and the last one's deletes, about a
 millisecond on one host (tools' figures in the branch note).
 
@@ -31,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
+import warnings
 from typing import Any, NamedTuple
 
 from .errors import CollectiveMismatchError, CommTimeoutError, PeerFailureError
 from .heartbeat import Heartbeat, describe_peer
 from .peers import Peer, is_running
 
-DEFAULT_WITHIN_S = 60.0
+WARN_AFTER_S = 60.0  # waiting this long for a live rank is said once, naming it
 POLL_WITHOUT_HEARTBEAT_S = 0.5  # between two looks where no heartbeat thread reads
 
 
@@ -82,6 +85,7 @@ def _wait_for_everyone(
     store, heartbeat = point.store, point.heartbeat
     step = heartbeat.period if heartbeat is not None else POLL_WITHOUT_HEARTBEAT_S
     start = time.monotonic()
+    warned = within <= WARN_AFTER_S  # an error comes first anyway
     with heartbeat.watching() if heartbeat is not None else contextlib.nullcontext():
         while True:
             left = within - (time.monotonic() - start)
@@ -97,9 +101,20 @@ def _wait_for_everyone(
             said = _not_coming(point, rank, missing, label)
             if said is not None:
                 raise PeerFailureError(f"[rank {rank}] {said}")
-            if time.monotonic() - start >= within:
+            waited = time.monotonic() - start
+            if waited >= within:
                 said = _elsewhere(point, missing, label, within, longer)
                 raise CommTimeoutError(f"[rank {rank}] {said}")
+            if not warned and waited >= WARN_AFTER_S:
+                warned = True
+                who = ", ".join(f"rank {r}" for r in missing)
+                warnings.warn(
+                    f"[rank {rank}] {label}: waiting {waited:.0f} s for {who}, alive but not "
+                    f"in {label} yet; waiting up to {within:g} s in all (call {label} on "
+                    "every rank)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
 
 def _not_coming(point: MeetingPoint, rank: int, missing: list[int], label: str) -> str | None:

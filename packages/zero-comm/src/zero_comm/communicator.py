@@ -40,7 +40,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .arrival import DEFAULT_WITHIN_S, MeetingPoint, meet
+from .arrival import MeetingPoint, meet
 from .buffers import BufferPool
 from .call_check import (
     COLLECTIVE_CODE,
@@ -184,20 +184,22 @@ class Communicator(CallCheck, NodeGroups):
         return False
 
     def meet(
-        self, label: str, *, within: float = DEFAULT_WITHIN_S, longer: str = "meet(within=...)"
+        self, label: str, *, within: float | None = None, longer: str = "meet(within=...)"
     ) -> None:
         """Collective: return once every rank has called ``meet(label)``; a rank that
         waits names, in seconds, the ranks that exited without calling it, and after
-        ``within`` seconds (at most the timeout) those alive elsewhere (zero_comm.arrival).
+        ``within`` seconds (default and at most the collective timeout) those alive
+        elsewhere, warning once after a minute (zero_comm.arrival).
         Call it before a collective that user code may call on some ranks only. Nothing
         happens where the backend has no store to meet in (simulated ranks, MPI without
         its heartbeat store). ``longer``: how the caller's user waits longer, for errors."""
         self._check_open("meet")
-        if not within > 0:
+        if within is not None and not within > 0:
             raise ValueError(f"meet(within={within}): give seconds > 0")
+        limit = self.timeout if within is None else min(within, self.timeout)
         point = self._meeting_point() if self.world_size > 1 else None
         if point is not None:
-            meet(point, self.rank, self.world_size, label, min(within, self.timeout), longer)
+            meet(point, self.rank, self.world_size, label, limit, longer)
 
     def _meeting_point(self) -> MeetingPoint | None:
         """The store this communicator's ranks meet in (zero_comm.arrival), if any."""

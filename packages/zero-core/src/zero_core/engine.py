@@ -51,11 +51,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zero_comm.arrival import DEFAULT_WITHIN_S as DEFAULT_ARRIVAL_TIMEOUT_S
 from zero_comm.determinism import Fingerprint, current_fingerprint
 from zero_comm.profiler_ranges import profiler_range
 
-from . import grad_placeholders, param_owner
+from . import grad_placeholders
 from .builder import EngineParts, close_components
 from .checkpoint.format import CheckpointError
 from .checkpoint.loader import load as load_checkpoint
@@ -449,18 +448,17 @@ class Engine:
         *,
         tag: str | None = None,
         keep_last: int | None = None,
-        arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_S,
+        arrival_timeout: float | None = None,
     ) -> Path:
         """Collective: write a sharded checkpoint to ``path/<tag>/`` (default tag
         ``global_step<N>``) atomically, then point ``path/latest`` at it; every other file
         in ``path`` is left alone (zero_core.checkpoint.tags). ``keep_last=K`` removes this
         folder's older checkpoints beyond the newest K. ``extra`` (JSON values, e.g. the
         data position) comes back from :meth:`load`. Call it after ``step()``, on every
-        rank: a rank that exited without calling it is named within seconds, and one that
-        is alive elsewhere after ``arrival_timeout`` seconds (default 60, at most the
-        communicator's timeout), instead of a wait of the whole collective timeout; a rank
-        that is only late by less than that saves as usual. Returns the checkpoint's
-        folder."""
+        rank: a rank that exited without calling it is named within seconds; one alive
+        elsewhere is named after ``arrival_timeout`` seconds (default: the communicator's
+        timeout, with a warning naming it after a minute); a rank that is only late by
+        less saves as usual. Returns the checkpoint's folder."""
         if self.micro_steps:
             raise RuntimeError(
                 f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
@@ -591,8 +589,12 @@ class Engine:
         """Remove this engine's swap files and stop their I/O threads (also done when
         the engine is garbage-collected, and at interpreter exit)."""
         grad_placeholders.remove(slot.param for slot in self.slots)
-        param_owner.unregister(self)
         self._closer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its parameters are then the user's again)."""
+        return not self._closer.alive
 
 
 # The name this class had before the engine became one class (kept: it is public API).

@@ -9,16 +9,18 @@ that test for zero_core, and works on any tensor:
         with engine.gathered_parameters([p]):
             value = p.detach().clone()      # whole, on every rank, inside the block
 
-The registry holds parameters and engines weakly: once an engine is gone, its
+The registry holds parameters and engines weakly: once an engine is closed or gone, its
 parameters are no longer reported as partitioned.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .stage_policy import ParameterPlacement
@@ -36,12 +38,6 @@ def register(engine: Engine) -> None:
         _OWNERS[slot.param] = ref
 
 
-def unregister(engine: Engine) -> None:
-    """Forget ``engine``'s parameters (it is closed)."""
-    for slot in engine.slots:
-        _OWNERS.pop(slot.param, None)  # type: ignore[no-untyped-call]
-
-
 def any_owned() -> bool:
     """Whether any live engine's parameters are recorded (a fast path for module_guard)."""
     return len(_OWNERS) > 0
@@ -50,7 +46,19 @@ def any_owned() -> bool:
 def owner(param: torch.Tensor) -> Engine | None:
     """The live engine that trains ``param``, or None."""
     ref = _OWNERS.get(param)  # type: ignore[no-untyped-call]
-    return None if ref is None else ref()
+    engine = None if ref is None else ref()
+    return None if engine is None or engine.closed else engine
+
+
+def by_owner(params: Iterable[nn.Parameter]) -> list[tuple[Engine, list[nn.Parameter]]]:
+    """``params`` grouped by their live engine, engines and parameters in first-seen
+    order; parameters no live engine trains are left out."""
+    groups: dict[int, tuple[Engine, list[nn.Parameter]]] = {}
+    for p in params:
+        engine = owner(p)
+        if engine is not None:
+            groups.setdefault(id(engine), (engine, []))[1].append(p)
+    return list(groups.values())
 
 
 def is_partitioned(param: torch.Tensor) -> bool:

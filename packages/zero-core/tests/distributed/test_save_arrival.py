@@ -20,7 +20,7 @@ from zero_comm.launch import free_port, rank_environment
 HERE = Path(__file__).parent
 # From rank 1's exit to rank 0's error: its check-out is read within one heartbeat period
 # (2 s at the default heartbeat_timeout of 60 s), plus the scheduling of 2 ranks on 2
-# loaded cores. Far below the 60 s arrival_timeout and the 300 s collective timeout.
+# loaded cores. Far below the 60 s arrival_timeout these runs pass and the 300 s collective timeout.
 NAMED_WITHIN_S = 8.0
 
 pytestmark = [pytest.mark.gloo, pytest.mark.timeout(120)]

@@ -10,11 +10,12 @@
 points ``latest`` at it; ``engine.load(DIR)`` follows ``latest`` (reader.complete_checkpoint).
 Every rank first meets the others at "save()" (zero_comm.arrival): a rank that exited
 without calling save is named in seconds, one alive elsewhere (still training, in another
-collective) after ``arrival_timeout`` seconds (60 by default, at most the communicator's
-timeout); a slow rank that comes within it saves as usual. A folder saved before tags
-existed (``DIR/index.json``) still loads. With ``keep_last=K``
-the save removes the older checkpoints of DIR beyond the newest K: only folders that hold
-a zero-checkpoint index, which this library wrote; nothing else of DIR is touched.
+collective) after ``arrival_timeout`` seconds (by default the communicator's timeout,
+with a warning naming it after a minute); a slow rank that comes within it saves as
+usual. A folder saved before tags existed (``DIR/index.json``) still loads. With
+``keep_last=K`` the save removes the older checkpoints of DIR beyond the newest K: only
+folders that hold a zero-checkpoint index, which this library wrote; nothing else of DIR
+is touched.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import shutil
 from pathlib import Path
 
 from zero_comm import Communicator
-from zero_comm.arrival import DEFAULT_WITHIN_S
 
 from .format import FORMAT, INDEX, LATEST, CheckpointError
 from .sharded_state import ShardedState
@@ -50,7 +50,7 @@ def save_tagged(
     tag: str,
     extra: dict[str, object] | None = None,
     keep_last: int | None = None,
-    arrival_timeout: float = DEFAULT_WITHIN_S,
+    arrival_timeout: float | None = None,
 ) -> Path:
     """Collective: write ``state`` to ``folder/tag`` (writer.save), then point
     ``folder/latest`` at it and, with ``keep_last``, remove older checkpoints beyond the
@@ -61,7 +61,7 @@ def save_tagged(
     check_tag(tag)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: keep at least the checkpoint being saved (1)")
-    if not arrival_timeout > 0:
+    if arrival_timeout is not None and not arrival_timeout > 0:
         raise ValueError(f"arrival_timeout={arrival_timeout}: give seconds > 0")
     # Before the save's first collective: a rank that never comes is named, not waited for.
     comm.meet("save()", within=arrival_timeout, longer="save(..., arrival_timeout=SECONDS)")

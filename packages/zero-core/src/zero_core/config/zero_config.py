@@ -636,7 +636,7 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
         size = out.get(name)
         if isinstance(size, float) and size.is_integer():
             out[name] = int(size)  # DeepSpeed configs write 5e8
-    _communication_dtype(config, out.get("param_dtype", torch.float32), notes, problems)
+    _communication_dtype(config, out.get("param_dtype", torch.float32), out, notes, problems)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
@@ -666,10 +666,15 @@ def _deprecated_offload(
 
 
 def _communication_dtype(
-    config: Mapping[str, Any], compute: torch.dtype, notes: list[str], problems: list[str]
+    config: Mapping[str, Any],
+    compute: torch.dtype,
+    out: dict[str, Any],
+    notes: list[str],
+    problems: list[str],
 ) -> None:
-    """``communication_data_type``: accepted where it is the compute dtype (gradients are
-    reduced in it); another is refused until ZeroConfig's reduce_dtype is wired."""
+    """``communication_data_type``: the dtype gradients are reduced in, ZeroConfig's
+    ``reduce_dtype`` (float32 from 16-bit compute; the compute dtype itself changes
+    nothing). ZeroConfig refuses the others, naming the choices."""
     if "communication_data_type" not in config:
         return
     value = config["communication_data_type"]
@@ -677,11 +682,12 @@ def _communication_dtype(
     if value is None or named == str(compute).removeprefix("torch."):
         notes.append(f"communication_data_type={value!r}: the compute dtype, no effect")
         return
-    problems.append(
-        f"communication_data_type={value!r} is not supported yet: gradients are reduced in "
-        f"the compute dtype ({str(compute).removeprefix('torch.')}); reducing in another "
-        "dtype is coming as ZeroConfig's reduce_dtype. Remove it for now"
-    )
+    if not isinstance(value, str) or value not in DTYPES:
+        problems.append(
+            f"communication_data_type={value!r}: give one of {', '.join(sorted(DTYPES))}"
+        )
+        return
+    out["reduce_dtype"] = value
 
 
 def _offload_section(
