@@ -198,9 +198,24 @@ def rows(tmp: Path) -> list[Row]:
         ),
         (
             "unknown DeepSpeed sub-key",
-            lambda: ZeroConfig.from_deepspeed({"zero_optimization": {"cpu_offload": True}}),
+            lambda: ZeroConfig.from_deepspeed({"zero_optimization": {"cpu_ofload": True}}),
             ValueError,
-            r"zero_optimization\.cpu_offload is not supported",
+            r"zero_optimization\.cpu_ofload is not supported",
+        ),
+        (
+            "DeepSpeed fp16 master weights",
+            lambda: ZeroConfig.from_deepspeed({"fp16": {"fp16_master_weights_and_grads": True}}),
+            ValueError,
+            r"fp16\.fp16_master_weights_and_grads=True is not supported: zero_core keeps float32",
+        ),
+        (
+            "DeepSpeed keys that cannot be honoured, all in one message",
+            lambda: ZeroConfig.from_deepspeed(
+                {"prescale_gradients": True, "sparse_gradients": True, "amp": {"enabled": True}}
+            ),
+            ValueError,
+            r"3 keys cannot be honoured(.|\n)*prescale_gradients=True(.|\n)*sparse_gradients"
+            r"=True(.|\n)*amp\.enabled=True",
         ),
         (
             "DeepSpeed parameter offload below stage 3",

@@ -1,7 +1,8 @@
 """Random models and training runs for the bit-for-bit property: every stage equals stage 0.
 
 A :class:`ParityCase` describes a model (layer widths, optional tied embedding/head, a
-frozen layer, two optimizer groups), a precision, an optimizer, accumulation, clipping and
+frozen layer, two optimizer groups), a precision (and the dtype gradients are reduced in),
+an optimizer, accumulation, clipping and
 a bucket size. :func:`train` runs it on one communicator and returns the full float32 state
 after every applied step. Models and inputs come from explicit generators (never the
 global RNG, which the threads of a simulated world share), so every rank and every stage
@@ -54,6 +55,7 @@ class ParityCase:
     sub_group_numel: int = 1 << 22
     coalesce_numel: int | None = None  # None: ZeroConfig's default
     gather_coalesce_numel: int | None = None  # stage 3; None: ZeroConfig's default
+    reduce_dtype: str | None = None  # ZeroConfig.reduce_dtype; None: the compute dtype
 
 
 class ParityModel(nn.Module):
@@ -134,6 +136,7 @@ def build_engine(
         clip_grad_norm=case.clip,
         persistence_threshold=case.persistence_threshold,
         prefetch_numel=case.prefetch_numel,
+        **({} if case.reduce_dtype is None else {"reduce_dtype": case.reduce_dtype}),
         **({} if case.coalesce_numel is None else {"coalesce_numel": case.coalesce_numel}),
         **(
             {}
@@ -244,6 +247,7 @@ def parity_cases() -> Any:
             prefetch_numel=draw(st.sampled_from([0, 100, 1 << 20])),
             coalesce_numel=draw(st.sampled_from([None, 0, 128, 600, 1 << 20])),
             gather_coalesce_numel=draw(st.sampled_from([None, 0, 64, 600, 1 << 20])),
+            reduce_dtype=draw(st.sampled_from([None, None, "float32"])),
             steps=2,
             seed=draw(st.integers(0, 10_000)),
         )

@@ -218,10 +218,16 @@ def test_two_batch_sizes_determine_the_third(
             "offload_param.x is not supported",
         ),
         (
-            {"zero_optimization": {"stage": 2, "cpu_offload": True}},
-            "zero_optimization.cpu_offload is not supported",
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "cpu_offload": True,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+                }
+            },
+            r"cpu_offload=true \(DeepSpeed's deprecated offload_optimizer.*contradicts",
         ),
-        ({"amp": {"enabled": True}}, "key 'amp' is not supported"),
+        ({"amp": {"enabled": True}}, "amp.enabled=True: NVIDIA Apex AMP is not supported"),
     ],
 )
 def test_what_cannot_be_honoured_is_named(config: dict[str, Any], message: str) -> None:

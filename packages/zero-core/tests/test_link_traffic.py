@@ -105,6 +105,47 @@ def test_accumulation_and_native_sums_send_what_the_formulas_say(
     assert (intra, inter) == (expected.intra_node, expected.inter_node)
 
 
+@pytest.mark.parametrize(
+    ("n", "stage", "settings", "accumulation", "deterministic"),
+    [
+        (4, 0, {}, 1, True),
+        (4, 1, {"shard_group_size": 2}, 2, False),
+        (4, 2, {"shard_group_size": 2}, 1, True),
+        (4, 3, {"hpz_partition_size": 2}, 1, True),
+        (4, 2, {"quantize_gradients": "int4"}, 1, True),
+    ],
+)
+def test_float32_reduction_sends_the_formulas_bytes(
+    n: int, stage: int, settings: dict[str, Any], accumulation: int, deterministic: bool
+) -> None:
+    """reduce_dtype=float32 with bf16 compute: the gradient collectives move 4 bytes per
+    element (step_link_bytes' reduce_bytes), the parameter gathers 2; qgZ's coded bytes
+    are the same as from bf16. Exactly, over 2 nodes; and unlike bf16's bytes except
+    under qgZ (so the figure is not the bf16 one passing by)."""
+    case = ParityCase(**{**CASE.__dict__, "reduce_dtype": "float32", "accumulation": accumulation})
+    results = run_simulated(
+        n,
+        lambda comm: measured_step(comm, stage, settings, case),
+        ranks_per_node=2,
+        deterministic=deterministic,
+    )
+    measured = (
+        sum((r[0] for r in results), Fraction(0)),
+        sum((r[1] for r in results), Fraction(0)),
+    )
+
+    def formula(reduce_bytes: int) -> tuple[Fraction, Fraction]:
+        expected = step_link_bytes(
+            results[0][2], world_size=n, ranks_per_node=2, stage=stage, dtype_bytes=2,
+            reduce_bytes=reduce_bytes, accumulation_steps=accumulation,
+            deterministic=deterministic, kept_bucket_numels=results[0][3], **settings,
+        )  # fmt: skip
+        return expected.intra_node, expected.inter_node
+
+    assert measured == formula(4)
+    assert (measured == formula(2)) == ("quantize_gradients" in settings)
+
+
 def test_zeropp_together_moves_under_three_tenths_of_flat_stage_3_across_nodes() -> None:
     """Measured, 2 nodes x 2 ranks, bf16: hpZ + qwZ + qgZ (int4) against flat stage 3,
     the paper's (3Ψ: both release every unit after its forward). The test's model fits

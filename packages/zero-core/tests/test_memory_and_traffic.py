@@ -5,6 +5,10 @@ elements including the stated padding: each parameter starts at a multiple of BL
 bucket is padded to N x BLOCK, so P (a full replica's elements) >= Ψ and P - Ψ is bounded
 by (#parameters + N x #buckets) x BLOCK. Adam also keeps one float32 step counter per tensor
 it steps: one per group at stage 0, one per bucket slice at stages 1-3.
+
+With ``reduce_dtype=float32`` the gradient term is 4 bytes per element instead of 2 (the
+buffers and shards are float32) and so are the gradient collectives' bytes; parameters and
+their gathers stay bf16.
 """
 
 from __future__ import annotations
@@ -25,13 +29,23 @@ CASE = ParityCase(widths=(37, 300, 129, 5), dtype="bfloat16", optimizer="adam", 
                   bucket_numel=20_000, persistence_threshold=0)  # fmt: skip
 
 
-def one_step_then_backward(comm: Communicator, stage: int) -> tuple[object, dict, dict]:  # type: ignore[type-arg]
-    engine = build_engine(CASE, comm, stage)
+# Gradient bytes per element: bf16 (reduce_dtype None, the default) or float32.
+GRADIENT_WIDTHS = {None: 2, "float32": 4}
+
+
+def one_step_then_backward(
+    comm: Communicator, stage: int, reduce_dtype: str | None = None
+) -> tuple[object, dict, dict]:  # type: ignore[type-arg]
+    engine = build_engine(
+        ParityCase(**{**CASE.__dict__, "reduce_dtype": reduce_dtype}), comm, stage
+    )
     comm.stats.reset()
     x, t = micro_batch(CASE, comm.rank)
     engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
     engine.step()
-    traffic = {name: c["volume_elements"] for name, c in comm.stats.as_dict().items()}
+    counts = comm.stats.as_dict().items()
+    traffic = {name: c["volume_elements"] for name, c in counts}
+    traffic.update({f"{name} bytes": c["volume_bytes"] for name, c in counts})
     engine.backward(loss_of(CASE, engine(x.to(torch.bfloat16)), t))
     sizes = {"psi": sum(p.numel() for _, p in engine.trainable_parameters()),
              "pieces": sum(len(tiles) for tiles in engine.masters.tiles)}  # fmt: skip
@@ -42,18 +56,22 @@ def one_step_then_backward(comm: Communicator, stage: int) -> tuple[object, dict
     return engine.memory_report(), traffic, sizes
 
 
+@pytest.mark.parametrize("reduce_dtype", [None, "float32"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_memory_report_equals_the_paper(stage: int, n: int) -> None:
-    report, _, s = run_simulated(n, lambda comm: one_step_then_backward(comm, stage))[0]
+def test_memory_report_equals_the_paper(stage: int, n: int, reduce_dtype: str | None) -> None:
+    report, _, s = run_simulated(n, lambda comm: one_step_then_backward(comm, stage, reduce_dtype))[
+        0
+    ]
     psi, step_counters = s["psi"], 4 * s["pieces"]  # one per tensor the optimizer steps
+    g = GRADIENT_WIDTHS[reduce_dtype]
     if stage == 0:
-        expected = (2 * psi, 2 * psi, 4 * psi, 8 * psi + step_counters)
+        expected = (2 * psi, g * psi, 4 * psi, 8 * psi + step_counters)
     else:
         padded, shard = s["padded"], s["shard"]
         assert shard * n == padded
         assert psi <= padded < psi + (len(CASE.widths) * 2 + n * s["buckets"]) * BLOCK
-        grads = 2 * padded if stage == 1 else 2 * shard
+        grads = g * padded if stage == 1 else g * shard
         params = 2 * shard if stage == 3 else 2 * padded  # stage 3: after backward, all freed
         expected = (params, grads, 4 * shard, 8 * shard + step_counters)
     measured = (report.parameters, report.gradients, report.master_weights,
@@ -125,23 +143,32 @@ def test_float32_parameters_are_the_master_weights_at_every_stage(stage: int, n:
     assert report.parameters == formula.parameters
 
 
+@pytest.mark.parametrize("reduce_dtype", [None, "float32"])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_one_step_moves_what_the_paper_says(stage: int, n: int) -> None:
+def test_one_step_moves_what_the_paper_says(stage: int, n: int, reduce_dtype: str | None) -> None:
     """Stage 0: all-reduce 2Ψ(N-1)/N. Stages 1, 2: reduce-scatter + all-gather of the
     (padded) Ψ, (N-1)/N each; stage 3: all-gather in forward and again in backward, so
     3Ψ(N-1)/N in all. Stages 1-3 add one all-reduce of a single element: whether any
     rank's gradient shard holds a NaN or Inf (stage 0 ranks all hold the whole gradient
-    and need no message for that). Volumes in elements, exact."""
-    _, traffic, s = run_simulated(n, lambda comm: one_step_then_backward(comm, stage))[0]
+    and need no message for that). Volumes in elements, exact; bytes at the gradient's
+    width for the reductions (g: 2, or 4 with reduce_dtype=float32), bf16's for gathers."""
+    _, traffic, s = run_simulated(
+        n, lambda comm: one_step_then_backward(comm, stage, reduce_dtype)
+    )[0]
+    g = GRADIENT_WIDTHS[reduce_dtype]
     if stage == 0:
         assert traffic["all_reduce"] == float(Fraction(2 * (n - 1) * s["psi"], n))
+        assert traffic["all_reduce bytes"] == g * traffic["all_reduce"]
         assert traffic["reduce_scatter"] == traffic["all_gather"] == 0
     else:
         assert traffic["all_reduce"] == float(Fraction(2 * (n - 1), n))
+        assert traffic["all_reduce bytes"] == 4 * traffic["all_reduce"]  # an int32 flag
         assert traffic["reduce_scatter"] == float(Fraction((n - 1) * s["padded"], n))
+        assert traffic["reduce_scatter bytes"] == g * traffic["reduce_scatter"]
         gathers = 2 if stage == 3 else 1
         assert traffic["all_gather"] == float(Fraction(gathers * (n - 1) * s["padded"], n))
+        assert traffic["all_gather bytes"] == 2 * traffic["all_gather"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

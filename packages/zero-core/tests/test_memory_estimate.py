@@ -315,9 +315,37 @@ def test_the_step_in_backward_holds_one_bucket_slice_of_gradients_at_stage_3(
     )
 
 
+def test_float32_reduction_counts_4_byte_gradients_and_their_traffic(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bf16 Adam with --reduce-dtype fp32 (ZeroConfig.reduce_dtype): each stage's gradient
+    term is 4 bytes per element (4Ψ at stages 0-1, 4Ψ/N at 2-3) where bf16's is 2, and
+    nothing else moves; the gradient collectives' bytes double (stage 0: all of them;
+    stages 1-2: the reduce-scatter, half of 2Ψ; stage 3: a third of 3Ψ, less the head)."""
+    argv = ["--params", "1e9", "--world-size", "4", "--dtype", "bf16", "--ranks-per-node", "4",
+            "--no-backward-head", "--json"]  # fmt: skip
+    main(argv)
+    bf16 = json.loads(capsys.readouterr().out)
+    main([*argv, "--reduce-dtype", "fp32"])
+    fp32 = json.loads(capsys.readouterr().out)
+    for stage, share in (("0", 1), ("1", 1), ("2", 1 / 4), ("3", 1 / 4)):
+        assert bf16[stage]["gradients"] == pytest.approx(2e9 * share)
+        assert fp32[stage]["gradients"] == pytest.approx(4e9 * share)
+        assert fp32[stage]["total"] == pytest.approx(bf16[stage]["total"] + 2e9 * share)
+        assert fp32[stage]["parameters"] == bf16[stage]["parameters"]
+    ratio = {stage: fp32[stage]["intra_node_bytes"] / bf16[stage]["intra_node_bytes"]
+             for stage in "0123"}  # fmt: skip
+    assert ratio["0"] == pytest.approx(2.0)
+    assert ratio["1"] == ratio["2"] == pytest.approx(1.5, rel=1e-6)  # + the int32 flag
+    assert ratio["3"] == pytest.approx(4 / 3, rel=1e-6)
+    plain = model_state_bytes(1e9, 4, 2, grad_bytes=4)
+    assert plain.gradients == 4e9 / 4
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (["--dtype", "fp32", "--reduce-dtype", "bf16"], "would round every torch.float32"),
         (["-K", "-100"], "-K -100.0 must be a number of bytes >= 0"),  # printed -96 GB
         (["-K", "nan"], "-K nan must be a number of bytes >= 0"),  # printed nan GB
         (["--params", "inf"], "--params must be a number >= 0"),

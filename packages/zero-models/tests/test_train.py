@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zero_models.run_metrics import read_metrics
 
@@ -69,6 +70,8 @@ def run(
         (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
         (["--stage", "2", "--clip", "0", "--optimizer-in-backward"], "stage=2 (it needs stage 3"),
         (["--deepspeed", "ds.json", "--optimizer-in-backward"], "with --deepspeed: a DeepSpeed"),
+        (["--reduce-dtype", "bf16"], "would round every torch.float32 gradient"),
+        (["--deepspeed", "empty.json", "--reduce-dtype", "fp32"], "--reduce-dtype with --deep"),
     ],
 )
 def test_wrong_options_stop_before_launching(
@@ -158,6 +161,15 @@ def test_resume_auto_over_results_without_a_checkpoint_starts_over(tmp_path: Pat
         parse_options(["--out", str(tmp_path / "o")])
     assert not parse_options(["--out", str(tmp_path / "o"), "--overwrite"]).fresh_after_auto
     assert parse_options(["--out", str(tmp_path / "p"), "--no-final-save"]).final_save is False
+
+
+def test_reduce_dtype_reaches_the_engines_config(tmp_path: Path) -> None:
+    from zero_models.train_options import parse_options, run_zero_config
+
+    out = ["--out", str(tmp_path / "o")]
+    wide = run_zero_config(parse_options([*out, "--dtype", "bf16", "--reduce-dtype", "fp32"]))
+    assert wide.param_dtype is torch.bfloat16 and wide.reduce_dtype is torch.float32
+    assert run_zero_config(parse_options([*out, "--dtype", "bf16"])).reduce_dtype is None
 
 
 def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:

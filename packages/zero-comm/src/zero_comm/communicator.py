@@ -40,6 +40,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from .arrival import MeetingPoint, meet
 from .buffers import BufferPool
 from .call_check import (
     COLLECTIVE_CODE,
@@ -181,6 +182,28 @@ class Communicator(CallCheck, NodeGroups):
         correct one (MPI has no bfloat16 type to reduce natively).
         """
         return False
+
+    def meet(
+        self, label: str, *, within: float | None = None, longer: str = "meet(within=...)"
+    ) -> None:
+        """Collective: return once every rank has called ``meet(label)``; a rank that
+        waits names, in seconds, the ranks that exited without calling it, and after
+        ``within`` seconds (default and at most the collective timeout) those alive
+        elsewhere, warning once after a minute (zero_comm.arrival).
+        Call it before a collective that user code may call on some ranks only. Nothing
+        happens where the backend has no store to meet in (simulated ranks, MPI without
+        its heartbeat store). ``longer``: how the caller's user waits longer, for errors."""
+        self._check_open("meet")
+        if within is not None and not within > 0:
+            raise ValueError(f"meet(within={within}): give seconds > 0")
+        limit = self.timeout if within is None else min(within, self.timeout)
+        point = self._meeting_point() if self.world_size > 1 else None
+        if point is not None:
+            meet(point, self.rank, self.world_size, label, limit, longer)
+
+    def _meeting_point(self) -> MeetingPoint | None:
+        """The store this communicator's ranks meet in (zero_comm.arrival), if any."""
+        return None
 
     def close(self) -> None:
         """Release the backend's resources; the communicator cannot be used afterwards."""

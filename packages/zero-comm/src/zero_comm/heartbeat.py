@@ -144,6 +144,10 @@ class Heartbeat:
         """The ranks whose check-out this rank has read (they left; they did not die)."""
         return set(self._left)
 
+    def left_how(self, rank: int) -> str:
+        """How ``rank`` ended, as its check-out said ("" if not read)."""
+        return self._left.get(rank, "")
+
     def check_out(self, how: str | None = None) -> None:
         """Tell the peers this rank takes part in no more collectives (``how``: why, for
         their message), and stop beating. At most once; never raises."""

@@ -5,6 +5,15 @@ Each rank gets the variables :func:`zero_comm.init` reads (the same as torchrun'
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT,
     ZERO_LAUNCHER=zero-launch, and OMP_NUM_THREADS = cores // N (at least 1) unless set.
 
+A Python script that declares DeepSpeed's ``--local_rank`` (or torch's ``--local-rank``)
+argument also gets ``--local_rank=<local rank>`` right after the script, as DeepSpeed's
+launcher gives it: such scripts read ``args.local_rank`` and, left at its default of -1,
+take their non-distributed path (every rank reading the whole data set).
+``--local-rank-arg auto`` (the default) adds it only where the script's source declares
+it, in the spelling it declares; ``always`` adds it to any command, ``never`` (or
+DeepSpeed's ``--no_local_rank``) to none (zero_comm.local_rank_arg). A script that reads
+``os.environ["LOCAL_RANK"]`` instead (torchrun's way) needs nothing: it is always set.
+
 SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 are forwarded to every rank, and the ranks then end
 as they choose (zero-train saves first). Otherwise, when a rank exits non-zero (or is
 killed), the others are sent SIGTERM, then SIGKILL after ``--grace`` seconds, and
@@ -30,6 +39,8 @@ import sys
 import time
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
+
+from .local_rank_arg import MODES, LocalRankMode, with_local_rank
 
 
 class RankFailure(NamedTuple):
@@ -121,15 +132,20 @@ def launch(
     *,
     grace: float = 5.0,
     reported_codes: Collection[int] = (),
+    local_rank_arg: LocalRankMode = "auto",
 ) -> int:
     """Run ``command`` as ``world_size`` ranks; return 0 if all succeed, else non-zero.
 
     A signal in FORWARDED_SIGNALS is passed to every rank; if then every rank exits with
     the same code, that code is returned, without a message (the ranks said why). A rank
     exiting with one of ``reported_codes`` (codes after which the command itself has told
-    the user why, as zero-train's failed save) stops the others without a message too."""
+    the user why, as zero-train's failed save) stops the others without a message too.
+    ``local_rank_arg``: whether each rank's command gets ``--local_rank=<n>`` (auto: where
+    its Python source declares it; zero_comm.local_rank_arg)."""
     if world_size < 1:
         raise ValueError(f"-n must be at least 1, got {world_size}")
+    if local_rank_arg not in MODES:
+        raise ValueError(f"--local-rank-arg {local_rank_arg!r}: choose one of {', '.join(MODES)}")
     if not command:
         raise ValueError("no command given: zero-launch -n N CMD [ARGS ...]")
     if not grace >= 0:
@@ -157,7 +173,10 @@ def launch(
     try:
         for rank in range(world_size):
             env = rank_environment(dict(os.environ), rank, world_size, port)
-            procs.append(subprocess.Popen(rank_command(command), env=env, start_new_session=True))
+            ranks_command = with_local_rank(command, rank, local_rank_arg)
+            procs.append(
+                subprocess.Popen(rank_command(ranks_command), env=env, start_new_session=True)
+            )
         while failure is None and any(p.poll() is None for p in procs):
             for rank, proc in enumerate(procs):
                 code = proc.poll()
@@ -211,11 +230,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL"
     )
+    parser.add_argument(
+        "--local-rank-arg",
+        choices=MODES,
+        default="auto",
+        help="give each rank --local_rank=<local rank> after the script, as DeepSpeed's "
+        "launcher does: auto (default) where the Python script's source declares "
+        "'--local_rank' or '--local-rank' (in that spelling), always, or never. "
+        "LOCAL_RANK is in the environment in every case",
+    )
+    parser.add_argument(
+        "--no_local_rank",
+        action="store_const",
+        const="never",
+        dest="local_rank_arg",
+        help="DeepSpeed's spelling of --local-rank-arg never",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        code = launch(command, args.nproc, grace=args.grace)
+        code = launch(command, args.nproc, grace=args.grace, local_rank_arg=args.local_rank_arg)
     except ValueError as exc:
         parser.error(str(exc))
     sys.exit(code)

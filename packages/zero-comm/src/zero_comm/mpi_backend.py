@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .arrival import MeetingPoint
 from .c10d_log import quiet_cpp_warnings
 from .comm_options import CommOptions
 from .communicator import Communicator
@@ -103,6 +104,7 @@ class MPICommunicator(Communicator):
         # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split
         # from it; None for one rank, or where a rank could not reach its store.
         self._heartbeat: Heartbeat | None = None
+        self._meeting_store: Any = None  # a connection to the heartbeat's store, for meet
 
     @classmethod
     def create_world(cls, options: CommOptions) -> MPICommunicator:
@@ -283,6 +285,17 @@ class MPICommunicator(Communicator):
             return int(shared.allreduce(self.rank, op=self._MPI.MIN))
         finally:
             shared.Free()
+
+    def _meeting_point(self) -> MeetingPoint | None:
+        """The world meets in its heartbeat's store (a connection of its own); a split
+        group, or a job without that store, does not meet (Communicator.meet)."""
+        if self._heartbeat is None or self.parent_ranks is not None:
+            return None
+        if self._meeting_store is None:
+            from .rendezvous import store_at
+
+            self._meeting_store = store_at(self._heartbeat.store_address, self.timeout)
+        return MeetingPoint(self._meeting_store, "meet/world", self.peers, self._heartbeat)
 
     def close(self) -> None:
         if self.closed:

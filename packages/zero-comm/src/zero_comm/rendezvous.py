@@ -133,6 +133,20 @@ def store_client(store: Any, timeout: float) -> Any:
     return PrefixStore("zero_comm", client)
 
 
+def store_at(address: str, timeout: float) -> Any:
+    """A client of the TCPStore at ``address`` ("host:port", a heartbeat's store), under
+    the prefix every client of ours uses; its calls wait at most ``timeout`` seconds."""
+    host, port = address.rsplit(":", 1)
+    client = TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    return PrefixStore("zero_comm", client)
+
+
 def read_peers(store: Any, world_size: int) -> list[Peer]:
     """Every rank's (host, pid), as checked in (``store``: what rendezvous_store gave)."""
     if world_size == 1:

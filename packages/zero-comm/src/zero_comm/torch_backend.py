@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from .arrival import MeetingPoint
 from .c10d_log import quiet_cpp_warnings
 from .comm_options import CommOptions
 from .communicator import Communicator
@@ -271,6 +272,12 @@ class TorchCommunicator(Communicator):
             said = heartbeat.store_lost(first_line)
             return PeerFailureError(self._err(f"{what}: {said}. {WHAT_TO_DO}"))
         return CommError(self._err(f"{what}: the rendezvous store failed ({first_line})"))
+
+    def _meeting_point(self) -> MeetingPoint | None:
+        if self._calls_store is None:
+            return None
+        prefix = f"{self._calls_prefix}/meet"
+        return MeetingPoint(self._calls_store, prefix, self.peers, self._heartbeat)
 
     def _post_call(self, sequence: int, call: tuple[int, ...]) -> None:
         if self._calls_store is None:

@@ -26,11 +26,13 @@ from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import AVAILABLE_STAGES, ZeroConfig
 from .engine import Engine, ZeroEngine
 from .estimate.model_states import ModelStateBytes, model_state_bytes
+from .init_values import values_from_reset_parameters
 from .initialize import initialize
 from .memory.report import MemoryReport
 from .memory.tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .offload.swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
+from .param_owner import is_partitioned
 from .zero_r.activation_checkpoint import ActivationCheckpointing
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -58,7 +60,9 @@ __all__ = [
     "check_offload_dir",
     "complete_checkpoint",
     "initialize",
+    "is_partitioned",
     "model_state_bytes",
     "read_deepspeed",
     "read_state_dict",
+    "values_from_reset_parameters",
 ]

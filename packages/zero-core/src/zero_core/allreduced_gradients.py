@@ -17,6 +17,14 @@ whenever it is launched, so the bits do not depend on the overlap (``overlap_com
 launches everything after backward).
 
 With accumulation, the reduced gradients are summed into a second buffer of the same size.
+
+Both buffers are in ``config.gradient_dtype``. With a reduce dtype wider than the compute
+dtype (``reduce_dtype=float32`` with bfloat16 compute) a float32 buffer cannot be a
+parameter's ``.grad``: each gradient is cast into its place as it lands and ``.grad``
+is dropped (``land_in_buffer``), so between backward and the step ``.grad`` is None, as
+at stages 2 and 3, and the hooks run with ``overlap_comm=False`` too (they then cast, and
+launch nothing until after backward), so a second gradient in one backward is added in
+float32 whether or not the reductions overlap backward.
 """
 
 from __future__ import annotations
@@ -39,8 +47,6 @@ from .reduced_gradient import GroupGradient
 class AllReducedGradients:
     """Whole gradients on every rank, as views of one flat buffer per group."""
 
-    grads_are_views = True  # from backward to step, p.grad views the engine's buffer
-
     def __init__(
         self,
         slots: ParamTable,
@@ -52,6 +58,9 @@ class AllReducedGradients:
         self.slots = slots
         self.comm = comm
         self.config = config
+        # From backward to step p.grad views the engine's buffer, unless the buffer is in a
+        # wider dtype than the parameters (reduce_dtype): then gradients are cast into it.
+        self.grads_are_views = dtype == config.param_dtype
         self.flats = [
             torch.zeros(layout.padded_numel, dtype=dtype, device=comm.device) for layout in layouts
         ]
@@ -79,26 +88,38 @@ class AllReducedGradients:
             members, comm.rank, "use checkpoint(..., use_reentrant=False), or overlap_comm=False"
         )
         self._in_flight: deque[Handle] = deque()
-        self._accepting = False  # inside engine.backward: hooks launch complete chunks
+        self._accepting = False  # inside engine.backward: hooks take gradients over
         self._hooks = (
             register_gradient_hooks(self, slots, AllReducedGradients._on_gradient)
-            if config.overlap_comm
+            if self._hooked
             else []
         )
+
+    @property
+    def _hooked(self) -> bool:
+        """Whether hooks take gradients over as they land: to launch chunks during
+        backward, or to cast them into a wider buffer (module docstring)."""
+        return self.config.overlap_comm or not self.grads_are_views
 
     def before_backward(self, first_micro_step: bool, label: str) -> None:
         self._label = label
         self.order.begin()
-        self._accepting = self.config.overlap_comm
+        self._accepting = self._hooked
 
     def _on_gradient(self, slot: ParamSlot) -> None:
         """Hook: ``slot``'s gradient is in its view (restored there if the user replaced
-        ``.grad``); launch the chunks this completes, in canonical order."""
+        ``.grad``), or cast into its place in the wider buffer; launch the chunks this
+        completes, in canonical order."""
         if not self._accepting:
             return
-        restore_grad_view(slot)
-        self.order.arrive(slot)  # raises if a chunk of it was launched already
-        self._launch_ready()
+        if self.grads_are_views:
+            restore_grad_view(slot)
+            self.order.arrive(slot)  # raises if a chunk of it was launched already
+        else:
+            again = not self.order.arrive(slot)  # raises before anything is written
+            land_in_buffer(slot, again)
+        if self.config.overlap_comm:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         for index in self.order.take_ready():
@@ -114,7 +135,10 @@ class AllReducedGradients:
         for every chunk, and add this micro-step's gradients into the accumulation."""
         for slot in self.slots:
             if not self.order.has_arrived(slot):
-                restore_grad_view(slot)
+                if self.grads_are_views:
+                    restore_grad_view(slot)
+                else:
+                    land_in_buffer(slot, again=False)
         self.order.complete_all()
         self._launch_ready()
         while self._in_flight:
@@ -194,6 +218,24 @@ def restore_grad_view(slot: ParamSlot) -> None:
     elif param.grad.data_ptr() != view.data_ptr():
         view.copy_(param.grad.reshape(-1))
     param.grad = view.view(slot.shape)
+
+
+def land_in_buffer(slot: ParamSlot, again: bool) -> None:
+    """Cast ``slot.param.grad`` into ``slot.grad_view``, a view of a buffer in a wider
+    dtype than the parameter (``ZeroConfig.reduce_dtype``), and drop ``.grad``: copied, or
+    added when it is the parameter's second gradient of this micro-step (``again``: a
+    reentrant checkpoint's), in the buffer's dtype; zeros for a first arrival without one."""
+    param, view = slot.param, slot.grad_view
+    assert view is not None
+    if param.grad is not None:
+        gradient = param.grad.reshape(-1)
+        if again:
+            view.add_(gradient)  # promoted: the sum rounds once, in the buffer's dtype
+        else:
+            view.copy_(gradient)  # exact: every compute dtype widens losslessly
+        param.grad = None
+    elif not again:
+        view.zero_()
 
 
 def drop_grad_views(slots: ParamTable) -> None:

@@ -247,13 +247,14 @@ def build_components(
     masters.finish_fill()
     gradients: GradientComponent
     per_micro_step, at_boundary = gradient_reduction(hybrid, config)
+    reduce_dtype = config.gradient_dtype  # the compute dtype unless config.reduce_dtype
     if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
-        gradients = AllReducedGradients(slots, layouts, dtype, comm, config)
+        gradients = AllReducedGradients(slots, layouts, reduce_dtype, comm, config)
     else:
         scattered = ReduceScatteredGradients(
             slots,
             layouts,
-            dtype,
+            reduce_dtype,
             comm,
             config,
             full_buffers=policy.gradients is GradientPlacement.REPLICATED_BUCKETS,

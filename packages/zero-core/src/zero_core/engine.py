@@ -9,8 +9,9 @@
 One step, for every stage, in this order (the order is part of the bit-for-bit contract):
 
     per micro-step   loss * loss_scale -> backward -> gradients reduced across ranks in the
-                     compute dtype (rank order when the communicator is deterministic) and
-                     accumulated, in the compute dtype, over micro-steps
+                     gradient dtype (the compute dtype, or config.reduce_dtype: each one cast
+                     as it lands) in rank order when the communicator is deterministic, and
+                     accumulated, in that dtype, over micro-steps
     at the boundary  g = float32(accumulated) / (N * accumulation_steps * loss_scale)
                      float16: if any rank sees inf/nan, skip the step on every rank
                      clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)
@@ -38,13 +39,14 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +54,7 @@ from torch import nn
 from zero_comm.determinism import Fingerprint, current_fingerprint
 from zero_comm.profiler_ranges import profiler_range
 
+from . import grad_placeholders
 from .builder import EngineParts, close_components
 from .checkpoint.format import CheckpointError
 from .checkpoint.loader import load as load_checkpoint
@@ -68,8 +71,15 @@ from .gradient_checks import (
 from .initial_state import whole_tensors
 from .memory.host_heap import StepHeapRelease, release_free_heap
 from .memory.report import MemoryReport, tensor_bytes
-from .reduced_gradient import pieces_of
+from .reduced_gradient import GroupGradient, pieces_of
 from .stage_policy import ParameterPlacement
+
+
+class BoundaryGradients(NamedTuple):
+    """An accumulation boundary's gradients, ready for clipping and the optimizer."""
+
+    gradients: list[GroupGradient]  # per group, float32, divided by N x steps x scale
+    overflow: bool  # some rank (or model-parallel rank) saw inf/nan: the step is skipped
 
 
 class Engine:
@@ -101,6 +111,7 @@ class Engine:
         self._closer = weakref.finalize(self, close_components, self.masters, self.compute_params)
         self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self.micro_steps = 0
+        self._boundary: BoundaryGradients | None = None  # this boundary's, once computed
         self._said_step_without_backward = False  # step() with nothing to apply: said once
         self.micro_step_label = ""
         self.global_steps = 0
@@ -192,6 +203,7 @@ class Engine:
         first = self.micro_steps == 0
         if self.backward_stepper is not None:
             self.backward_stepper.begin()  # raises before anything has begun
+        grad_placeholders.remove(slot.param for slot in self.slots)
         self.gradients.before_backward(first, self.micro_step_label)
         self.compute_params.before_backward()
         try:
@@ -206,6 +218,7 @@ class Engine:
         if self.backward_stepper is not None:
             self.compute_params.publish()  # the update is whole now, not at step()
         self.micro_steps += 1
+        grad_placeholders.place(slot.param for slot in self.slots)
 
     def _check_requires_grad(self) -> None:
         """The layout was made for the parameters trainable at initialize: a parameter
@@ -244,18 +257,9 @@ class Engine:
             self.backward_stepper.check_options()
             self._applied()
             return True
-        denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
-        denominator *= self.loss_scaler.scale
-        gradients = self.gradients.float32_gradients()
-        finite = divide_and_check_finite(
-            (piece for g in gradients for piece in pieces_of(g)),
-            denominator,
-            self.config.bucket_numel,
-        )
-        overflow = self.gradients.any_rank(not finite)
-        if self.model_parallel is not None:
-            overflow = any_model_parallel_rank(self.model_parallel, overflow)
-        if overflow:
+        boundary = self._boundary_gradients()
+        gradients = boundary.gradients
+        if boundary.overflow:
             if self.dtype is not torch.float16 and self.config.nonfinite == "raise":
                 raise FloatingPointError(
                     first_nonfinite_message(
@@ -268,17 +272,7 @@ class Engine:
             self._release_heap_after_step()
             return False
         if self.config.clip_grad_norm is not None:
-            mp, row_sums = self.model_parallel, self.gradients.row_sums
-            rows = (
-                row_sums(gradients)
-                if mp is None
-                else model_parallel_rows(self.slots, gradients, mp, row_sums)
-            )
-            self.last_grad_norm = norm_from_row_sums(rows)
-            coefficient = clip_coefficient(self.last_grad_norm, self.config.clip_grad_norm)
-            if coefficient is not None:
-                for g in gradients:
-                    g.mul_(coefficient)
+            self._clip(gradients, self.config.clip_grad_norm)
         # Whole parameters are all-gathered bucket by bucket after the step: stepping the
         # masters bucket by bucket lets each gather start as soon as its bucket is stepped.
         self.masters.step(
@@ -291,6 +285,71 @@ class Engine:
             self.compute_params.publish()
         self._applied()
         return True
+
+    def _boundary_gradients(self) -> BoundaryGradients:
+        """This boundary's float32 gradients, divided by N x accumulation x loss scale,
+        and whether any rank saw inf/nan in them: computed once per boundary (by
+        clip_grad_norm_ or step, whichever comes first; collective at some stages)."""
+        if self._boundary is None:
+            denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
+            denominator *= self.loss_scaler.scale
+            gradients = self.gradients.float32_gradients()
+            finite = divide_and_check_finite(
+                (piece for g in gradients for piece in pieces_of(g)),
+                denominator,
+                self.config.bucket_numel,
+            )
+            overflow = self.gradients.any_rank(not finite)
+            if self.model_parallel is not None:
+                overflow = any_model_parallel_rank(self.model_parallel, overflow)
+            self._boundary = BoundaryGradients(gradients, overflow)
+        return self._boundary
+
+    def _clip(self, gradients: list[GroupGradient], max_norm: float) -> float:
+        """Scale ``gradients`` so their global norm is at most ``max_norm`` (grad_norm:
+        the same bits at every stage and world size); returns the norm before."""
+        mp, row_sums = self.model_parallel, self.gradients.row_sums
+        rows = (
+            row_sums(gradients)
+            if mp is None
+            else model_parallel_rows(self.slots, gradients, mp, row_sums)
+        )
+        norm = norm_from_row_sums(rows)
+        self.last_grad_norm = norm
+        coefficient = clip_coefficient(norm, max_norm)
+        if coefficient is not None:
+            for g in gradients:
+                g.mul_(coefficient)
+        return norm
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Collective: clip this step's gradients to a global L2 norm of ``max_norm`` and
+        return the norm before clipping, as FSDP's ``clip_grad_norm_`` and
+        ``torch.nn.utils.clip_grad_norm_`` do. Call it after the last ``engine.backward``
+        of the accumulation, before ``engine.step()``. The gradients are the reduced,
+        unscaled float32 ones the step applies (``p.grad`` does not hold them: see
+        grad_placeholders), so the norm is the same at every stage and world size. With
+        float16 and an overflow the norm is inf (the step is then skipped)."""
+        if norm_type != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_(norm_type={norm_type}): only the L2 norm (2.0) is supported"
+            )
+        if not math.isfinite(max_norm) or max_norm <= 0:
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): give a finite norm > 0")
+        if self.backward_stepper is not None:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] clip_grad_norm_ with optimizer_in_backward: the "
+                "step was applied during backward; set ZeroConfig(clip_grad_norm=...) instead"
+            )
+        if not self.is_accumulation_boundary:
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] clip_grad_norm_ after {self.micro_steps} of "
+                f"{self.config.gradient_accumulation_steps} engine.backward calls: call it "
+                "after the last backward of the accumulation, just before engine.step()"
+            )
+        boundary = self._boundary_gradients()
+        norm = math.inf if boundary.overflow else self._clip(boundary.gradients, max_norm)
+        return torch.tensor(norm, dtype=torch.float32, device=self.comm.device)
 
     def _applied(self) -> None:
         """An update was applied: count it, advance the schedule, drop the gradients."""
@@ -316,6 +375,8 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (done automatically after every applied step)."""
         self.micro_steps = 0
+        self._boundary = None
+        grad_placeholders.remove(slot.param for slot in self.slots)
         for p in self.module.parameters():
             if p.grad is not None and not self.gradients.grads_are_views:
                 p.grad = None
@@ -387,13 +448,17 @@ class Engine:
         *,
         tag: str | None = None,
         keep_last: int | None = None,
+        arrival_timeout: float | None = None,
     ) -> Path:
         """Collective: write a sharded checkpoint to ``path/<tag>/`` (default tag
         ``global_step<N>``) atomically, then point ``path/latest`` at it; every other file
         in ``path`` is left alone (zero_core.checkpoint.tags). ``keep_last=K`` removes this
         folder's older checkpoints beyond the newest K. ``extra`` (JSON values, e.g. the
-        data position) comes back from :meth:`load`. Call it after ``step()``. Returns
-        the checkpoint's folder."""
+        data position) comes back from :meth:`load`. Call it after ``step()``, on every
+        rank: a rank that exited without calling it is named within seconds; one alive
+        elsewhere is named after ``arrival_timeout`` seconds (default: the communicator's
+        timeout, with a warning naming it after a minute); a rank that is only late by
+        less saves as usual. Returns the checkpoint's folder."""
         if self.micro_steps:
             raise RuntimeError(
                 f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
@@ -408,7 +473,9 @@ class Engine:
                 "supported yet: checkpoints hold data-parallel shards only"
             )
         tag = DEFAULT_TAG.format(steps=self.global_steps) if tag is None else tag
-        return save_tagged(self.sharded_state(), self.comm, Path(path), tag, extra, keep_last)
+        return save_tagged(
+            self.sharded_state(), self.comm, Path(path), tag, extra, keep_last, arrival_timeout
+        )
 
     def load(self, path: str | os.PathLike[str], *, tag: str | None = None) -> dict[str, Any]:
         """Collective: restore the state saved at ``path`` by any world size and stage:
@@ -521,7 +588,13 @@ class Engine:
     def close(self) -> None:
         """Remove this engine's swap files and stop their I/O threads (also done when
         the engine is garbage-collected, and at interpreter exit)."""
+        grad_placeholders.remove(slot.param for slot in self.slots)
         self._closer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its parameters are then the user's again)."""
+        return not self._closer.alive
 
 
 # The name this class had before the engine became one class (kept: it is public API).

@@ -211,6 +211,8 @@ class BucketReducer:
         if param.grad is not None and self._oversized(index):
             bucket = self.buckets[index]
             if again and bucket.held is not None:
+                if bucket.held.dtype != self.dtype:  # the sum rounds in the reduce dtype
+                    bucket.held = bucket.held.to(self.dtype)
                 bucket.held.add_(param.grad.reshape(-1))
             else:
                 bucket.held = param.grad.reshape(-1)  # reduced from here, in pieces
@@ -227,11 +229,15 @@ class BucketReducer:
         if self.overlap:
             self._launch_ready()
 
-    def mark_ready(self, member: ParamSlot) -> None:
+    def mark_ready(self, member: ParamSlot, land: Callable[[bool], None] | None = None) -> None:
         """Stage 1: the gradient is already in place in the persistent bucket (autograd
         accumulated it into the ``p.grad`` view; a second one adds there too, so it is
-        an error only once the bucket was launched)."""
-        self.order.arrive(member)
+        an error only once the bucket was launched). ``land``: a bucket wider than the
+        gradient puts it in place here, told whether it is a second one (called after the
+        launch check, before any launch)."""
+        again = not self.order.arrive(member)
+        if land is not None:
+            land(again)
         if self.overlap:
             self._launch_ready()
 

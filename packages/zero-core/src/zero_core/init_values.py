@@ -82,3 +82,66 @@ def become(tensor: torch.Tensor, data: torch.Tensor) -> None:
         )
     else:
         tensor.data = data
+
+
+def values_from_reset_parameters(
+    module: nn.Module, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Initial values for a model built on the meta device, made by each submodule's own
+    ``reset_parameters()``, one submodule at a time: FSDP2's ``model.to_empty(device=...)``
+    then ``reset_parameters()``, without ever materialising the whole model.
+
+        with torch.device("meta"):
+            model = Transformer(args)
+        engine = zero_core.initialize(
+            model, optimizer, config, comm,
+            init_values=zero_core.values_from_reset_parameters(model),
+        )
+
+    For each submodule holding meta tensors of its own, a copy of that submodule alone
+    (its children stay on the meta device) is made real on ``device``, filled with NaN,
+    and its ``reset_parameters()`` is called; its own parameters and floating buffers are
+    then yielded by their names in ``module``. Raises ValueError naming the submodule when
+    it has no ``reset_parameters``, when a value is still NaN after it (nothing set it: a
+    buffer computed in ``__init__`` is lost on the meta device), or when an integer buffer
+    is on the meta device: give those through ``init_values`` as a state dict instead."""
+    import copy
+
+    for prefix, sub in module.named_modules(remove_duplicate=True):
+        own = [
+            *(("param", n, t) for n, t in sub.named_parameters(recurse=False)),
+            *(("buffer", n, t) for n, t in sub.named_buffers(recurse=False)),
+        ]
+        meta = [(kind, n, t) for kind, n, t in own if t.is_meta]
+        if not meta:
+            continue
+        where = prefix or type(module).__name__
+        reset = getattr(sub, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(
+                f"{where} ({type(sub).__name__}) has {meta[0][1]} on the meta device and no "
+                "reset_parameters() to initialise it: add one, or pass its values with "
+                "init_values= (a state dict or (name, tensor) pairs)"
+            )
+        for kind, name, tensor in meta:
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"{where}.{name} is a {tensor.dtype} {kind} on the meta device: "
+                    "reset_parameters() cannot be checked to set it; pass it with init_values="
+                )
+        real = copy.deepcopy(sub).to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            for t in (*real.parameters(recurse=False), *real.buffers(recurse=False)):
+                t.fill_(float("nan"))
+            real.reset_parameters()
+        values = dict(real.named_parameters(recurse=False))
+        values.update(real.named_buffers(recurse=False))
+        for _, name, _ in meta:
+            value = values[name].detach()
+            if torch.isnan(value).any():
+                raise ValueError(
+                    f"{where}.{name} is still unset after {type(sub).__name__}."
+                    "reset_parameters(): it does not initialise it (a buffer computed in "
+                    "__init__ is lost on the meta device); pass it with init_values="
+                )
+            yield (f"{prefix}.{name}" if prefix else name), value

@@ -6,10 +6,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from zero_comm import Communicator
 
+from . import module_guard, param_owner, user_optimizer
 from .builder import build_engine_parts
 from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import ZeroConfig
@@ -43,8 +45,11 @@ def initialize(
         optimizer: an optimizer built over ``model.parameters()`` (its groups and options
             are kept), an optimizer class (with ``optimizer_kwargs``), or a factory
             ``params -> Optimizer``. It must be elementwise (SGD, Adam, AdamW, ...). The
-            engine builds its own optimizer of that class over its master weights: attach
-            learning-rate schedulers to ``engine.optimizer``, not to the one passed here.
+            engine builds its own optimizer of that class over its master weights
+            (``engine.optimizer``). An instance passed here then fronts it
+            (zero_core.user_optimizer): its ``param_groups`` are the engine optimizer's,
+            so a learning-rate scheduler built on it, before or after, drives the engine;
+            its ``step()`` raises, naming ``engine.step()``.
         config: a :class:`ZeroConfig`, or a whole DeepSpeed config (a dict, or
             ``read_deepspeed``'s result). A DeepSpeed config's optimizer section builds the
             optimizer when ``optimizer`` is None (as ``deepspeed.initialize`` does), and its
@@ -80,6 +85,10 @@ def initialize(
     policy = POLICIES[config.stage]
     parts = build_engine_parts(model, groups, config, comm, policy, model_parallel, init_values)
     engine = Engine(parts)
+    param_owner.register(engine)
+    module_guard.install()  # .to_empty()/.half()/.cuda() would detach the engine's params
+    if isinstance(optimizer, torch.optim.Optimizer):
+        user_optimizer.link(optimizer, engine)  # it now drives engine.optimizer, or raises
     if setup is not None:
         engine.lr_scheduler = setup.build_scheduler(engine.optimizer)
         if setup.no_effect and comm.rank == 0:
@@ -111,7 +120,9 @@ def check_model(module: nn.Module, comm: Communicator, *, values_given: bool = F
         if p.is_meta and not values_given:
             raise ValueError(
                 f"[rank {comm.rank}] parameter {name} is on the meta device: pass its values "
-                "with initialize(..., init_values=...) (for example GPT.initial_values(seed))"
+                "with initialize(..., init_values=...): for example GPT.initial_values(seed), "
+                "a state dict, or zero_core.values_from_reset_parameters(model) (each "
+                "submodule's reset_parameters(), as FSDP2's to_empty + reset_parameters)"
             )
         if p.device.type != comm.device.type and not p.is_meta:
             raise ValueError(

@@ -73,6 +73,11 @@ def resolve_param_groups(
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         instance = optimizer(trainable, **(optimizer_kwargs or {}))
     elif isinstance(optimizer, torch.optim.Optimizer):
+        if getattr(optimizer, "_zero_core_linked", False):  # user_optimizer.MARK
+            raise ValueError(
+                "this optimizer was already given to zero_core.initialize and now fronts "
+                "that engine's optimizer; build a new one over model.parameters()"
+            )
         if optimizer_kwargs:
             raise TypeError("optimizer_kwargs apply to an optimizer class, not to an instance")
         instance = optimizer

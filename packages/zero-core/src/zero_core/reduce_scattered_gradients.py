@@ -10,7 +10,13 @@ Two placements of the gradient before it is reduced:
                              soon as autograd has it, and frees it; complete buckets are
                              reduced during backward (grad_reducer)
 
-    target (rank r)          | slice of bucket 0 | slice of bucket 1 | ...   compute dtype
+    target (rank r)          | slice of bucket 0 | slice of bucket 1 | ...   gradient dtype
+
+Buffers, staging and targets are in ``config.gradient_dtype``: the compute dtype, or
+float32 with ``reduce_dtype`` (each compute-dtype gradient is cast as it is copied in).
+Full buffers in a wider dtype than the parameters cannot be ``.grad`` views: a hook casts
+each gradient into its place and drops ``.grad`` (allreduced_gradients.land_in_buffer;
+hooked also with ``overlap_comm=False``, launching nothing until after backward).
 
 The target is the gradient shard (sharded), this rank's own slice of the full buffer
 (full buffers, no accumulation), or a shard of its own (full buffers, accumulation). A
@@ -26,13 +32,14 @@ accumulated shard across the replicas, in pieces of at most ``bucket_numel``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from zero_comm import Communicator, ReduceOp
 
-from .allreduced_gradients import drop_grad_views, restore_grad_view
+from .allreduced_gradients import drop_grad_views, land_in_buffer, restore_grad_view
 from .backward_overlap import register_gradient_hooks
 from .buckets import Bucket, BucketTable, build_buckets
 from .config.zero_config import ZeroConfig
@@ -65,7 +72,9 @@ class ReduceScatteredGradients:
         self.dtype = dtype
         self.comm = comm
         self.config = config
-        self.grads_are_views = full_buffers
+        self.full_buffers = full_buffers
+        # p.grad views the full buffers unless they are wider than the parameters.
+        self.grads_are_views = full_buffers and dtype == config.param_dtype
         self.accumulating = config.gradient_accumulation_steps > 1
         # Hybrid, native, accumulating: the replicas are summed once, at the boundary.
         self.across_replicas = across_replicas
@@ -97,9 +106,12 @@ class ReduceScatteredGradients:
         # Called with each slot whose gradient a hook handed over (stage 3 frees units).
         self.gradient_listeners: list[Callable[[ParamSlot], None]] = []
         self._accepting = False  # inside engine.backward: hooks hand gradients over
+        # Full buffers wider than the parameters take each gradient as it lands, overlapped
+        # or not (the cast must happen before autograd would add a second gradient in place).
+        self._hooked = overlap or (full_buffers and not self.grads_are_views)
         self._hooks: list[Any] = (
             register_gradient_hooks(self, slots, ReduceScatteredGradients._on_gradient)
-            if overlap
+            if self._hooked
             else []
         )
 
@@ -109,7 +121,7 @@ class ReduceScatteredGradients:
         full buffer (full buffers, no accumulation), else a shard piece of its own that
         has no storage until its first reduced slice lands (reduced_gradient)."""
         full = None
-        if self.grads_are_views:
+        if self.full_buffers:
             full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.comm.device)
             for slot in bucket.slots:
                 slot.grad_view = full[slot.flat.start : slot.flat.stop]
@@ -121,11 +133,14 @@ class ReduceScatteredGradients:
 
     def _on_gradient(self, slot: ParamSlot) -> None:
         """Hook: hand ``slot``'s gradient over (full buffers: it is in its view already,
-        restored there if the user replaced ``.grad``; sharded: moved into its bucket)."""
+        restored there if the user replaced ``.grad``, or cast into its place in a wider
+        buffer; sharded: moved into its bucket)."""
         if self._accepting:
             if self.grads_are_views:
                 restore_grad_view(slot)
                 self.reducer.mark_ready(slot)
+            elif self.full_buffers:
+                self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
             else:
                 self.reducer.grad_ready(slot)
             for listener in self.gradient_listeners:
@@ -134,18 +149,22 @@ class ReduceScatteredGradients:
     # -------------------------------------------------------------- the step
     def before_backward(self, first_micro_step: bool, label: str) -> None:
         self.reducer.begin(first_micro_step, label)
-        self._accepting = self.reducer.overlap
+        self._accepting = self._hooked
 
     def after_backward(self, first_micro_step: bool) -> None:
         """Reduce what backward left (parameters without a gradient are zeros) and wait
         for it all."""
-        if self.grads_are_views:
+        if self.full_buffers:
             for slot in self.slots:
-                if not self.reducer.has_gradient(slot):
+                if self.reducer.has_gradient(slot):
+                    continue
+                if self.grads_are_views:
                     restore_grad_view(slot)
                     self.reducer.mark_ready(slot)
+                else:
+                    self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
         self.reducer.finish()
-        if self.grads_are_views and self.accumulating:
+        if self.full_buffers and self.accumulating:
             self._zero_full_buffers()
 
     def end_backward(self) -> None:
@@ -166,7 +185,7 @@ class ReduceScatteredGradients:
             shard.materialize_zeros()
         if self.across_replicas is not None:
             self._sum_across_replicas()
-        if self.grad_shards and not self.grads_are_views:
+        if self.grad_shards and not self.full_buffers:
             return [shard.float() for shard in self.grad_shards]
         # Full buffers without accumulation: the reduced slices are views of this rank's
         # part of each bucket, handed over as they are (a float32 step scales them in
@@ -225,7 +244,8 @@ class ReduceScatteredGradients:
         return bool(token.item())
 
     def clear(self) -> None:
-        if self.grads_are_views:  # the next backward rewrites every view: nothing to zero
+        # The next backward rewrites every view (or casts into it): nothing to zero.
+        if self.grads_are_views:
             drop_grad_views(self.slots)
         for shard in self.grad_shards:
             shard.release()

@@ -94,6 +94,11 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument(
+        "--reduce-dtype", choices=sorted(DTYPES),
+        help="dtype gradients are reduced and accumulated in (ZeroConfig.reduce_dtype): fp32 "
+        "with --dtype bf16 or fp16 is FSDP2's reduce_dtype=torch.float32 (default: --dtype)",
+    )  # fmt: skip
+    p.add_argument(
         "--checkpoint", default="none", choices=CHECKPOINT_MODES,
         help="activation checkpointing of the blocks; partitioned = ZeRO-R's P_a over --tp",
     )  # fmt: skip
@@ -303,6 +308,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "stage": args.stage,
         "param_dtype": DTYPES[args.dtype],
+        "reduce_dtype": None if args.reduce_dtype is None else DTYPES[args.reduce_dtype],
         "gradient_accumulation_steps": args.grad_accum,
         "clip_grad_norm": args.clip or None,
         "offload_optimizer": args.offload_optimizer,
@@ -342,6 +348,16 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         zero_core.ZeroConfig(stage=args.stage, **hierarchy_settings(args))
     except ValueError as exc:
         p.error(f"{HIERARCHY_FLAGS}: {exc}")
+    if args.reduce_dtype is not None and args.deepspeed is not None:
+        p.error(
+            "--reduce-dtype with --deepspeed: the DeepSpeed config sets the engine's precision "
+            "(DeepSpeed's name for this is communication_data_type); drop one of them"
+        )
+    if args.reduce_dtype is not None:
+        try:
+            zero_core.ZeroConfig(param_dtype=DTYPES[args.dtype], reduce_dtype=args.reduce_dtype)
+        except ValueError as exc:
+            p.error(f"--reduce-dtype: {exc}")
     if args.optimizer_in_backward and args.deepspeed is not None:
         p.error(
             "--optimizer-in-backward with --deepspeed: a DeepSpeed config has no such key and "

@@ -8,9 +8,14 @@
 
 ``engine.save(DIR)`` writes ``DIR/global_step<N>/`` (or ``DIR/<tag>/``) atomically, then
 points ``latest`` at it; ``engine.load(DIR)`` follows ``latest`` (reader.complete_checkpoint).
-A folder saved before tags existed (``DIR/index.json``) still loads. With ``keep_last=K``
-the save removes the older checkpoints of DIR beyond the newest K: only folders that hold
-a zero-checkpoint index, which this library wrote; nothing else of DIR is touched.
+Every rank first meets the others at "save()" (zero_comm.arrival): a rank that exited
+without calling save is named in seconds, one alive elsewhere (still training, in another
+collective) after ``arrival_timeout`` seconds (by default the communicator's timeout,
+with a warning naming it after a minute); a slow rank that comes within it saves as
+usual. A folder saved before tags existed (``DIR/index.json``) still loads. With
+``keep_last=K`` the save removes the older checkpoints of DIR beyond the newest K: only
+folders that hold a zero-checkpoint index, which this library wrote; nothing else of DIR
+is touched.
 """
 
 from __future__ import annotations
@@ -45,14 +50,21 @@ def save_tagged(
     tag: str,
     extra: dict[str, object] | None = None,
     keep_last: int | None = None,
+    arrival_timeout: float | None = None,
 ) -> Path:
     """Collective: write ``state`` to ``folder/tag`` (writer.save), then point
     ``folder/latest`` at it and, with ``keep_last``, remove older checkpoints beyond the
     newest ``keep_last``. Every rank must pass the same folder and tag: otherwise every
-    rank raises one CheckpointError naming each rank's. Returns ``folder/tag``."""
+    rank raises one CheckpointError naming each rank's. A rank that does not call it is
+    named (see the module doc) after at most ``arrival_timeout`` seconds. Returns
+    ``folder/tag``."""
     check_tag(tag)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: keep at least the checkpoint being saved (1)")
+    if arrival_timeout is not None and not arrival_timeout > 0:
+        raise ValueError(f"arrival_timeout={arrival_timeout}: give seconds > 0")
+    # Before the save's first collective: a rank that never comes is named, not waited for.
+    comm.meet("save()", within=arrival_timeout, longer="save(..., arrival_timeout=SECONDS)")
     target = folder / tag
     mine = (str(folder.resolve()), tag)
     verdict = _target_problem(target) if comm.rank == 0 else ""

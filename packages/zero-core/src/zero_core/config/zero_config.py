@@ -16,6 +16,14 @@ from typing import Any
 
 import torch
 
+from .deepspeed_inert import (
+    DEPRECATED_OFFLOAD,
+    DTYPE_NAMES,
+    INERT_KEYS,
+    INERT_SECTION_KEYS,
+    check_inert,
+    check_inert_section,
+)
 from .fused_step_rule import optimizer_in_backward_error
 
 # The compute dtypes by their short names (the command lines' --dtype), and every name
@@ -47,15 +55,38 @@ def offload_stage_error(stage: int, offload_optimizer: str, offload_params: str)
     return ""
 
 
-def _dtype(value: torch.dtype | str) -> torch.dtype:
+def _dtype(value: torch.dtype | str, field: str = "param_dtype") -> torch.dtype:
     if isinstance(value, torch.dtype) and value in DTYPES.values():
         return value
     if isinstance(value, str) and value in DTYPES:
         return DTYPES[value]
     raise ValueError(
-        f"param_dtype={value!r} is not supported; use one of float32, bfloat16, float16 "
+        f"{field}={value!r} is not supported; use one of float32, bfloat16, float16 "
         "(or the strings 'fp32', 'bf16', 'fp16')"
     )
+
+
+def _reduce_dtype(value: torch.dtype | str | None, param_dtype: torch.dtype) -> torch.dtype | None:
+    """``reduce_dtype`` resolved: None (the compute dtype), or a dtype the gradients can be
+    reduced in losslessly from ``param_dtype``: the compute dtype itself or float32. A
+    narrower or different 16-bit dtype would round every gradient before its reduction."""
+    if value is None:
+        return None
+    choices = (
+        "use None (reduce in the compute dtype, the default) or 'fp32' / torch.float32 "
+        "(FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32))"
+    )
+    try:
+        dtype = _dtype(value, "reduce_dtype")
+    except ValueError:
+        raise ValueError(f"reduce_dtype={value!r} is not supported; {choices}") from None
+    if dtype not in (param_dtype, torch.float32):
+        raise ValueError(
+            f"reduce_dtype={value!r} with param_dtype={param_dtype}: gradients are reduced in "
+            f"the compute dtype or in a wider one, and {dtype} would round every "
+            f"{param_dtype} gradient first; {choices}"
+        )
+    return dtype
 
 
 # Stage 3's prefetch window: docs/stage3-memory.md measured 2**21..2**24 against the
@@ -193,6 +224,15 @@ class ZeroConfig:
         after step with pages the allocator holds but nobody uses. Steps that reuse the
         heap as it is do not release, since each released page costs
         a fault when touched again. A no-op with another C library.
+    reduce_dtype: the dtype gradients are reduced (all-reduced at stage 0, reduce-scattered
+        at stages 1-3) and accumulated in: None (the default) reduces in ``param_dtype``;
+        float32 (or "fp32") with bfloat16 or float16 compute casts each gradient into
+        float32 buffers as it lands, so the sum over ranks and micro-steps rounds once per
+        addition in float32 instead of in the compute dtype (FSDP2's
+        ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``). It costs twice the gradient
+        buffers' bytes and twice the gradient traffic (docs/precision.md). At stages 0 and 1
+        ``p.grad`` is then None after backward, as at stages 2 and 3: a float32 buffer
+        cannot be a bfloat16 parameter's ``.grad``.
     optimizer_in_backward: stage 3: step each gradient bucket's slice of the optimizer as
         soon as backward has reduced it, then free that slice, so no rank ever holds its
         whole gradient shard: model states peak at 12 bytes per parameter / N instead of
@@ -238,9 +278,11 @@ class ZeroConfig:
     allow_quantize_fallback: bool = False
     release_host_heap: bool = True
     optimizer_in_backward: bool = False
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype, self.param_dtype))
         self._check_offload()
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in (
             0, 1, 2, 3,
@@ -341,6 +383,12 @@ class ZeroConfig:
         if self.coalesce_numel is not None:
             return self.coalesce_numel
         return QGZ_COALESCE_NUMEL if self.quantize_gradients else DEFAULT_COALESCE_NUMEL
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced and accumulated in: ``reduce_dtype``, or the
+        compute dtype where that is None."""
+        return self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
 
     @property
     def offloads(self) -> bool:
@@ -489,23 +537,34 @@ def canonical_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The ZeroConfig settings of a DeepSpeed config's engine keys, and one line for each
-    key accepted without effect (or whose "auto" means zero_core's default). The
-    trainer's keys (TRAINER_KEYS) are skipped: zero_core.config.deepspeed_json reads them."""
+    key accepted without effect (or whose "auto" means zero_core's default): DeepSpeed's
+    keys at their default or disabled values are accepted (config.deepspeed_inert). The
+    trainer's keys (TRAINER_KEYS) are skipped: zero_core.config.deepspeed_json reads them.
+    Every key that cannot be honoured is named in one ValueError, with its fix."""
     config = canonical_deepspeed(config)
     out: dict[str, Any] = {}
     notes: list[str] = []
+    problems: list[str] = []  # every refusal, raised together at the end
+    deprecated: dict[str, str] = {}  # ZeroConfig field -> the deprecated key that set it
     for key, value in config.items():
-        if key in TRAINER_KEYS:
+        if key in TRAINER_KEYS or key == "communication_data_type":  # (the latter: below)
             continue
         if key in NO_EFFECT_KEYS:
             notes.append(f"{key}: accepted, no effect (logging and profiling are zero-train's)")
             continue
+        if key in INERT_KEYS:
+            check_inert(key, value, INERT_KEYS[key], notes, problems)
+            continue
+        if key not in DEEPSPEED_KEYS and check_inert_section(key, value, notes, problems):
+            continue
         if key not in DEEPSPEED_KEYS:
-            raise ValueError(
+            problems.append(
                 f"DeepSpeed config key {key!r} is not supported by zero_core; supported: "
-                f"{', '.join(sorted([*DEEPSPEED_KEYS, *TRAINER_KEYS]))} and the logging "
-                f"keys {', '.join(NO_EFFECT_KEYS)}. Remove it"
+                f"{', '.join(sorted([*DEEPSPEED_KEYS, *TRAINER_KEYS]))}, the logging "
+                f"keys {', '.join(NO_EFFECT_KEYS)}, and DeepSpeed's keys at their default "
+                "values. Remove it"
             )
+            continue
         target = DEEPSPEED_KEYS[key]
         if isinstance(target, str):
             if value == "auto":
@@ -517,7 +576,17 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
             raise ValueError(f"DeepSpeed config {key!r} must be a dict, got {value!r}")
         for sub, sub_value in value.items():
             if key == "zero_optimization" and sub in OFFLOAD_SECTION_KEYS:
-                _offload_section(sub, sub_value, out, notes)
+                _offload_section(sub, sub_value, out, notes, problems)
+                continue
+            if key == "zero_optimization" and sub_value is True and sub in DEPRECATED_OFFLOAD:
+                deprecated[DEPRECATED_OFFLOAD[sub][0]] = sub
+                continue
+            if key == "zero_optimization" and sub == "cpu_offload_use_pin_memory" and sub_value:
+                out["offload_pin_memory"] = True  # DeepSpeed's deprecated spelling of it
+                continue
+            inert = INERT_SECTION_KEYS.get(key, {}).get(sub)
+            if inert is not None:
+                check_inert(f"{key}.{sub}", sub_value, inert, notes, problems)
                 continue
             if _no_effect(key, sub, sub_value, notes):
                 continue
@@ -525,15 +594,18 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
                 _reuse_distance(sub_value, out, notes)
                 continue
             if sub not in target:
-                raise ValueError(
+                problems.append(
                     f"DeepSpeed config key {key}.{sub} is not supported by zero_core; "
-                    f"supported under {key!r}: {', '.join(target)}"
+                    f"supported under {key!r}: {', '.join(target)}, and DeepSpeed's keys at "
+                    "their default values"
                 )
+                continue
             name = target[sub]
             if sub_value == "auto" and sub != "enabled":
                 notes.append(f"{key}.{sub}: 'auto' means zero_core's default")
             elif name is not None:
                 out[name] = sub_value
+    _deprecated_offload(deprecated, out, notes, problems)
     stage = out.get("stage", ZeroConfig.stage)
     if out.get("overlap_comm") is False and isinstance(stage, int) and stage >= 2:
         notes.append(
@@ -564,10 +636,63 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
         size = out.get(name)
         if isinstance(size, float) and size.is_integer():
             out[name] = int(size)  # DeepSpeed configs write 5e8
+    _communication_dtype(config, out.get("param_dtype", torch.float32), out, notes, problems)
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(
+            f"DeepSpeed config: {len(problems)} keys cannot be honoured by zero_core (all of "
+            "them, so that one relaunch is enough):\n  - " + "\n  - ".join(problems)
+        )
     return out, notes
 
 
-def _offload_section(key: str, section: Any, out: dict[str, Any], notes: list[str]) -> None:
+def _deprecated_offload(
+    deprecated: dict[str, str], out: dict[str, Any], notes: list[str], problems: list[str]
+) -> None:
+    """DeepSpeed's deprecated ``cpu_offload: true`` (``cpu_offload_param: true``) is its
+    ``offload_optimizer`` (``offload_param``) on the CPU, as DeepSpeed reads it: honoured,
+    with a note; beside a section of the new spelling that says otherwise, refused."""
+    for name, key in deprecated.items():
+        spelling = DEPRECATED_OFFLOAD[key][1]
+        if out.get(name, "none") not in ("none", "cpu"):
+            problems.append(
+                f"zero_optimization.{key}=true (DeepSpeed's deprecated {spelling}) contradicts "
+                f"{name.replace('params', 'param')}.device={out[name]!r}: keep the section"
+            )
+            continue
+        out[name] = "cpu"
+        notes.append(f"zero_optimization.{key}=true: deprecated in DeepSpeed, read as {spelling}")
+
+
+def _communication_dtype(
+    config: Mapping[str, Any],
+    compute: torch.dtype,
+    out: dict[str, Any],
+    notes: list[str],
+    problems: list[str],
+) -> None:
+    """``communication_data_type``: the dtype gradients are reduced in, ZeroConfig's
+    ``reduce_dtype`` (float32 from 16-bit compute; the compute dtype itself changes
+    nothing). ZeroConfig refuses the others, naming the choices."""
+    if "communication_data_type" not in config:
+        return
+    value = config["communication_data_type"]
+    named = DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
+    if value is None or named == str(compute).removeprefix("torch."):
+        notes.append(f"communication_data_type={value!r}: the compute dtype, no effect")
+        return
+    if not isinstance(value, str) or value not in DTYPES:
+        problems.append(
+            f"communication_data_type={value!r}: give one of {', '.join(sorted(DTYPES))}"
+        )
+        return
+    out["reduce_dtype"] = value
+
+
+def _offload_section(
+    key: str, section: Any, out: dict[str, Any], notes: list[str], problems: list[str]
+) -> None:
     """``zero_optimization.offload_optimizer`` / ``offload_param`` into ``out``."""
     if not isinstance(section, Mapping):
         raise ValueError(
@@ -576,10 +701,11 @@ def _offload_section(key: str, section: Any, out: dict[str, Any], notes: list[st
     targets = OFFLOAD_SECTION_KEYS[key]
     for sub, value in section.items():
         if sub not in targets:
-            raise ValueError(
+            problems.append(
                 f"DeepSpeed config key zero_optimization.{key}.{sub} is not supported by "
                 f"zero_core; supported under {key!r}: {', '.join(targets)}"
             )
+            continue
         name = targets[sub]
         if name is None or value == "auto":
             notes.append(f"zero_optimization.{key}.{sub}: accepted, no effect")

@@ -33,7 +33,6 @@ from .config_source import config_dict, split_facade_keys
 from .dataloader import distributed_loader
 from .distributed import DEFAULT_PORT, WORLD, init_distributed
 from .engine import DeepSpeedEngine
-from .owners import OWNERS
 from .param_status import mark_partitioned
 from .unsupported import refuse_unless_default
 
@@ -111,7 +110,6 @@ def initialize(
     _attach_scheduler(core, lr_scheduler)
     if core.config.stage == 3:
         mark_partitioned(core)
-    OWNERS.record(core)
     if notes and comm.rank == 0:
         warnings.warn("DeepSpeed config: " + "; ".join(notes), stacklevel=2)
     loader = None
@@ -157,7 +155,10 @@ def _attach_scheduler(core: Engine, scheduler: Any) -> None:
     if not hasattr(scheduler, "step") and callable(scheduler):
         scheduler = scheduler(core.optimizer)
     target = getattr(scheduler, "optimizer", None)
-    if target is not None and target is not core.optimizer:
+    # An optimizer the user passed fronts the engine's (same param_groups): a scheduler
+    # built on it before initialize drives the engine (zero_core.user_optimizer).
+    fronted = getattr(target, "param_groups", None) is core.optimizer.param_groups
+    if target is not None and target is not core.optimizer and not fronted:
         raise ValueError(
             f"lr_scheduler {type(scheduler).__name__} was built on another optimizer than "
             "the one the engine steps, so it would not change the learning rate: pass "

@@ -8,6 +8,7 @@ zero-estimate --params 124e6 --world-size 4 --dtype fp32 --layers 12 --width 768
     --vocab-size 50257 --tokens 1024 --checkpoint partitioned --tp 2
 zero-estimate --params 7.5e9 --world-size 64 --ranks-per-node 8 --hpz 8 --quantize-weights \
     --quantize-gradients int4
+zero-estimate --params 1.3e9 --world-size 8 --dtype bf16 --reduce-dtype fp32 --ranks-per-node 8
 
 With --ranks-per-node, every stage's row also gives the bytes one step sends per rank over
 intra-node and inter-node links (zero_core.estimate.link_traffic; zero_comm's ring convention). At
@@ -60,6 +61,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", choices=sorted(DTYPE_BYTES), default="fp16",
         help="compute dtype of parameters and gradients (default fp16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reduce-dtype", choices=sorted(DTYPE_BYTES),
+        help="dtype gradients are reduced and held in (ZeroConfig.reduce_dtype; default "
+        "--dtype's): fp32 with 16-bit --dtype counts 4-byte gradients and gradient traffic",
     )  # fmt: skip
     parser.add_argument(
         "--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adam",
@@ -162,6 +168,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"-K {k_given} must be a number of bytes >= 0")
     if args.accumulation < 1:
         parser.error(f"--accumulation {args.accumulation} must be at least 1")
+    try:  # the engine's own rule: the compute dtype or a wider one
+        ZeroConfig(param_dtype=args.dtype, reduce_dtype=args.reduce_dtype)
+    except ValueError as exc:
+        parser.error(f"--reduce-dtype: {exc}")
+    grad_width = DTYPE_BYTES[args.reduce_dtype or args.dtype]
     if args.optimizer_in_backward:
         try:  # the engine's own refusal (fp16's loss scaling, the tiers)
             ZeroConfig(
@@ -214,10 +225,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if problem:
             parser.error(problem)
     _check_hierarchy(parser, args)
-    rows = {stage: _row(args, stage, k, width, largest) for stage in STAGES}
+    rows = {stage: _row(args, stage, k, width, grad_width, largest) for stage in STAGES}
     if args.ranks_per_node is not None:
         for stage, row in rows.items():
-            row.update(_link_row(args, stage, width))
+            row.update(_link_row(args, stage, width, grad_width))
     if args.json:
         table = {str(s): row for s, row in rows.items()}
         if activations is not None:
@@ -230,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _row(
-    args: argparse.Namespace, stage: int, k: float, width: int, largest: float
+    args: argparse.Namespace, stage: int, k: float, width: int, grad_width: int, largest: float
 ) -> dict[str, Any]:
     """One stage's bytes: the paper's categories over every tier (``total``), and where
     they are; the tiers this stage cannot apply are dropped (stage 0 never offloads,
@@ -243,7 +254,7 @@ def _row(
     secondary = width * args.params / args.hpz if stage == 3 and args.hpz > 1 else 0.0
     tiered = tiered_state_bytes(
         args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
-        grad_bytes=width, offload_optimizer=optimizer, offload_params=params,
+        grad_bytes=grad_width, offload_optimizer=optimizer, offload_params=params,
         offload_fraction=args.offload_fraction, sub_group_numel=args.offload_sub_group_numel,
         buffer_count=args.offload_buffer_count, bucket_numel=args.bucket_numel,
         largest_param_numel=largest, prefetch_numel=args.prefetch_numel,
@@ -251,7 +262,7 @@ def _row(
     )  # fmt: skip
     plain = model_state_bytes(
         args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
-        grad_bytes=width,
+        grad_bytes=grad_width,
     )  # fmt: skip
     parameters = plain.parameters  # in whichever tier
     gradients = tiered.gradients  # one bucket slice with optimizer_in_backward at stage 3
@@ -307,7 +318,7 @@ def _check_hierarchy(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     args.hpz = sizes.hpz
 
 
-def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any]:
+def _link_row(args: argparse.Namespace, stage: int, width: int, grad_width: int) -> dict[str, Any]:
     """Per rank and step, the bytes sent within and across nodes at ``stage``, with the
     options that apply to it (hybrid sharding 1-3, qgZ 2-3, hpZ, qwZ and the backward
     head 3), and at stage 3 the elements of the backward head."""
@@ -318,7 +329,7 @@ def _link_row(args: argparse.Namespace, stage: int, width: int) -> dict[str, Any
         kept = backward_head_buckets(buckets, args.backward_head_numel)
     traffic = step_link_bytes(
         buckets, world_size=args.world_size, ranks_per_node=args.ranks_per_node, stage=stage,
-        dtype_bytes=width, shard_group_size=group,
+        dtype_bytes=width, reduce_bytes=grad_width, shard_group_size=group,
         hpz_partition_size=args.hpz if stage == 3 else 1,
         quantize_weights=args.quantize_weights and stage == 3,
         quantize_gradients=args.quantize_gradients if stage >= 2 and not group else None,
@@ -339,7 +350,9 @@ def _print_table(
 ) -> None:  # fmt: skip
     print(
         f"model states per rank, Ψ={args.params:.4g}, N={args.world_size}, "
-        f"{args.dtype} parameters and gradients, K={k:g}"
+        f"{args.dtype} parameters and "
+        + (f"{args.reduce_dtype} " if args.reduce_dtype else "")
+        + f"gradients, K={k:g}"
         + ("; stage 3 steps the optimizer in backward" if args.optimizer_in_backward else "")
     )
     asked = args.offload_optimizer != "none" or args.offload_params != "none"

@@ -24,7 +24,10 @@ ranks:
                          except for the buckets of the units forward kept gathered for
                          backward's start (param_gatherer: the backward head)
 
-Gradients and stage 3's gathers count A times (every micro-step), the rest once.
+Gradients and stage 3's gathers count A times (every micro-step), the rest once. Gradient
+collectives move ``reduce_bytes`` per element (``ZeroConfig.reduce_dtype``: 4 for float32
+reductions of 16-bit compute), parameter gathers ``dtype_bytes`` (the compute dtype); qgZ
+and qwZ move their coded bytes whatever the dtype.
 
 :func:`step_link_bytes` computes it; tests hold engines' measured stats to it exactly.
 """
@@ -98,9 +101,12 @@ def step_link_bytes(
     accumulation_steps: int = 1,
     deterministic: bool = True,
     kept_bucket_numels: Sequence[int] = (),
+    reduce_bytes: int | None = None,
 ) -> LinkBytes:
     """One step's bytes by link class (see the module docstring); ``bucket_numels``:
-    each bucket's padded elements (a multiple of the shard group's size);
+    each bucket's padded elements (a multiple of the shard group's size); ``reduce_bytes``:
+    bytes per gradient element reduced (None: ``dtype_bytes``, gradients reduced in the
+    compute dtype);
     ``kept_bucket_numels``: stage 3, those of the buckets whose units stay gathered from
     forward to backward (none on the first step, which has no backward record yet)."""
     if stage not in (0, 1, 2, 3):
@@ -120,6 +126,7 @@ def step_link_bytes(
     across = [list(range(local, n, ranks_per_node)) for local in range(ranks_per_node)]
     hpz = [list(range(a, a + p)) for a in range(0, n, p)]
     a = accumulation_steps
+    g = dtype_bytes if reduce_bytes is None else reduce_bytes
     kept, held = Counter(kept_bucket_numels), Counter(bucket_numels)
     if (stage != 3 and kept) or any(kept[b] > held[b] for b in kept):
         raise ValueError(
@@ -129,7 +136,7 @@ def step_link_bytes(
     for b, times in sorted(held.items()):  # equal buckets count alike
         tally.times = times * a  # per micro-step
         if stage == 0:  # replicas reduce alike: no flag to agree on
-            tally.add(shard, "all_reduce", b, dtype_bytes)
+            tally.add(shard, "all_reduce", b, g)
             continue
         if quantize_gradients is not None:
             codec = BlockQuantizer(4 if quantize_gradients == "int4" else 8, GRADIENT_BLOCK_NUMEL)
@@ -137,16 +144,16 @@ def step_link_bytes(
             tally.add(nodes, "all_to_all", n * coded, 1)
             tally.add(across, "all_to_all", (n // ranks_per_node) * coded, 1)
         elif r > 1 and not deterministic:
-            tally.add(shard, "reduce_scatter", b, dtype_bytes)
+            tally.add(shard, "reduce_scatter", b, g)
             tally.times = times  # once per step: at the accumulation boundary
-            tally.add(replica, "all_reduce", b // s, dtype_bytes)
+            tally.add(replica, "all_reduce", b // s, g)
             tally.times = times * a
         elif r > 1:
-            tally.add(shard, "all_to_all", b, dtype_bytes)
-            tally.add(pairs, "broadcast", b // s, dtype_bytes, root=0)
-            tally.add(replica, "broadcast", b // s, dtype_bytes, root=r - 1)
+            tally.add(shard, "all_to_all", b, g)
+            tally.add(pairs, "broadcast", b // s, g, root=0)
+            tally.add(replica, "broadcast", b // s, g, root=r - 1)
         else:
-            tally.add(shard, "reduce_scatter", b, dtype_bytes)
+            tally.add(shard, "reduce_scatter", b, g)
         if stage < 3:
             tally.times = times  # after the step
             tally.add(shard, "all_gather", b, dtype_bytes)

@@ -19,10 +19,10 @@ from torch import nn
 from ...allreduced_gradients import AllReducedGradients
 from ...engine import Engine
 from ...flat_layout import Range
+from ...param_owner import owner
 from ...param_table import ParamSlot
 from ...reduce_scattered_gradients import ReduceScatteredGradients
 from ...reduced_gradient import has_storage
-from ..owners import OWNERS
 from ..unsupported import unsupported
 
 # A piece's values from its range in this rank's shard of the group (local coordinates).
@@ -32,7 +32,7 @@ PieceReader = Callable[[Range], torch.Tensor]
 def owned(param: nn.Parameter) -> tuple[Engine, ParamSlot] | None:
     """The engine training ``param`` and its slot; None for a parameter no facade
     engine trains (DeepSpeed returns None for those too)."""
-    engine = OWNERS.owner(param)
+    engine = owner(param)
     if engine is None:
         return None
     return engine, engine.slots.slot(param)

@@ -5,8 +5,8 @@
         if rank == 0:
             model.lm_head.weight.zero_()       # kept, and seen by every rank after
 
-DeepSpeed's takes parameters alone; the engine that owns them is found in the facade's
-record (owners.py), filled by ``initialize``. Parameters of several engines are gathered
+DeepSpeed's takes parameters alone; the engine that owns them is found in the record
+zero_core.param_owner, filled by ``initialize``. Parameters of several engines are gathered
 engine by engine; parameters no facade engine owns are left as they are, as DeepSpeed
 leaves parameters that are not ZeRO-3's (a model not yet passed to ``initialize``: with
 zero.Init here it is whole anyway). Unlike DeepSpeed at stages 0-2, where the block does
@@ -27,7 +27,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from ..owners import OWNERS
+from ...param_owner import by_owner
 from ..param_status import ZeroParamStatus, set_status
 from ..unsupported import unsupported
 
@@ -60,7 +60,7 @@ class GatheredParameters:
         if not self.enabled:
             return
         with ExitStack() as stack:
-            for engine, mine in OWNERS.by_owner(self.params):
+            for engine, mine in by_owner(self.params):
                 stack.enter_context(
                     engine.gathered_parameters(mine, modifier_rank=self.modifier_rank)
                 )
