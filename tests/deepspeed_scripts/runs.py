@@ -11,8 +11,9 @@ Both return the ``Steps`` rank 0 printed (``step N loss X [lr Y]``). The CIFAR-1
 takes its stage and dtype from a JSON file (``--deepspeed_config``, written here in its
 tutorial's shape); the BERT script from flags (``--zero_stage``, ``--dtype``).
 
-zero-launch passes no ``--local_rank`` yet (issue 46, trap 7): ``with_local_rank.py``
-appends ``--local_rank=$LOCAL_RANK`` as DeepSpeed's launcher does.
+Both launchers give each rank ``--local_rank=<n>`` (zero-launch because the scripts declare
+it, issue 46 trap 7): the BERT script picks its distributed sampler from it, so a launcher
+that passed none would make every rank read the whole data set, and its step count double.
 """
 
 from __future__ import annotations
@@ -123,8 +124,7 @@ def ours(script: Path, stage: int, dtype: str, folder: Path) -> Steps:
     """``script``'s port run on 2 ranks under zero_core.deepspeed by zero-launch."""
     ported = port(script, folder / "ported")
     command = [sys.executable, "-m", "zero_comm.launch", "-n", "2", sys.executable,
-               str(HERE / "with_local_rank.py"), str(ported),
-               *script_arguments(script, stage, dtype, folder)]  # fmt: skip
+               str(ported), *script_arguments(script, stage, dtype, folder)]  # fmt: skip
     return _run(command, folder)
 
 
