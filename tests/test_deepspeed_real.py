@@ -19,10 +19,14 @@ Tolerances (relative, per step; the runs are 4 steps of tiny models):
   boundary moves a weight by an ulp, and the next forward's bf16 activations amplify that.
   DeepSpeed also reduces bf16 gradients in its own order and dtype. DeepSpeed's own stages
   differ from each other by this much (the report's last column), so a tighter bound would
-  test DeepSpeed, not us. Seen here: at most 6.7e-3 (CIFAR at stage 0, where DeepSpeed's
-  own stage 0 is 6.7e-3 from its stages 1-3, which ours equals bit for bit).
+  test DeepSpeed, not us. Seen here (2026-12-07): BERT at most 1.1e-4 (DeepSpeed's own
+  stages 5.3e-4 apart); CIFAR, its schedule made constant to set aside the one below, at
+  most 6.7e-3 (stage 0; at stages 1-3 ours equals DeepSpeed bit for bit).
 - fp16 5e-3 (never reached here: DeepSpeed's CPU accelerator refuses fp16 on this CPU).
-- Learning rates 1e-12: the same schedule formula must give the same number.
+- Learning rates 1e-12: the same schedule formula must give the same number. (DeepSpeed's
+  WarmupLR applies warmup_min_lr to updates 0 and 1 and reaches gamma(k) at update k + 1;
+  zero_core's WarmupSchedule runs update k at gamma(k), one update ahead: the CIFAR rows
+  fail on it until one of them changes.)
 """
 
 from __future__ import annotations
