@@ -267,7 +267,11 @@ def test_schedules_follow_deepspeeds_formulas(kind: str) -> None:
         optimizer.step()
         schedule.step()
     w = params["warmup_num_steps"]
-    for k, lr in enumerate(seen):
+    # DeepSpeed's scheduler starts at iteration -1 (the minimum) and steps after each
+    # update: update u runs at iteration k = u - 1 (real DeepSpeed agrees: nox -s deepspeed)
+    assert seen[0] == (0.5 * 0.0 if kind == "WarmupCosineLR" else params["warmup_min_lr"])
+    for u, lr in enumerate(seen[1:], start=1):
+        k = u - 1
         if kind == "WarmupLR":
             gamma = math.log(k + 1) / math.log(w) if k < w else 1.0
             expected = 0.01 + 0.09 * gamma
@@ -317,7 +321,8 @@ def test_initialize_builds_the_optimizer_and_scheduler_from_the_config(tmp_path:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lrs, again, epoch = run_simulated(1, body)[0]
-    assert lrs == pytest.approx([3e-4 * math.log(k + 1) / math.log(10) for k in (1, 2, 3, 4)])
+    # after update u the next runs at iteration u - 1 (DeepSpeed's WarmupLR starts at -1)
+    assert lrs == pytest.approx([3e-4 * math.log(k + 1) / math.log(10) for k in (0, 1, 2, 3)])
     assert again == [lrs[1]] and epoch == 2
     notes = [str(w.message) for w in caught if "without effect" in str(w.message)]
     assert len(notes) == 2 and "contiguous_gradients" in notes[0]  # one per initialize

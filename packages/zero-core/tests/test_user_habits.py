@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -280,3 +281,68 @@ def test_values_from_reset_parameters_name_what_they_cannot_set() -> None:
         list(zero_core.values_from_reset_parameters(no_reset))
     with pytest.raises(ValueError, match=r"table is still unset after LostBuffer"):
         list(zero_core.values_from_reset_parameters(lost))
+
+
+def test_a_stage_3_state_dict_outside_a_gathered_block_raises_instead_of_nan() -> None:
+    """model.state_dict() read the released parameters' NaN placeholders, exit 0 (the
+    trap of DeepSpeed-aware export code); inside gathered_parameters it is whole."""
+    case = ParityCase(widths=(7, 130, 3), persistence_threshold=0)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 3)
+        model = engine.module
+        for read in (model.state_dict, model.layers[1].state_dict):
+            with pytest.raises(RuntimeError, match=r"engine\.full_state_dict\(rank=0\)"):
+                read()
+        with engine.gathered_parameters():
+            inside = model.state_dict()
+        full = engine.full_state_dict()
+        assert all(torch.equal(inside[k].float(), full[k]) for k in full)
+        engine.close()
+
+    run_simulated(2, body)
+
+
+def test_the_fsdp2_port_of_docs_coming_from_fsdp2_trains() -> None:
+    """The zero_core loop of docs/coming-from-fsdp2.md, as written there: a meta build,
+    bf16 compute with float32 reduction, engine.clip_grad_norm_, two ranks."""
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 16)
+            self.layers = nn.ModuleList(
+                nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                for _ in range(2)
+            )
+            self.head = nn.Linear(16, 11)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    def body(comm: Communicator) -> list[float]:
+        with torch.device("meta"):
+            model = Transformer()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        config = zero_core.ZeroConfig(stage=3, param_dtype="bf16", reduce_dtype="fp32")
+        engine = zero_core.initialize(
+            model, optimizer, config, comm,
+            init_values=zero_core.values_from_reset_parameters(model),
+        )  # fmt: skip
+        generator = torch.Generator().manual_seed(comm.rank)
+        x = torch.randint(0, 11, (4, 6), generator=generator)
+        losses = []
+        for _ in range(6):
+            loss = nn.functional.cross_entropy(engine(x).float().reshape(-1, 11), x.reshape(-1))
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            losses.append(loss.item())
+        engine.close()
+        return losses
+
+    for losses in run_simulated(2, body):
+        assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses

@@ -411,7 +411,8 @@ def test_a_deepspeed_config_drives_the_run(tmp_path: Path) -> None:
     assert "stage 2" in result.stdout and "bf16" in result.stdout
     assert "accepted without effect" in result.stderr and "steps_per_print" in result.stderr
     _, steps = read_metrics(tmp_path / "o" / "metrics.jsonl")
-    assert [s["lr"] for s in steps] == [0.0, 1e-3 / 4, 1e-3 * 2 / 4]
+    # as DeepSpeed's WarmupLR: the first two updates at warmup_min_lr, then 1/4, 2/4, ...
+    assert [s["lr"] for s in steps] == [0.0, 0.0, 1e-3 / 4]
     assert all(math.isfinite(s["loss"]) for s in steps)
 
     (tmp_path / "bad.json").write_text(json.dumps({**config, "train_batch_size": 6}))

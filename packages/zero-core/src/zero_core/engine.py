@@ -73,6 +73,7 @@ from .memory.host_heap import StepHeapRelease, release_free_heap
 from .memory.report import MemoryReport, tensor_bytes
 from .reduced_gradient import GroupGradient, pieces_of
 from .stage_policy import ParameterPlacement
+from .state_dict_reads import engine_reads
 
 
 class BoundaryGradients(NamedTuple):
@@ -551,7 +552,9 @@ class Engine:
         if rank is not None and rank != self.comm.rank:
             return {}
         result: dict[str, torch.Tensor] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
+        with engine_reads():  # names and frozen values; masters give the rest
+            entries = self.module.state_dict(keep_vars=True).items()
+        for name, value in entries:
             slot = self.slots.get(value)
             if slot is not None:
                 result[name] = masters[slot.index].clone()

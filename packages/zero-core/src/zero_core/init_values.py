@@ -100,7 +100,8 @@ def values_from_reset_parameters(
 
     For each submodule holding meta tensors of its own, a copy of that submodule alone
     (its children stay on the meta device) is made real on ``device``, filled with NaN,
-    and its ``reset_parameters()`` is called; its own parameters and floating buffers are
+    and its ``reset_parameters()`` (or ``_reset_parameters()``, as torch's
+    MultiheadAttention names it) is called; its own parameters and floating buffers are
     then yielded by their names in ``module``. Raises ValueError naming the submodule when
     it has no ``reset_parameters``, when a value is still NaN after it (nothing set it: a
     buffer computed in ``__init__`` is lost on the meta device), or when an integer buffer
@@ -116,8 +117,16 @@ def values_from_reset_parameters(
         if not meta:
             continue
         where = prefix or type(module).__name__
-        reset = getattr(sub, "reset_parameters", None)
-        if not callable(reset):
+        # torch's MultiheadAttention (and other modules) name it _reset_parameters
+        reset_name = next(
+            (
+                n
+                for n in ("reset_parameters", "_reset_parameters")
+                if callable(getattr(sub, n, None))
+            ),
+            None,
+        )
+        if reset_name is None:
             raise ValueError(
                 f"{where} ({type(sub).__name__}) has {meta[0][1]} on the meta device and no "
                 "reset_parameters() to initialise it: add one, or pass its values with "
@@ -133,7 +142,7 @@ def values_from_reset_parameters(
         with torch.no_grad():
             for t in (*real.parameters(recurse=False), *real.buffers(recurse=False)):
                 t.fill_(float("nan"))
-            real.reset_parameters()
+            getattr(real, reset_name)()
         values = dict(real.named_parameters(recurse=False))
         values.update(real.named_buffers(recurse=False))
         for _, name, _ in meta:
@@ -141,7 +150,7 @@ def values_from_reset_parameters(
             if torch.isnan(value).any():
                 raise ValueError(
                     f"{where}.{name} is still unset after {type(sub).__name__}."
-                    "reset_parameters(): it does not initialise it (a buffer computed in "
+                    f"{reset_name}(): it does not initialise it (a buffer computed in "
                     "__init__ is lost on the meta device); pass it with init_values="
                 )
             yield (f"{prefix}.{name}" if prefix else name), value

@@ -87,6 +87,8 @@ def initialize(
     engine = Engine(parts)
     param_owner.register(engine)
     module_guard.install()  # .to_empty()/.half()/.cuda() would detach the engine's params
+    if config.stage == 3:
+        module_guard.guard_state_dict(model)  # a released parameter reads NaN
     if isinstance(optimizer, torch.optim.Optimizer):
         user_optimizer.link(optimizer, engine)  # it now drives engine.optimizer, or raises
     if setup is not None:

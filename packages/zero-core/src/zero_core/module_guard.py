@@ -1,4 +1,4 @@
-"""After ``initialize``, conversions that would replace the trained parameters raise.
+"""After ``initialize``, module calls that would detach or misread the trained parameters raise.
 
 ``module.to(...)``, ``.to_empty(...)``, ``.half()``, ``.cuda()`` run ``nn.Module._apply``,
 which replaces each parameter's tensor with a converted copy. The engine's parameters are
@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .param_owner import any_owned, owner
+from . import state_dict_reads
+from .param_owner import any_owned, is_partitioned, owner
 
 MESSAGE = (
     "module.{what}() after zero_core.initialize would replace parameter {name}: the engine "
@@ -67,3 +68,39 @@ def install() -> None:
     """Make every module refuse conversions that replace parameters a live engine trains
     (idempotent)."""
     nn.Module._apply = _guarded_apply  # type: ignore[method-assign]
+
+
+def is_released(param: torch.Tensor) -> bool:
+    """Whether a stage-3 parameter is released: its whole value is not held here, only a
+    one-element NaN placeholder expanded to its shape (param_gatherer)."""
+    if param.numel() == 0:
+        return False
+    return param.untyped_storage().nbytes() < param.numel() * param.element_size() or (
+        param.numel() == 1 and bool(torch.isnan(param).any())
+    )
+
+
+STATE_DICT_MESSAGE = (
+    "{module}.state_dict() at stage 3 outside engine.gathered_parameters(): parameter "
+    "{name} is partitioned (this rank holds a shard; the module's tensor reads NaN), so "
+    "the state dict would be NaN. Use engine.full_state_dict(rank=0) (float32, "
+    "consolidated), or call state_dict() inside `with engine.gathered_parameters():`"
+)
+
+
+def guard_state_dict(module: nn.Module) -> None:
+    """At stage 3, make ``state_dict()`` of ``module`` or any submodule raise while a
+    parameter it holds is released (a saved model.state_dict() was NaN, exit 0: the trap
+    DeepSpeed-aware export code fell into)."""
+
+    def refuse_released(sub: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if state_dict_reads.by_engine():
+            return
+        for name, p in sub.named_parameters(recurse=False):
+            if is_partitioned(p) and is_released(p):
+                where = prefix.rstrip(".") or type(sub).__name__
+                raise RuntimeError(STATE_DICT_MESSAGE.format(module=where, name=prefix + name))
+
+    for sub in module.modules():
+        if any(True for _ in sub.parameters(recurse=False)):
+            sub.register_state_dict_pre_hook(refuse_released)  # type: ignore[no-untyped-call]

@@ -254,8 +254,10 @@ def _unresolved(path: str) -> ValueError:
 
 
 class WarmupSchedule(LRScheduler):
-    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR. Update k (k = 0, 1, ...)
-    runs at:
+    """DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, step for step: update
+    number u (u = 0, 1, ...) runs at iteration k = u - 1, as in DeepSpeed, whose scheduler
+    starts at iteration -1 (the minimum: warmup_min_lr, or a ratio of 0 for the cosine)
+    and is stepped after each update; iteration k >= 0 is:
 
         warmup gamma(k) = log(k + 1) / log(W)  ("log")  or  k / W  ("linear"),  k < W
         WarmupLR        lr = min_lr + (max_lr - min_lr) x gamma(k), then max_lr
@@ -293,8 +295,11 @@ class WarmupSchedule(LRScheduler):
         return k / self.warmup_num_steps
 
     def lr_at(self, k: int, base_lr: float) -> float:
-        """The learning rate of update ``k`` for a group whose configured lr is ``base_lr``."""
+        """The learning rate at iteration ``k`` (update k + 1) for a group whose
+        configured lr is ``base_lr``."""
         w, t = self.warmup_num_steps, self.total_num_steps
+        if k < 0:  # before DeepSpeed's scheduler has started: the first update's
+            return 0.0 if self.kind == "WarmupCosineLR" else self.warmup_min_lr
         if self.kind == "WarmupCosineLR":
             if k < w:
                 ratio = self.warmup_min_ratio + (1 - self.warmup_min_ratio) * self._gamma(k)
@@ -312,4 +317,5 @@ class WarmupSchedule(LRScheduler):
         return self.warmup_min_lr + delta * gamma
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        return [self.lr_at(self.last_epoch, float(base)) for base in self.base_lrs]
+        # torch's last_epoch is the number of updates stepped past (0 at the start)
+        return [self.lr_at(self.last_epoch - 1, float(base)) for base in self.base_lrs]
