@@ -23,10 +23,9 @@ Tolerances (relative, per step; the runs are 4 steps of tiny models):
   stages 5.3e-4 apart); CIFAR, its schedule made constant to set aside the one below, at
   most 6.7e-3 (stage 0; at stages 1-3 ours equals DeepSpeed bit for bit).
 - fp16 5e-3 (never reached here: DeepSpeed's CPU accelerator refuses fp16 on this CPU).
-- Learning rates 1e-12: the same schedule formula must give the same number. (DeepSpeed's
-  WarmupLR applies warmup_min_lr to updates 0 and 1 and reaches gamma(k) at update k + 1;
-  zero_core's WarmupSchedule runs update k at gamma(k), one update ahead: the CIFAR rows
-  fail on it until one of them changes.)
+- Learning rates 1e-12: the same schedule formula must give the same number. (This found
+  zero_core's WarmupSchedule one update ahead of DeepSpeed's WarmupLR, which applies
+  warmup_min_lr to updates 0 and 1; fixed in zero_core.)
 """
 
 from __future__ import annotations
