@@ -291,13 +291,13 @@ def _heartbeat_for(comm: Communicator, group: Any, store: Any, prefix: str) -> H
     # Every member starts one, or none does; after this gather every counter exists.
     answers = comm.all_gather_object(why)
     if any(answers):
-        if comm.rank == 0 or why:
-            first = next(a for a in answers if a)
+        if comm.rank == 0:  # said once for the group, with the first rank's reason
+            who, first = next((r, a) for r, a in enumerate(answers) if a)
             log.warning(
-                "zero_comm: [rank %d] no heartbeat on the adopted group (%s): a stopped or "
-                "departed peer is found by the collective timeout (%g s) only; a dead one on "
-                "this host is still named",
-                comm.rank, first, comm.timeout,
+                "zero_comm: no heartbeat on the adopted group (%s, said by its rank %d): a "
+                "stopped or departed peer is found by the collective timeout (%g s) only; a "
+                "dead one on the same host is still named",
+                first, who, comm.timeout,
             )  # fmt: skip
         return None
     assert tcp is not None and comm.peers is not None

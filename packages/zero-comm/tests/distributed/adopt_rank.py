@@ -9,20 +9,23 @@ CASE:
     fresh     zero_comm.init(deterministic=True) makes the world: the reference bits
     adopted   the script calls torch.distributed.init_process_group("gloo") itself, then
               adopts the default group (from_process_group()), lets zero_comm.init()
-              adopt it too, and adopts a new_group of both ranks; each runs the same
-              collectives, and the digest check must name a mismatched call
+              adopt it too, and adopts a new_group of both ranks and one of both in
+              swapped order; each runs the same collectives, and the digest check must
+              name a mismatched call; adopting a group of rank 1 alone raises on rank 0
     kill      adopted as above; rank 1 SIGKILLs itself while rank 0 waits for it in an
               all-reduce: rank 0 must name it
     mpi       adopts a Split of MPI.COMM_WORLD with from_mpi_comm and runs the collectives
 
 Each communicator's results go to DIR/<name>-<rank>.pt (name: fresh, world, init, sub,
-mpi); the rank prints one JSON line of facts on stdout and exits 0, or 3 with the error.
+swapped, mpi); the rank prints one JSON line of facts on stdout (``mpi``: writes it to
+DIR/mpi-report-<rank>.json) and exits 0, or 3 with the error.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
@@ -92,6 +95,7 @@ def init_torch() -> None:
 
 def main() -> int:
     case, folder = sys.argv[1], Path(sys.argv[2])
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     report: dict[str, Any] = {"case": case}
     if case == "fresh":
         comm = zero_comm.init(deterministic=True, timeout=60.0)
@@ -103,11 +107,20 @@ def main() -> int:
         world = zero_comm.from_process_group(timeout=45.0)
         again = zero_comm.init(deterministic=True, timeout=50.0)
         sub = zero_comm.from_process_group(dist.new_group([0, 1]), heartbeat_timeout=20.0)
-        for name, comm in (("world", world), ("init", again), ("sub", sub)):
+        # Group rank 0 is world rank 1: not the world in world order, nor the store's host.
+        swapped = zero_comm.from_process_group(dist.new_group([1, 0], sort_ranks=False))
+        only_one = dist.new_group([1])
+        try:
+            alone = zero_comm.from_process_group(only_one)
+            report["alone"] = facts(alone)
+            alone.close()
+        except ValueError as exc:
+            report["not_a_member"] = str(exc)
+        for name, comm in (("world", world), ("init", again), ("sub", sub), ("swapped", swapped)):
             torch.save(collectives(comm), folder / f"{name}-{comm.rank}.pt")
             report[name] = facts(comm)
         report["mismatch"] = mismatch_named(world)
-        for comm in (sub, again, world):
+        for comm in (swapped, sub, again, world):
             comm.close()
         report["still_initialised"] = dist.is_initialized()
         dist.destroy_process_group()
@@ -139,6 +152,8 @@ def main() -> int:
         report["mismatch"] = mismatch_named(comm)
         comm.close()
         report["still_usable"] = mine.allreduce(1) == 2  # the caller's communicator lives
+        # A file per rank: two ranks' lines on mpiexec's one stdout may interleave.
+        (folder / f"mpi-report-{mine.Get_rank()}.json").write_text(json.dumps(report))
     else:
         raise SystemExit(f"unknown case {case!r}")
     print(json.dumps(report), flush=True)

@@ -84,8 +84,16 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.gloo
 @pytest.mark.timeout(120)
 def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
-    done = reports(run_ranks("adopted", fresh))
+    results = run_ranks("adopted", fresh)
+    done = reports(results)
     for rank, report in enumerate(done):
+        swapped = report["swapped"]
+        assert swapped["rank"] == 1 - rank and swapped["topology_source"] == "hostname", swapped
+        assert not swapped["heartbeat"], swapped  # world rank 0 hosts the store: said below
+        if rank == 0:
+            assert "not a member" in report["not_a_member"] and "[1]" in report["not_a_member"]
+        else:
+            assert report["alone"]["world_size"] == 1, report
         for name, timeout in (("world", 45.0), ("init", 50.0), ("sub", 300.0)):
             facts = report[name]
             assert (facts["rank"], facts["world_size"], facts["backend"]) == (rank, 2, "gloo")
@@ -94,8 +102,13 @@ def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
             assert facts["topology"] == [0, 0], facts
         assert "ranks disagree" in report["mismatch"] and "numel=5" in report["mismatch"]
         assert report["still_initialised"], "closing an adopted communicator destroyed the group"
-    for name in ("world", "init", "sub"):
+    for name in ("world", "init", "sub", "swapped"):
         assert_same_bits(fresh, name)
+    logs = [err for _, _, err in results]
+    for err in logs:
+        assert err.count("adopting its default group instead of creating a world") == 1, err
+    said = "no heartbeat on the adopted group (the store's host, world rank 0, is not"
+    assert sum(err.count(said) for err in logs) == 1, logs  # once, not per rank
 
 
 @pytest.mark.gloo
@@ -141,7 +154,7 @@ def test_an_adopted_mpi_split_equals_a_fresh_world_bit_for_bit(fresh: Path) -> N
         timeout=RUN_LIMIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads((fresh / f"mpi-report-{rank}.json").read_text()) for rank in range(2)]
     assert sorted(r["mpi"]["rank"] for r in lines) == [0, 1]
     for report in lines:
         assert report["mpi"]["backend"] == "mpi" and report["mpi"]["heartbeat"], report
