@@ -113,7 +113,7 @@ def from_process_group(
 
     store = _default_store()
     if store is None and options.check_consistency == "digest":
-        log.warning(
+        log.warning(  # on every rank: there is no channel yet to agree who says it
             "zero_comm: [rank %d] the adopted group has no store: the consistency check "
             "runs as 'every' (one small all-gather per collective) instead of 'digest'",
             world_rank,
