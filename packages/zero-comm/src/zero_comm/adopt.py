@@ -58,6 +58,7 @@ _adoptions: dict[str, int] = {}
 def from_process_group(
     group: Any = None,
     *,
+    backend: str = "auto",
     deterministic: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
     check_consistency: bool | str = "digest",
@@ -70,8 +71,10 @@ def from_process_group(
     Args:
         group: a ``torch.distributed`` process group this process is a member of; None is
             the default group (``torch.distributed.group.WORLD``). Its backend must be gloo
-            or nccl (also as one of a device-keyed set such as ``"cpu:gloo,cuda:nccl"``:
-            nccl where CUDA is available, else gloo).
+            or nccl (also as one of a device-keyed set such as ``"cpu:gloo,cuda:nccl"``).
+        backend: which of the group's backends to drive: "auto" is its only one, or, of a
+            device-keyed set, nccl where CUDA is available, else gloo; "gloo" or "nccl"
+            must be one the group has (else BackendUnavailableError naming its own).
         deterministic, timeout, check_consistency, ranks_per_node, heartbeat_timeout: as
             for :func:`zero_comm.init`. ``timeout`` bounds zero_comm's waits; the group's
             own timeout, set by its creator, still bounds torch's.
@@ -107,7 +110,7 @@ def from_process_group(
             f"of the group of world ranks {dist.get_process_group_ranks(group)}; adopt a "
             "group only on its members"
         )
-    backend = backend_of(group, world_rank)
+    backend = backend_of(group, world_rank, backend)
     device = _device_for(backend, group)
     from .torch_backend import TorchCommunicator
 
@@ -178,23 +181,37 @@ def from_mpi_comm(
     return comm
 
 
-def backend_of(group: Any, world_rank: int) -> str:
-    """The backend zero_comm drives ``group`` with: "gloo" or "nccl"; raises
+def backend_of(group: Any, world_rank: int, wanted: str = "auto") -> str:
+    """The backend zero_comm drives ``group`` with, "gloo" or "nccl": ``wanted`` where the
+    group has it, or for "auto" its only one (of a device-keyed set such as
+    "cpu:gloo,cuda:nccl": nccl where CUDA is available, else gloo). Raises
     BackendUnavailableError naming the fix for any other."""
+    if wanted not in ("auto", *SUPPORTED_BACKENDS):
+        raise ValueError(f"backend={wanted!r} is not one of 'auto', 'gloo', 'nccl'")
     name = str(dist.get_backend(group))
-    if name in SUPPORTED_BACKENDS:
-        return name
     # A group made without a backend name has one per device type ("cpu:gloo,cuda:nccl"),
     # and get_backend says "undefined" for it.
     config = str(dist.distributed_c10d._world.pg_backend_config.get(group, ""))
     per_device = dict(pair.split(":", 1) for pair in config.split(",") if ":" in pair)
+    has = {name} | set(per_device.values())
+    shown = name if name in SUPPORTED_BACKENDS else (config or name)
+    if wanted != "auto":
+        if wanted in has:
+            return wanted
+        raise BackendUnavailableError(
+            f"[rank {world_rank}] the process group's backend is {shown!r}, not "
+            f"{wanted!r}; ask for backend='auto' to adopt it as it is, or create the group "
+            f"with the backend you want"
+        )
+    if name in SUPPORTED_BACKENDS:
+        return name
     if torch.cuda.is_available() and per_device.get("cuda") == "nccl":
         return "nccl"
     if per_device.get("cpu") == "gloo":
         return "gloo"
     raise BackendUnavailableError(
         f"[rank {world_rank}] zero_comm cannot drive a process group with backend "
-        f"{config or name!r}: it supports gloo and nccl. Create the group with "
+        f"{shown!r}: it supports gloo and nccl. Create the group with "
         "init_process_group('gloo') or ('nccl') (or new_group(backend=...)), or, for MPI, "
         "adopt the mpi4py communicator with zero_comm.from_mpi_comm"
     )

@@ -148,20 +148,21 @@ def _adopt_default_group(
 
     from .adopt import backend_of, from_process_group
 
-    existing = backend_of(dist.group.WORLD, dist.get_rank())
-    if backend not in ("auto", existing):
+    try:
+        chosen = backend_of(dist.group.WORLD, dist.get_rank(), backend)
+    except BackendUnavailableError as exc:
         raise BackendUnavailableError(
-            f"[rank {dist.get_rank()}] torch.distributed is already initialised with "
-            f"{existing!r}; ask zero_comm.init for backend={existing!r} (or 'auto') to adopt "
-            "it, or initialise torch.distributed with the backend you want"
-        )
+            f"{exc} (zero_comm.init adopts the default group torch.distributed was "
+            "initialised with)"
+        ) from None
     log.info(
         "zero_comm.init: torch.distributed is already initialised (%s, rank %d of %d): "
         "adopting its default group instead of creating a world",
-        existing, dist.get_rank(), dist.get_world_size(),
+        chosen, dist.get_rank(), dist.get_world_size(),
     )  # fmt: skip
     return from_process_group(
         None,
+        backend=chosen,
         deterministic=options.deterministic,
         timeout=options.timeout,
         check_consistency=options.check_consistency,
