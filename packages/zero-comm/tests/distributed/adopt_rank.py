@@ -13,7 +13,9 @@ CASE:
               swapped order; each runs the same collectives, and the digest check must
               name a mismatched call; adopting a group of rank 1 alone raises on rank 0
     kill      adopted as above; rank 1 SIGKILLs itself while rank 0 waits for it in an
-              all-reduce: rank 0 must name it
+              all-reduce: rank 0 must name it dead (/proc, through the peers gathered)
+    leave     the same, but rank 1's script ends (exit 0): rank 0 must name it as having
+              left (its heartbeat's check-out), well before the collective timeout
     mpi       adopts a Split of MPI.COMM_WORLD with from_mpi_comm and runs the collectives
 
 Each communicator's results go to DIR/<name>-<rank>.pt (name: fresh, world, init, sub,
@@ -124,7 +126,7 @@ def main() -> int:
             comm.close()
         report["still_initialised"] = dist.is_initialized()
         dist.destroy_process_group()
-    elif case == "kill":
+    elif case in ("kill", "leave"):
         init_torch()
         comm = zero_comm.from_process_group(timeout=45.0, heartbeat_timeout=10.0)
         x = torch.ones(1 << 10)
@@ -134,6 +136,8 @@ def main() -> int:
             for step in range(STEPS):
                 if step == STEPS - 1 and comm.rank == 1:
                     time.sleep(0.5)  # rank 0 waits for it in this all-reduce by now
+                    if case == "leave":
+                        return 0  # its heartbeat checks out as the interpreter exits
                     os.kill(os.getpid(), signal.SIGKILL)
                 started = time.monotonic()
                 comm.all_reduce(x)

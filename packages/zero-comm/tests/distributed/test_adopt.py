@@ -113,12 +113,17 @@ def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
 
 @pytest.mark.gloo
 @pytest.mark.timeout(60)
-def test_a_killed_rank_is_named_on_an_adopted_world(tmp_path: Path) -> None:
-    (_, out, _), killed = run_ranks("kill", tmp_path)
-    assert killed[0] == -9, killed
+@pytest.mark.parametrize(
+    ("case", "exit_code", "said"), [("kill", -9, "is dead"), ("leave", 0, "left the job")]
+)
+def test_a_killed_or_departed_rank_is_named_on_an_adopted_world(
+    tmp_path: Path, case: str, exit_code: int, said: str
+) -> None:
+    (_, out, _), (code, _, err) = run_ranks(case, tmp_path)
+    assert code == exit_code, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert report["error"] == "PeerFailureError", report
-    assert "rank 1" in report["message"] and "dead" in report["message"], report
+    assert "rank 1" in report["message"] and said in report["message"], report
     assert report["after_s"] < 10.0, report  # not the 45 s collective timeout
 
 

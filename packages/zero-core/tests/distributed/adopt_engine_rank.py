@@ -1,6 +1,6 @@
-"""One rank of a 2-rank job that trains a small MLP for a few steps at stages 2 and 3, on a
-world zero_comm made or on one the script made itself (test_adopted_engine.py starts both
-ranks by hand, torchrun-style variables):
+"""One rank of a 2-rank job that trains a small MLP for a few steps at stage 3 (it
+gathers and reduce-scatters), on a world zero_comm made or on one the script made itself
+(test_adopted_engine.py starts both ranks by hand, torchrun-style variables):
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python adopt_engine_rank.py CASE DIR
 
@@ -21,7 +21,7 @@ from torch import nn
 import zero_comm
 import zero_core
 
-STEPS = 3
+STEPS = 2
 
 
 def train(comm: zero_comm.Communicator, stage: int) -> dict[str, torch.Tensor]:
@@ -52,7 +52,7 @@ def main() -> int:
     else:
         dist.init_process_group("gloo")
         comm = zero_comm.from_process_group(timeout=60.0)
-    for stage in (2, 3):
+    for stage in (3,):
         state = train(comm, stage)
         if comm.rank == 0:
             torch.save(state, folder / f"{case}-stage{stage}.pt")
