@@ -32,7 +32,9 @@ heartbeat checks out) and never destroys the process group or frees the MPI comm
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 from typing import Any
 
 import torch
@@ -45,7 +47,10 @@ from .communicator import Communicator
 from .errors import BackendUnavailableError
 from .heartbeat import Heartbeat, first_beat
 from .peers import this_peer
+from .rendezvous import _reachable
 from .topology import Topology
+from .torch_backend import TorchCommunicator
+from .world import detect_topology
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,8 @@ def from_process_group(
         BackendUnavailableError: torch.distributed is not initialised, or the group's
             backend is not gloo or nccl.
         ValueError: this process is not a member of ``group``.
-        TypeError: ``group`` is an mpi4py communicator (use :func:`from_mpi_comm`).
+        TypeError: ``group`` is not a process group (an mpi4py communicator: use
+            :func:`from_mpi_comm`).
     """
     options = CommOptions(deterministic, check_consistency, timeout, heartbeat_timeout)
     if _looks_like_mpi_comm(group):
@@ -104,6 +110,17 @@ def from_process_group(
         )
     group = dist.group.WORLD if group is None else group
     world_rank = dist.get_rank()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a non-member
+        raise ValueError(
+            f"[rank {world_rank}] zero_comm.from_process_group: this process is not a member "
+            "of the group (new_group returned GroupMember.NON_GROUP_MEMBER here); adopt a "
+            "group only on its members"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"[rank {world_rank}] zero_comm.from_process_group needs a torch.distributed "
+            f"process group (or None for the default one), got {type(group).__name__}"
+        )
     if dist.get_rank(group) < 0:
         raise ValueError(
             f"[rank {world_rank}] zero_comm.from_process_group: this process is not a member "
@@ -112,8 +129,6 @@ def from_process_group(
         )
     backend = backend_of(group, world_rank, backend)
     device = _device_for(backend, group)
-    from .torch_backend import TorchCommunicator
-
     store = _default_store()
     if store is None and options.check_consistency == "digest":
         log.warning(  # on every rank: there is no channel yet to agree who says it
@@ -235,8 +250,6 @@ def _device_for(backend: str, group: Any) -> torch.device:
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:
         return torch.device(bound)
-    import os
-
     current = torch.cuda.current_device()
     local_rank = os.environ.get("LOCAL_RANK", "")
     if current == 0 and local_rank.isdigit():
@@ -277,9 +290,6 @@ def _tcp_store_under(store: Any) -> Any:
 def _heartbeat_for(comm: Communicator, group: Any, store: Any, prefix: str) -> Heartbeat | None:
     """Collective over ``comm``: a heartbeat for the adopted group, under ``prefix`` in the
     default group's TCPStore, or None on every member (said once, at WARNING)."""
-    import datetime
-
-    from .rendezvous import _reachable
 
     tcp = _tcp_store_under(store)
     why = ""
@@ -334,6 +344,4 @@ def _topology(comm: Communicator, ranks_per_node: int | None, *, whole_world: bo
     """detect_topology for an adopted communicator: the launcher's variables and
     ZERO_RANKS_PER_NODE describe world ranks, so a group that is not the whole world in
     world order is found by host name (or MPI's shared-memory split) instead."""
-    from .world import detect_topology
-
     return detect_topology(comm, ranks_per_node=ranks_per_node, environ=None if whole_world else {})

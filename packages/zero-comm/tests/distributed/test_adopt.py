@@ -91,7 +91,7 @@ def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
         assert swapped["rank"] == 1 - rank and swapped["topology_source"] == "hostname", swapped
         assert not swapped["heartbeat"], swapped  # world rank 0 hosts the store: said below
         if rank == 0:
-            assert "not a member" in report["not_a_member"] and "[1]" in report["not_a_member"]
+            assert "not a member" in report["not_a_member"], report
         else:
             assert report["alone"]["world_size"] == 1, report
         for name, timeout in (("world", 45.0), ("init", 50.0), ("sub", 300.0)):
