@@ -16,10 +16,13 @@ CASE:
               all-reduce: rank 0 must name it dead (/proc, through the peers gathered)
     leave     the same, but rank 1's script ends (exit 0): rank 0 must name it as having
               left (its heartbeat's check-out), well before the collective timeout
+    lightning no RANK in the environment (WORLD_SIZE and LOCAL_RANK only, as Lightning's
+              launcher leaves it): the script initialises over tcp:// with RANK and PORT
+              given as arguments 3 and 4, then zero_comm.init() must adopt that group
     mpi       adopts a Split of MPI.COMM_WORLD with from_mpi_comm and runs the collectives
 
 Each communicator's results go to DIR/<name>-<rank>.pt (name: fresh, world, init, sub,
-swapped, mpi); the rank prints one JSON line of facts on stdout (``mpi``: writes it to
+swapped, lightning, mpi); the rank prints one JSON line of facts on stdout (``mpi``: writes it to
 DIR/mpi-report-<rank>.json) and exits 0, or 3 with the error.
 """
 
@@ -125,6 +128,18 @@ def main() -> int:
         for comm in (swapped, sub, again, world):
             comm.close()
         report["still_initialised"] = dist.is_initialized()
+        dist.destroy_process_group()
+    elif case == "lightning":
+        # As Lightning's own launcher leaves a rank: WORLD_SIZE and LOCAL_RANK set, no
+        # RANK, the group initialised over tcp:// with the rank given as an argument.
+        rank, port = int(sys.argv[3]), int(sys.argv[4])
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        comm = zero_comm.init(deterministic=True, timeout=45.0)
+        torch.save(collectives(comm), folder / f"lightning-{comm.rank}.pt")
+        report["lightning"] = facts(comm)
+        comm.close()
         dist.destroy_process_group()
     elif case in ("kill", "leave"):
         init_torch()

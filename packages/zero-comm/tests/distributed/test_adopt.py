@@ -113,6 +113,34 @@ def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
 
 @pytest.mark.gloo
 @pytest.mark.timeout(60)
+def test_init_adopts_a_group_made_without_rank_in_the_environment(fresh: Path) -> None:
+    """Before: zero_comm.init() raised "environment variable RANK is not set" here."""
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, RANK_SCRIPT, "lightning", str(fresh), str(rank), str(port)],
+            env=dict(
+                base,
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                OMP_NUM_THREADS=str(torch.get_num_threads()),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    done = reports([_finish(proc, time.monotonic() + RUN_LIMIT_S) for proc in procs])
+    for rank, report in enumerate(done):
+        assert report["lightning"]["rank"] == rank and report["lightning"]["world_size"] == 2
+        assert report["lightning"]["heartbeat"], report
+    assert_same_bits(fresh, "lightning")
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("case", "exit_code", "said"), [("kill", -9, "is dead"), ("leave", 0, "left the job")]
 )
