@@ -165,6 +165,16 @@ def main() -> int:
         from mpi4py import MPI
 
         mine = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+        refusals = []
+        for wrong in (
+            lambda: zero_comm.from_process_group(mine),
+            lambda: zero_comm.from_mpi_comm(MPI.COMM_NULL),
+        ):
+            try:
+                wrong()
+            except TypeError as exc:
+                refusals.append(str(exc))
+        report["refusals"] = refusals
         comm = zero_comm.from_mpi_comm(mine, timeout=45.0)
         torch.save(collectives(comm), folder / f"mpi-{comm.rank}.pt")
         report["mpi"] = facts(comm)

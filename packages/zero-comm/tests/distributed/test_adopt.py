@@ -193,4 +193,7 @@ def test_an_adopted_mpi_split_equals_a_fresh_world_bit_for_bit(fresh: Path) -> N
         assert report["mpi"]["backend"] == "mpi" and report["mpi"]["heartbeat"], report
         assert "ranks disagree" in report["mismatch"], report
         assert report["still_usable"], report
+        to_mpi, to_torch = report["refusals"]
+        assert "zero_comm.from_mpi_comm(comm)" in to_mpi, to_mpi
+        assert "intracommunicator" in to_torch and "from_process_group" in to_torch, to_torch
     assert_same_bits(fresh, "mpi")
