@@ -121,11 +121,14 @@ def main() -> int:
             alone.close()
         except ValueError as exc:
             report["not_a_member"] = str(exc)
-        for name, comm in (("world", world), ("init", again), ("sub", sub), ("swapped", swapped)):
+        split = world.split(color=0)  # zero_comm's own group, made from an adopted one
+        for name, comm in (
+            ("world", world), ("init", again), ("sub", sub), ("swapped", swapped), ("split", split)
+        ):  # fmt: skip
             torch.save(collectives(comm), folder / f"{name}-{comm.rank}.pt")
             report[name] = facts(comm)
         report["mismatch"] = mismatch_named(world)
-        for comm in (swapped, sub, again, world):
+        for comm in (split, swapped, sub, again, world):
             comm.close()
         report["still_initialised"] = dist.is_initialized()
         dist.destroy_process_group()

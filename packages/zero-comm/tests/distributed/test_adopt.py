@@ -102,7 +102,7 @@ def test_adopted_groups_equal_a_fresh_world_bit_for_bit(fresh: Path) -> None:
             assert facts["topology"] == [0, 0], facts
         assert "ranks disagree" in report["mismatch"] and "numel=5" in report["mismatch"]
         assert report["still_initialised"], "closing an adopted communicator destroyed the group"
-    for name in ("world", "init", "sub", "swapped"):
+    for name in ("world", "init", "sub", "swapped", "split"):
         assert_same_bits(fresh, name)
     logs = [err for _, _, err in results]
     for err in logs:
