@@ -1,12 +1,11 @@
 """One rank of a 2-rank job that trains a small MLP for a few steps at stage 3 (it
-gathers and reduce-scatters), on a world zero_comm made or on one the script made itself
-(test_adopted_engine.py starts both ranks by hand, torchrun-style variables):
+gathers and reduce-scatters) twice: on a world zero_comm makes, then, once that is closed,
+on a world the script makes itself and zero_comm adopts (test_adopted_engine.py starts
+both ranks by hand, torchrun-style variables; PORT is a second free port):
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python adopt_engine_rank.py CASE DIR
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python adopt_engine_rank.py DIR PORT
 
-CASE ``fresh``: ``zero_comm.init(deterministic=True)``. ``adopted``: the script calls
-``torch.distributed.init_process_group("gloo")`` and ``zero_comm.from_process_group()``.
-Rank 0 saves each stage's full state after the steps to DIR/<case>-stage<k>.pt.
+Rank 0 saves each run's full state after the steps to DIR/fresh.pt and DIR/adopted.pt.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import zero_core
 STEPS = 2
 
 
-def train(comm: zero_comm.Communicator, stage: int) -> dict[str, torch.Tensor]:
+def train(comm: zero_comm.Communicator) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 15), nn.Tanh(), nn.Linear(15, 7))  # awkward shapes
     with torch.no_grad():
@@ -33,7 +32,7 @@ def train(comm: zero_comm.Communicator, stage: int) -> dict[str, torch.Tensor]:
     engine = zero_core.initialize(
         model,
         torch.optim.Adam(model.parameters(), lr=1e-2),
-        zero_core.ZeroConfig(stage=stage),
+        zero_core.ZeroConfig(stage=3),
         comm,
     )
     for step in range(STEPS):
@@ -46,19 +45,18 @@ def train(comm: zero_comm.Communicator, stage: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> int:
-    case, folder = sys.argv[1], Path(sys.argv[2])
-    if case == "fresh":
-        comm = zero_comm.init(deterministic=True, timeout=60.0)
-    else:
-        dist.init_process_group("gloo")
-        comm = zero_comm.from_process_group(timeout=60.0)
-    for stage in (3,):
-        state = train(comm, stage)
-        if comm.rank == 0:
-            torch.save(state, folder / f"{case}-stage{stage}.pt")
+    folder, port = Path(sys.argv[1]), int(sys.argv[2])
+    comm = zero_comm.init(deterministic=True, timeout=60.0)
+    rank, fresh = comm.rank, train(comm)
+    comm.close()  # zero_comm's world is gone: the script's own comes next
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = zero_comm.from_process_group(timeout=60.0)
+    adopted = train(comm)
     comm.close()
-    if case == "adopted":
-        dist.destroy_process_group()
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save(fresh, folder / "fresh.pt")
+        torch.save(adopted, folder / "adopted.pt")
     return 0
 
 
