@@ -75,8 +75,11 @@ class TorchCommunicator(Communicator):
         self._posts_seen = 0
         self._splits = 0
         # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split
-        # from it; None where zero_comm did not create the world, or for one rank.
+        # from it; None for one rank, or where an adopted group has none (zero_comm.adopt).
         self._heartbeat: Heartbeat | None = None
+        # Whether close() destroys the process group: False for a group zero_comm adopted
+        # (zero_comm.adopt), which stays its creator's.
+        self.owns_group = True
 
     @classmethod
     def create(
@@ -420,15 +423,7 @@ class TorchCommunicator(Communicator):
             (k, parent, g, p) for parent, (c, k, g, p) in enumerate(everyone) if c == color
         )
         members = [global_rank for _, _, global_rank, _ in chosen]
-        # Only the members create the group (use_local_synchronization), so splitting a
-        # subgroup works without the rest of the world taking part.
-        group = dist.new_group(
-            members,
-            timeout=datetime.timedelta(seconds=self.timeout),
-            backend=self.backend,
-            use_local_synchronization=True,
-            sort_ranks=False,
-        )
+        group = self._new_group(color, members, everyone)
         child = TorchCommunicator(
             group, backend=self.backend, device=self.device, options=self.options
         )
@@ -441,12 +436,44 @@ class TorchCommunicator(Communicator):
         self._splits += 1
         return child
 
+    def _new_group(self, color: int, members: list[int], everyone: list[Any]) -> Any:
+        """The process group of ``members`` (world ranks, in group order) for ``color``;
+        ``everyone``: each rank's (color, key, world rank, peer), by rank here.
+
+        Where every world rank is in this group, each creates every color's group, in
+        color order: torch then names them by a count that advances alike on every rank.
+        A group made with use_local_synchronization is named by a hash of its ranks and
+        of the number of groups this process holds, and that number differs between
+        ranks once the application has made a group that some rank is not in (new_group
+        gives a non-member nothing): the members would then wait for each other under
+        different names until the timeout. Splitting a smaller group still needs local
+        synchronisation (the rest of the world takes no part), with that hazard.
+        """
+        timeout = datetime.timedelta(seconds=self.timeout)
+        if self.world_size < dist.get_world_size():
+            return dist.new_group(
+                members,
+                timeout=timeout,
+                backend=self.backend,
+                use_local_synchronization=True,
+                sort_ranks=False,
+            )
+        mine = None
+        for each in sorted({c for c, _, _, _ in everyone}):
+            ranks = [g for _, _, g, _ in sorted((k, r, g, p) for r, (c, k, g, p)
+                                                in enumerate(everyone) if c == each)]  # fmt: skip
+            made = dist.new_group(ranks, timeout=timeout, backend=self.backend, sort_ranks=False)
+            if each == color:
+                mine = made
+        return mine
+
     def close(self) -> None:
         """Collective: every rank of the group must call it.
 
         Closing the world communicator destroys torch's default process group if zero_comm
-        created it (see :class:`_WorldSession`); one the application created is left alone.
-        Closing a subgroup destroys that subgroup's process group.
+        created it (see :class:`_WorldSession`); one the application created is left alone,
+        as is any group zero_comm adopted (zero_comm.adopt). Closing a subgroup that
+        ``split`` made destroys that subgroup's process group.
         """
         if self.closed:
             return
@@ -456,7 +483,13 @@ class TorchCommunicator(Communicator):
             # interpreter exit), once the collectives this rank left in flight have ended.
             super().close()
             return
-        if self.group is dist.group.WORLD and dist.is_initialized():
+        if not self.owns_group:
+            # Adopted (zero_comm.adopt): the group is its creator's; only the heartbeat
+            # made for it goes, once every member is done with the group's collectives.
+            self.barrier()
+            if self._heartbeat is not None:
+                self._heartbeat.check_out("it closed zero_comm")
+        elif self.group is dist.group.WORLD and dist.is_initialized():
             if _WorldSession.created_here():
                 self.barrier()
                 _WorldSession.release(self.timeout, "it closed zero_comm")
