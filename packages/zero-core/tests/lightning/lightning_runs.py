@@ -24,12 +24,15 @@ SAMPLES, BATCH = 32, 4  # 4 batches per rank per epoch on 2 ranks
 
 
 class TinyRegression(L.LightningModule):
-    """A 2-layer MLP; AdamW with a per-step (or per-epoch) schedule. ``meta=True`` builds
-    the layers in configure_model on the meta device (stage 3's large-model path)."""
+    """A 2-layer MLP; AdamW (or SGD with momentum, whose update scales with the gradient,
+    so a gradient divided twice shows) with a per-step (or per-epoch) schedule.
+    ``meta=True`` builds the layers in configure_model on the meta device (stage 3's
+    large-model path)."""
 
-    def __init__(self, interval: str = "step", meta: bool = False) -> None:
+    def __init__(self, interval: str = "step", meta: bool = False, sgd: bool = False) -> None:
         super().__init__()
         self.interval = interval
+        self.sgd = sgd
         self.meta = meta
         self.net: nn.Module | None = None if meta else self._layers()
         self.losses: list[float] = []
@@ -66,7 +69,11 @@ class TinyRegression(L.LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            if self.sgd
+            else torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+        )
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         return {
             "optimizer": optimizer,
@@ -158,12 +165,13 @@ def main(out: Path) -> None:
     fit(out, "zero3_by_name", "zero_stage_3", gradient_clip_val=0.5)
     fit(out, "zero3_meta", ZeroStrategy(stage=3), module=TinyRegression(meta=True),
         gradient_clip_val=0.5)  # fmt: skip
-    # Accumulation over 2 micro-batches: 2 steps per epoch, 2 epochs, per-epoch schedule.
+    # Accumulation over 2 micro-batches: 2 steps per epoch, 2 epochs, per-epoch schedule;
+    # SGD, since Adam's update hardly moves when every gradient is halved.
     accumulate = {"accumulate_grad_batches": 2, "max_epochs": 2}
-    fit(out, "ddp_acc", "ddp", module=TinyRegression("epoch"), **accumulate)
+    fit(out, "ddp_acc", "ddp", module=TinyRegression("epoch", sgd=True), **accumulate)
     for stage in (0, 3):
-        fit(out, f"zero{stage}_acc", ZeroStrategy(stage=stage), module=TinyRegression("epoch"),
-            **accumulate)  # fmt: skip
+        fit(out, f"zero{stage}_acc", ZeroStrategy(stage=stage),
+            module=TinyRegression("epoch", sgd=True), **accumulate)  # fmt: skip
     # Resume: 2 epochs at once, and 1 epoch + trainer.save_checkpoint + 1 more from it.
     fit(out, "zero2_whole", ZeroStrategy(stage=2), max_epochs=2)
     first = fit(out, "zero2_first", ZeroStrategy(stage=2), max_epochs=1)

@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 
+import zero_comm
 from zero_comm import Communicator
 
 from ..config.zero_config import ZeroConfig
@@ -49,7 +50,6 @@ from ..engine import Engine
 from ..init_values import values_from_reset_parameters
 from ..initialize import initialize
 from . import trainer_state
-from ._adopt_shim import adopt_world
 from .precision import ZeroPrecision
 from .settings import StrategySettings, check_precision
 
@@ -139,12 +139,15 @@ class ZeroStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ processes
     def setup_environment(self) -> None:
-        """Lightning's process group (DDPStrategy), adopted as a deterministic communicator."""
+        """Lightning's process group (DDPStrategy), adopted as a deterministic communicator
+        (collective; once per strategy: a second fit or a validate reuses it)."""
         super().setup_environment()
         if self.comm is None:
-            self.comm = adopt_world(
-                self.global_rank, self.world_size, self.local_rank, self.num_processes
-            )
+            if self._timeout is None:
+                self.comm = zero_comm.from_process_group(None, deterministic=True)
+            else:
+                seconds = self._timeout.total_seconds()
+                self.comm = zero_comm.from_process_group(None, deterministic=True, timeout=seconds)
 
     # ------------------------------------------------------------ the engine
     def setup(self, trainer: pl.Trainer) -> None:
