@@ -165,6 +165,11 @@ def main(out: Path) -> None:
     fit(out, "zero3_by_name", "zero_stage_3", gradient_clip_val=0.5)
     fit(out, "zero3_meta", ZeroStrategy(stage=3), module=TinyRegression(meta=True),
         gradient_clip_val=0.5)  # fmt: skip
+    fit(out, "zero0_noclip", ZeroStrategy(stage=0))
+    # Mixed precision: the Trainer's precision is the engine's param_dtype (float32 masters).
+    for precision, short in (("bf16-mixed", "bf16"), ("16-mixed", "fp16")):
+        for stage in (0, 3):
+            fit(out, f"zero{stage}_{short}", ZeroStrategy(stage=stage), precision=precision)
     # Accumulation over 2 micro-batches: 2 steps per epoch, 2 epochs, per-epoch schedule;
     # SGD, since Adam's update hardly moves when every gradient is halved.
     accumulate = {"accumulate_grad_batches": 2, "max_epochs": 2}

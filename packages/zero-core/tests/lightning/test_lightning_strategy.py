@@ -74,6 +74,14 @@ def test_every_stage_gives_stage_0s_bits(runs: Path, run: str) -> None:
     _assert_same_bits(runs, "zero0", run)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_stages_agree(runs: Path, dtype: str) -> None:
+    """precision="bf16-mixed" / "16-mixed": 16-bit compute parameters, float32 masters;
+    the result is not float32's, and stage 3 gives stage 0's bits."""
+    _assert_same_bits(runs, f"zero0_{dtype}", f"zero3_{dtype}")
+    assert _largest_difference(runs, f"zero0_{dtype}", "zero0_noclip") > 0
+
+
 def test_stage_0_equals_lightnings_ddp(runs: Path) -> None:
     assert _load(runs, "zero0")["losses"][:1] == _load(runs, "ddp")["losses"][:1]
     largest = _largest_difference(runs, "zero0", "ddp")
