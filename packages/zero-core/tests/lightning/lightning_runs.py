@@ -150,6 +150,10 @@ def checkpoints_and_evaluation(out: Path) -> None:
         "predict": torch.cat(trainer.predict(module, dataloaders=data)),
         "saved": sorted(p.name for p in (out / "mc").iterdir()),
     }
+    # validate on a model never fitted: the whole model, rank 0's values on every rank.
+    unfitted = TinyRegression()
+    unfitted_trainer = _trainer(ZeroStrategy(stage=2), limit_val_batches=2)
+    metrics["validate_unfitted"] = unfitted_trainer.validate(unfitted, data)
     if trainer.global_rank == 0:
         torch.save(metrics, out / "zero3_mc_metrics.pt")
     fit(out, "zero3_mc_resumed", ZeroStrategy(stage=3), max_epochs=2,

@@ -110,6 +110,7 @@ def test_model_checkpoint_validate_test_predict(runs: Path) -> None:
     metrics = _load(runs, "zero3_mc_metrics")
     assert metrics["saved"] == ["epoch=0.ckpt", "epoch=1.ckpt"]
     assert metrics["validate"] > 0 and metrics["test"] > 0
+    assert metrics["validate_unfitted"][0]["val_loss"] > metrics["validate"]  # untrained
     # Rank 0's predictions: the trained parameters applied to its half of the data.
     sys.path.insert(0, str(RUNS.parent))
     from lightning_runs import TinyRegression, _data
