@@ -63,6 +63,11 @@ def test_a_precision_the_engine_cannot_honour_stops_the_trainer(precision: str) 
         L.Trainer(accelerator="cpu", devices=2, precision=precision, strategy=ZeroStrategy())
 
 
+def test_sync_batchnorm_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="sync_batchnorm=True"):
+        L.Trainer(accelerator="cpu", devices=2, sync_batchnorm=True, strategy=ZeroStrategy())
+
+
 def test_the_registered_names() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zero_stage_3", logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy)

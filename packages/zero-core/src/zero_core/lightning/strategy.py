@@ -23,6 +23,7 @@ Hooks taken over from DDPStrategy, and why:
     load_model_state_dict, load_optimizer_state_dict   the engine's save and load
     restore_checkpoint_after_setup   True: the engine must exist to load into
     teardown            leaves the module where the engine keeps it (no .cpu())
+    _layer_sync         Trainer(sync_batchnorm=True) is refused, not ignored
 """
 
 from __future__ import annotations
@@ -136,6 +137,23 @@ class ZeroStrategy(DDPStrategy):
             )
         check_precision(name)
         self._precision_plugin = ZeroPrecision(name)
+
+    # ------------------------------------------------------------ refused
+    @property
+    def _layer_sync(self) -> None:
+        return None
+
+    @_layer_sync.setter
+    def _layer_sync(self, layer_sync: Any) -> None:
+        """Trainer(sync_batchnorm=True) is refused: DDPStrategy's setup converts the
+        BatchNorm layers, which this strategy's setup does not do; ignoring the flag
+        would train with per-rank statistics without a word."""
+        if layer_sync is not None:
+            raise ValueError(
+                "ZeroStrategy does not support Trainer(sync_batchnorm=True) (or a LayerSync "
+                "plugin): convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm "
+                "before fit, or leave BatchNorm per rank"
+            )
 
     # ------------------------------------------------------------ processes
     def setup_environment(self) -> None:
