@@ -87,6 +87,27 @@ class TinyRegression(L.LightningModule):
         return DataLoader(_data(), batch_size=BATCH)
 
 
+class ManualRegression(TinyRegression):
+    """The same model under manual optimization: manual_backward, clip_gradients,
+    optimizer.step, zero_grad and the scheduler stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.losses.append(float(loss.detach()))
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+        self.lr_schedulers().step()
+        return loss
+
+
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, 7, generator=g)
@@ -170,6 +191,9 @@ def main(out: Path) -> None:
     fit(out, "zero3_meta", ZeroStrategy(stage=3), module=TinyRegression(meta=True),
         gradient_clip_val=0.5)  # fmt: skip
     fit(out, "zero0_noclip", ZeroStrategy(stage=0))
+    fit(out, "ddp_manual", "ddp", module=ManualRegression())
+    for stage in (0, 3):
+        fit(out, f"zero{stage}_manual", ZeroStrategy(stage=stage), module=ManualRegression())
     # Mixed precision: the Trainer's precision is the engine's param_dtype (float32 masters).
     for precision, short in (("bf16-mixed", "bf16"), ("16-mixed", "fp16")):
         for stage in (0, 3):
