@@ -8,6 +8,7 @@
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
     nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec; stuck peers
     nox -s slow          what the default tests leave out for time (pytest -m slow)
+    nox -s integrations  zero_core.lightning under Lightning's launcher and torchrun (pinned)
     nox -s soak          2,000 steps on 4 ranks at stage 3, twice: flat memory, same bits
     nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
@@ -55,16 +56,27 @@ MPI_DEPS = ("mpi4py>=3.1", "mpich")
 # download); pinned, as the example relies on version 5's buffers and initialisation.
 MODEL_ZOO_DEPS = ("transformers==5.24.0",)
 LINT_DEPS = ("ruff", "mypy", "import-linter")
+# zero-core's extra [lightning], pinned where it is tested (nox -s integrations) and where
+# mypy reads its types (lint, dev); always installed beside TORCH_HELD, never replacing it.
+LIGHTNING = "lightning==2.6.6"
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
 CROSS_PACKAGE_TESTS = "tests"
 # The default run (nox, and so CI): under 20 minutes on a 2-core machine. The marked cases
-# have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl, nox -s deepspeed.
-DEFAULT_MARKS = "not nccl and not faults and not slow and not deepspeed"
+# have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl, nox -s deepspeed,
+# nox -s integrations.
+DEFAULT_MARKS = "not nccl and not faults and not slow and not deepspeed and not integrations"
 
 
 def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
     _install_torch(session)
     session.install(*extra, *(arg for name in packages for arg in ("-e", f"packages/{name}")))
+
+
+def _torch_held(session: nox.Session) -> list[str]:
+    """pip arguments that keep the shared torch: a constraints file pinning TORCH."""
+    constraints = Path(session.create_tmp()) / "torch-held.txt"
+    constraints.write_text(TORCH + "\n")
+    return ["-c", str(constraints)]
 
 
 def _install_torch(session: nox.Session, python: str = "python") -> None:
@@ -121,6 +133,7 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None,
 def lint(session: nox.Session) -> None:
     """ruff, mypy on each package's src, and the layering contract (import-linter)."""
     _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS)
+    session.install(*_torch_held(session), LIGHTNING)  # zero_core.lightning's types
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     for name in PACKAGES:
@@ -244,6 +257,16 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session
+def integrations(session: nox.Session) -> None:
+    """The optional frameworks, each pinned, with torch held at TORCH: zero-core[lightning]
+    (zero_core.lightning.ZeroStrategy under Lightning's own launcher and under torchrun,
+    stages 0-3 against Lightning's ddp, resume). pytest -m integrations (about 2 min)."""
+    _install(session, *TEST_DEPS)
+    session.install(*_torch_held(session), LIGHTNING, "-e", "packages/zero-core[lightning]")
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "integrations")
+
+
+@nox.session
 def soak(session: nox.Session) -> None:
     """2,000 steps of a small GPT on 4 ranks at stage 3, twice: memory and step time flat,
     the two runs bit-identical (tools/diagnose/soak.py; arguments pass through)."""
@@ -284,7 +307,8 @@ def tests_nccl(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def dev(session: nox.Session) -> None:
     """A development environment in .venv: the three packages editable (with plots),
-    mpi4py and MPICH, the test tools, and the examples' transformers (pinned). Then:
+    mpi4py and MPICH, the test tools, the examples' transformers and Lightning (pinned,
+    for zero_core.lightning and mypy; torch held). Then:
     source .venv/bin/activate, and zero-train, zero-estimate, zero-consolidate,
     zero-launch and mpiexec are on PATH."""
     venv = Path(".venv")
@@ -292,8 +316,8 @@ def dev(session: nox.Session) -> None:
         session.run(sys.executable, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     _install_torch(session, str(venv / "bin" / "python"))
-    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *MODEL_ZOO_DEPS,
-                "-e", "packages/zero-comm", "-e", "packages/zero-core",
+    session.run(*pip, *_torch_held(session), *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *MODEL_ZOO_DEPS,
+                LIGHTNING, "-e", "packages/zero-comm", "-e", "packages/zero-core",
                 "-e", "packages/zero-models[plots]")  # fmt: skip
     session.log("ready: source .venv/bin/activate  (then zero-train --help)")
 
