@@ -6,6 +6,7 @@
     nox -s tests_gloo    real-process tests on gloo only
     nox -s tests_mpi     real-process tests under mpiexec, MPICH and Open MPI (PyPI wheels)
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
+    nox -s integrations  other frameworks over zero_core: the Hugging Face Trainer
     nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec; stuck peers
     nox -s slow          what the default tests leave out for time (pytest -m slow)
     nox -s soak          2,000 steps on 4 ranks at stage 3, twice: flat memory, same bits
@@ -53,12 +54,15 @@ MPI_DEPS = ("mpi4py>=3.1", "mpich")
 # tests/test_huggingface.py and examples/: Hugging Face models built from a config (no
 # download); pinned, as the example relies on version 5's buffers and initialisation.
 MODEL_ZOO_DEPS = ("transformers==5.24.0",)
+# zero_core.huggingface (ZeroTrainer) also needs Accelerate: the extra zero-core[huggingface]
+# pins both, as zero_core.huggingface.TESTED_VERSIONS names them.
+HUGGINGFACE_DEPS = (*MODEL_ZOO_DEPS, "accelerate==1.15.0")
 LINT_DEPS = ("ruff", "mypy", "import-linter")
 TEST_DIRS = {name: f"packages/{name}/tests" for name in PACKAGES}
 CROSS_PACKAGE_TESTS = "tests"
 # The default run (nox, and so CI): under 20 minutes on a 2-core machine. The marked cases
 # have sessions of their own: nox -s faults, nox -s slow, nox -s tests_nccl.
-DEFAULT_MARKS = "not nccl and not faults and not slow"
+DEFAULT_MARKS = "not nccl and not faults and not slow and not integrations"
 
 
 def _install(session: nox.Session, *extra: str, packages: tuple[str, ...] = PACKAGES) -> None:
@@ -119,7 +123,8 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None,
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff, mypy on each package's src, and the layering contract (import-linter)."""
-    _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS)
+    # mypy reads zero_core.huggingface against the versions it is tested with.
+    _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS, *HUGGINGFACE_DEPS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     for name in PACKAGES:
@@ -197,6 +202,14 @@ def _failed_tests(report: Path) -> list[str]:
         if outcome is not None:
             failed.append(f"{case.get('classname')}::{case.get('name')} ({outcome})")
     return failed or ["(pytest failed without a failing test: see its output above)"]
+
+
+@nox.session
+def integrations(session: nox.Session) -> None:
+    """Other frameworks over zero_core (pytest -m integrations): the Hugging Face Trainer
+    (ZeroTrainer) with transformers and accelerate at the versions it is tested with."""
+    _install(session, *TEST_DEPS, *HUGGINGFACE_DEPS)
+    _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "integrations")
 
 
 @nox.session
@@ -291,7 +304,7 @@ def dev(session: nox.Session) -> None:
         session.run(sys.executable, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     _install_torch(session, str(venv / "bin" / "python"))
-    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *MODEL_ZOO_DEPS,
+    session.run(*pip, *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *HUGGINGFACE_DEPS,
                 "-e", "packages/zero-comm", "-e", "packages/zero-core",
                 "-e", "packages/zero-models[plots]")  # fmt: skip
     session.log("ready: source .venv/bin/activate  (then zero-train --help)")
