@@ -29,7 +29,7 @@ import torch
 from accelerate import Accelerator
 
 from ..engine import Engine
-from .optimizer import AcceleratedEngineOptimizer, EngineOptimizer
+from .optimizer import AcceleratedEngineOptimizer, EngineOptimizer, check_window_complete
 
 
 class ZeroAccelerator(Accelerator):
@@ -65,6 +65,7 @@ class ZeroAccelerator(Accelerator):
     ) -> torch.Tensor:
         """The engine's global-norm clipping; ``parameters`` must be the model's."""
         engine = self._engine("clip_grad_norm_")
+        check_window_complete(engine)  # the Trainer clips just before it steps
         # A norm with nothing clipped: the engine takes finite bounds only, and no norm of
         # float32 gradients reaches the largest float.
         bound = max_norm if math.isfinite(max_norm) else sys.float_info.max

@@ -30,6 +30,23 @@ from accelerate.optimizer import AcceleratedOptimizer
 from ..engine import Engine
 
 
+def check_window_complete(engine: Engine) -> None:
+    """Raise unless every micro-batch of the accumulation window went through
+    ``engine.backward``: the engine applies an update only then, and a step (or a clip)
+    before it would drop the window's gradients."""
+    if engine.is_accumulation_boundary:
+        return
+    steps = engine.config.gradient_accumulation_steps
+    raise RuntimeError(
+        f"[rank {engine.comm.rank}] the Trainer ended an accumulation window after "
+        f"{engine.micro_steps} of gradient_accumulation_steps={steps} micro-batches: the "
+        "engine applies an update only after all of them, so this window's gradients would "
+        "be dropped. This happens at the end of an epoch whose number of batches is not a "
+        f"multiple of {steps}: make it one (dataset size, per_device_train_batch_size, "
+        "dataloader_drop_last) or set max_steps to end before it"
+    )
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """Steps ``engine`` where the Trainer steps its optimizer."""
 
@@ -55,18 +72,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The engine's step, at the end of an accumulation window."""
         if closure is not None:
             raise ValueError("EngineOptimizer.step(closure): closures are not supported")
-        engine = self.engine
-        if not engine.is_accumulation_boundary:
-            steps = engine.config.gradient_accumulation_steps
-            raise RuntimeError(
-                f"[rank {engine.comm.rank}] the Trainer stepped after {engine.micro_steps} of "
-                f"gradient_accumulation_steps={steps} micro-batches: the engine applies an "
-                "update only after all of them, so this window's gradients would be dropped. "
-                "This happens at the end of an epoch whose number of batches is not a "
-                f"multiple of {steps}: make it one (dataset size, per_device_train_batch_size, "
-                "dataloader_drop_last) or set max_steps to end before it"
-            )
-        self.last_step_applied = engine.step()
+        check_window_complete(self.engine)
+        self.last_step_applied = self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to drop after a step; inside an accumulation window it raises."""

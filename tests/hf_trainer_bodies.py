@@ -1,0 +1,98 @@
+"""Rank bodies of tests/test_huggingface_trainer.py: examples/huggingface_trainer.py's
+Trainers on real ranks (zero_comm.testing.run_on_ranks runs them; they report JSON)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import zero_comm
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "huggingface_trainer.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("huggingface_trainer", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(
+    example: ModuleType, folder: str, stage: int | None, resume: str | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """One Trainer run: its logged losses and gradient norms, and its final float32 weights
+    (the engine's master weights; the plain Trainer's module)."""
+    history = example.LossHistory()
+    trainer = example.make_trainer(example.arguments(folder, **overrides), stage, history)
+    trainer.train(resume_from_checkpoint=resume)
+    if stage is None:
+        state = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
+    else:
+        state = trainer.engine.full_state_dict()
+    return {"losses": history.losses, "norms": history.grad_norms, "state": state}
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Whether two final states are equal bit for bit, and their largest difference."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    largest = max((a[k] - b[k]).abs().max().item() for k in a)
+    return {"equal": all(torch.equal(a[k], b[k]) for k in a), "max_diff": largest}
+
+
+def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> dict[str, Any]:
+    """Stages 0-3 and the plain Trainer (DDP), with max_grad_norm=1.0 (it clips: the norms
+    are 2-3), with accumulation over 2 micro-batches, and without clipping."""
+    example = load_example()
+    report: dict[str, Any] = {}
+    cases: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "accumulation": {"gradient_accumulation_steps": 2},
+        "unclipped": {"max_grad_norm": 0.0},
+    }
+    stages_of = {"plain": (0, 1, 2, 3), "accumulation": (0, 3), "unclipped": (2,)}
+    for case, overrides in cases.items():
+        ddp = train(example, f"{folder}/{case}-ddp", None, **overrides)
+        runs = {s: train(example, f"{folder}/{case}-{s}", s, **overrides) for s in stages_of[case]}
+        first = runs[stages_of[case][0]]
+        report[case] = {
+            "ddp_losses": ddp["losses"],
+            "losses": {s: r["losses"] for s, r in runs.items()},
+            "norms": {s: r["norms"] for s, r in runs.items()},
+            "ddp_norms": ddp["norms"],
+            "stages": {s: differences(first["state"], r["state"]) for s, r in runs.items()},
+            "ddp": differences(first["state"], ddp["state"]),
+        }
+        if case == "plain":
+            plain_state = first["state"]
+        if case == "unclipped":
+            report[case]["clipped_vs_unclipped"] = differences(plain_state, first["state"])
+    return report
+
+
+def save_and_resume(comm: zero_comm.Communicator, folder: str, stage: int) -> dict[str, Any]:
+    """4 steps saving every 2, then a new ZeroTrainer resumed from checkpoint-2."""
+    example = load_example()
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    whole = train(example, f"{folder}/whole", stage, **saving)
+    resumed = train(example, f"{folder}/whole", stage, f"{folder}/whole/checkpoint-2", **saving)
+    exported: dict[str, Any] = {}
+    if comm.rank == 0:
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{folder}/whole/checkpoint-4/model.safetensors")
+        exported = {k: torch.equal(v, whole["state"][k]) for k, v in saved.items()}
+    return {
+        "whole_losses": whole["losses"],
+        "resumed_losses": resumed["losses"],
+        "resumed": differences(whole["state"], resumed["state"]),
+        "exported": exported,
+        "files": sorted(p.name for p in Path(f"{folder}/whole/checkpoint-2").iterdir()),
+    }
