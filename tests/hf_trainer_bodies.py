@@ -33,11 +33,13 @@ def train(
     history = example.LossHistory()
     trainer = example.make_trainer(example.arguments(folder, **overrides), stage, history)
     trainer.train(resume_from_checkpoint=resume)
+    evaluation = trainer.evaluate(example.counting_data(rows=8))["eval_loss"]
     if stage is None:
         state = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
     else:
         state = trainer.engine.full_state_dict()
-    return {"losses": history.losses, "norms": history.grad_norms, "state": state}
+    return {"losses": history.losses, "norms": history.grad_norms, "state": state,
+            "eval_loss": evaluation}  # fmt: skip
 
 
 def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -67,6 +69,8 @@ def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> d
             "losses": {s: r["losses"] for s, r in runs.items()},
             "norms": {s: r["norms"] for s, r in runs.items()},
             "ddp_norms": ddp["norms"],
+            "eval_losses": {s: r["eval_loss"] for s, r in runs.items()},
+            "ddp_eval_loss": ddp["eval_loss"],
             "stages": {s: differences(first["state"], r["state"]) for s, r in runs.items()},
             "ddp": differences(first["state"], ddp["state"]),
         }

@@ -15,6 +15,8 @@ step (lr 3e-3 moves each weight by ~3e-3 a step).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import hf_trainer_bodies
@@ -46,6 +48,8 @@ def test_every_stage_equals_stage_0_bit_for_bit(runs: dict, case: str) -> None:
     norms = list(report["norms"].values())
     assert len(losses[0]) == 4 and all(x == losses[0] for x in losses), report["losses"]
     assert all(x == norms[0] for x in norms), report["norms"]
+    evaluations = list(report["eval_losses"].values())  # trainer.evaluate() after training
+    assert all(x == evaluations[0] for x in evaluations), report["eval_losses"]
     for stage, diff in report["stages"].items():
         assert diff["equal"], f"stage {stage}: weights differ by up to {diff['max_diff']:.3g}"
 
@@ -58,6 +62,8 @@ def test_the_plain_trainer_agrees_within_rounding(runs: dict, case: str) -> None
     stage_losses = next(iter(report["losses"].values()))
     assert stage_losses == pytest.approx(report["ddp_losses"], rel=1e-5)
     assert next(iter(report["norms"].values())) == pytest.approx(report["ddp_norms"], rel=1e-4)
+    evaluation = next(iter(report["eval_losses"].values()))
+    assert evaluation == pytest.approx(report["ddp_eval_loss"], rel=1e-5)
 
 
 def test_max_grad_norm_clips(runs: dict) -> None:
@@ -143,3 +149,17 @@ def test_the_tested_versions_are_the_ones_nox_and_the_extra_install() -> None:
         assert f'"{pin}"' in noxfile, pin
     assert transformers.__version__ == TESTED_VERSIONS["transformers"]
     assert accelerate.__version__ == TESTED_VERSIONS["accelerate"]
+
+
+def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
+    """examples/huggingface_trainer.py as a user runs it: torchrun, 2 CPU processes, the
+    process group made by Accelerate and adopted by ZeroTrainer (the other tests start
+    their ranks with zero-launch)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(hf_trainer_bodies.EXAMPLE), "--steps", "2",
+               "--stage", "3", "--output-dir", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ZeroTrainer, stage 3, 2 processes" in result.stdout
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 2, result.stdout[-2000:]

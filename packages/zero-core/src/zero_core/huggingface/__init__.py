@@ -7,10 +7,10 @@
                           train_dataset=data)
     trainer.train()
 
-Launch it as the Trainer is launched (``torchrun --nproc-per-node N``, ``zero-launch -n N``,
-``accelerate launch``). It needs the extra ``zero-core[huggingface]``: ``transformers`` and
-``accelerate`` at the versions it is tested with (TESTED_VERSIONS; zero_core never imports
-this package by itself). docs/huggingface-trainer.md says what it supports and refuses.
+Launch it as the Trainer is launched (``torchrun --nproc-per-node N``, ``zero-launch -n
+N``). It needs the extra ``zero-core[huggingface]``: ``transformers`` and ``accelerate`` at
+the versions it is tested with (TESTED_VERSIONS; zero_core never imports this package by
+itself). docs/huggingface-trainer.md says what it supports and refuses.
 
 Importing it also guards ``accelerate.Accelerator.prepare_model``: a model a zero_core engine
 trains is refused there, naming ZeroTrainer (zero_core.accelerate_guard).
