@@ -1,6 +1,7 @@
 """zero_comm: collectives over gloo, NCCL and MPI behind one interface.
 
     comm = zero_comm.init()                  # reads torchrun / mpirun / srun / zero-launch
+    comm = zero_comm.from_process_group()    # or adopts a torch.distributed group made already
     comm.all_reduce(grads)                   # in place, SUM
     comm.reduce_scatter(shard, flat_grads)   # flat_grads holds world_size chunks
     comm.all_gather(flat_params, shard)
@@ -26,6 +27,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .adopt import from_mpi_comm, from_process_group
     from .block_quantize import BlockQuantizer, Quantized
     from .coalesced_gather import all_gather_coalesced
     from .comm_options import CommOptions
@@ -85,6 +87,8 @@ _HOMES = {
     "Topology": "topology",
     "detect_topology": "world",
     "init": "world",
+    "from_process_group": "adopt",
+    "from_mpi_comm": "adopt",
 }
 
 
@@ -127,6 +131,8 @@ __all__ = [
     "all_gather_coalesced",
     "detect_launch_env",
     "detect_topology",
+    "from_mpi_comm",
+    "from_process_group",
     "init",
     "quantized_all_gather",
     "quantized_reduce_scatter",

@@ -108,8 +108,14 @@ class MPICommunicator(Communicator):
 
     @classmethod
     def create_world(cls, options: CommOptions) -> MPICommunicator:
-        mpi = import_mpi()
-        world = cls(mpi.COMM_WORLD.Dup(), options=options)
+        return cls.adopt(import_mpi().COMM_WORLD, options)
+
+    @classmethod
+    def adopt(cls, mpi_comm: Any, options: CommOptions) -> MPICommunicator:
+        """Collective over ``mpi_comm`` (an intracommunicator: COMM_WORLD, or the caller's
+        own, zero_comm.adopt): a communicator over a duplicate of it, with its peers and,
+        for more than one rank, its heartbeat."""
+        world = cls(mpi_comm.Dup(), options=options)
         world.peers = [Peer(*p) for p in world.mpi_comm.allgather(tuple(this_peer()))]
         _FailureNotice.listen()
         if world.world_size > 1:

@@ -75,8 +75,11 @@ class TorchCommunicator(Communicator):
         self._posts_seen = 0
         self._splits = 0
         # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split
-        # from it; None where zero_comm did not create the world, or for one rank.
+        # from it; None for one rank, or where an adopted group has none (zero_comm.adopt).
         self._heartbeat: Heartbeat | None = None
+        # Whether close() destroys the process group: False for a group zero_comm adopted
+        # (zero_comm.adopt), which stays its creator's.
+        self.owns_group = True
 
     @classmethod
     def create(
@@ -445,8 +448,9 @@ class TorchCommunicator(Communicator):
         """Collective: every rank of the group must call it.
 
         Closing the world communicator destroys torch's default process group if zero_comm
-        created it (see :class:`_WorldSession`); one the application created is left alone.
-        Closing a subgroup destroys that subgroup's process group.
+        created it (see :class:`_WorldSession`); one the application created is left alone,
+        as is any group zero_comm adopted (zero_comm.adopt). Closing a subgroup that
+        ``split`` made destroys that subgroup's process group.
         """
         if self.closed:
             return
@@ -456,7 +460,13 @@ class TorchCommunicator(Communicator):
             # interpreter exit), once the collectives this rank left in flight have ended.
             super().close()
             return
-        if self.group is dist.group.WORLD and dist.is_initialized():
+        if not self.owns_group:
+            # Adopted (zero_comm.adopt): the group is its creator's; only the heartbeat
+            # made for it goes, once every member is done with the group's collectives.
+            self.barrier()
+            if self._heartbeat is not None:
+                self._heartbeat.check_out("it closed zero_comm")
+        elif self.group is dist.group.WORLD and dist.is_initialized():
             if _WorldSession.created_here():
                 self.barrier()
                 _WorldSession.release(self.timeout, "it closed zero_comm")

@@ -88,8 +88,18 @@ def init(
             ``timeout``. Every rank beats into the rendezvous store (gloo, nccl; under
             mpi, a store rank 0 opens for it: see zero_comm.heartbeat); nccl's waits do
             not block the host, so there only the digest check's waits use it.
+
+    An existing world is adopted, not duplicated: where ``torch.distributed`` is already
+    initialised by someone else (Lightning, Accelerate, a script that called
+    ``init_process_group`` itself), and ``backend`` is "auto" or that group's backend,
+    ``init`` returns :func:`zero_comm.from_process_group` over the default group with the
+    options given here, reading no launcher variables (it says so at INFO on the logger
+    ``zero_comm.world``). A ``backend`` that differs from the group's raises. Only
+    ``backend="mpi"`` makes a world of its own beside it.
     """
     options = CommOptions(deterministic, check_consistency, timeout, heartbeat_timeout)
+    if backend != "mpi" and _initialised_by_someone_else():
+        return _adopt_default_group(backend, options, ranks_per_node)
     env = detect_launch_env()
     if ranks_per_node is not None:
         try:
@@ -118,6 +128,47 @@ def init(
     comm.set_topology(detect_topology(comm, ranks_per_node=ranks_per_node))
     log.debug("zero_comm.init: %s", comm.topology)
     return comm
+
+
+def _initialised_by_someone_else() -> bool:
+    """Whether torch.distributed's default group exists and zero_comm did not create it."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    from .torch_backend import _WorldSession
+
+    return not _WorldSession.created_here()
+
+
+def _adopt_default_group(
+    backend: str, options: CommOptions, ranks_per_node: int | None
+) -> Communicator:
+    import torch.distributed as dist
+
+    from .adopt import backend_of, from_process_group
+
+    try:
+        chosen = backend_of(dist.group.WORLD, dist.get_rank(), backend)
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(
+            f"{exc} (zero_comm.init adopts the default group torch.distributed was "
+            "initialised with)"
+        ) from None
+    log.info(
+        "zero_comm.init: torch.distributed is already initialised (%s, rank %d of %d): "
+        "adopting its default group instead of creating a world",
+        chosen, dist.get_rank(), dist.get_world_size(),
+    )  # fmt: skip
+    return from_process_group(
+        None,
+        backend=chosen,
+        deterministic=options.deterministic,
+        timeout=options.timeout,
+        check_consistency=options.check_consistency,
+        ranks_per_node=ranks_per_node,
+        heartbeat_timeout=options.heartbeat_timeout,
+    )
 
 
 def detect_topology(
