@@ -6,11 +6,13 @@ import zero_comm
 
 
 def adopted_communicator(num_processes: int) -> zero_comm.Communicator:
-    """A deterministic communicator over the world of ``num_processes`` processes that
-    Accelerate (the Trainer's ``PartialState``) has set up: with one process, zero_comm's
-    own single-rank world (Accelerate makes no process group then)."""
-    # zero_comm.init makes the single-rank world, or reuses the default group Accelerate
-    # initialised when its backend is the one "auto" picks (nccl on CUDA, else gloo; as
-    # Accelerate picks). TODO: zero_comm.from_process_group() once it lands (issue 47).
-    del num_processes
+    """A deterministic communicator over the ``num_processes`` processes that Accelerate
+    (the Trainer's ``PartialState``) has set up.
+
+    With several, Accelerate has initialised the default process group (gloo on CPU, nccl
+    on CUDA): it is adopted (zero_comm.from_process_group), never a second world. With one,
+    Accelerate makes no group; zero_comm.init adopts one if a launcher made it, else makes
+    the single-rank world."""
+    if num_processes > 1:
+        return zero_comm.from_process_group(None, deterministic=True)
     return zero_comm.init(deterministic=True)
