@@ -26,12 +26,19 @@ def load_example() -> ModuleType:
 
 
 def train(
-    example: ModuleType, folder: str, stage: int | None, resume: str | None = None, **overrides: Any
+    example: ModuleType,
+    folder: str,
+    stage: int | None,
+    resume: str | None = None,
+    zero_options: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """One Trainer run: its logged losses and gradient norms, and its final float32 weights
-    (the engine's master weights; the plain Trainer's module)."""
+    """One Trainer run: its logged losses and gradient norms, its evaluation loss after
+    training, and its final float32 weights (the engine's master weights; the plain
+    Trainer's module)."""
     history = example.LossHistory()
-    trainer = example.make_trainer(example.arguments(folder, **overrides), stage, history)
+    args = example.arguments(folder, **overrides)
+    trainer = example.make_trainer(args, stage, history, **(zero_options or {}))
     trainer.train(resume_from_checkpoint=resume)
     evaluation = trainer.evaluate(example.counting_data(rows=8))["eval_loss"]
     if stage is None:
@@ -51,29 +58,32 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[
 
 def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> dict[str, Any]:
     """Stages 0-3 and the plain Trainer (DDP), with max_grad_norm=1.0 (it clips: the norms
-    are 2-3), with accumulation over 2 micro-batches, and without clipping."""
+    are 2-3), with accumulation over 2 micro-batches, without clipping; and stages 0 and 3
+    in bf16 (ZeroConfig(param_dtype="bf16"), which the plain Trainer's autocast is not)."""
     example = load_example()
     report: dict[str, Any] = {}
     cases: dict[str, dict[str, Any]] = {
         "plain": {},
         "accumulation": {"gradient_accumulation_steps": 2},
         "unclipped": {"max_grad_norm": 0.0},
+        "bf16": {"zero_options": {"param_dtype": "bf16"}},
     }
-    stages_of = {"plain": (0, 1, 2, 3), "accumulation": (0, 3), "unclipped": (2,)}
+    stages_of = {"plain": (0, 1, 2, 3), "accumulation": (0, 3), "unclipped": (2,), "bf16": (0, 3)}
     for case, overrides in cases.items():
-        ddp = train(example, f"{folder}/{case}-ddp", None, **overrides)
         runs = {s: train(example, f"{folder}/{case}-{s}", s, **overrides) for s in stages_of[case]}
         first = runs[stages_of[case][0]]
         report[case] = {
-            "ddp_losses": ddp["losses"],
             "losses": {s: r["losses"] for s, r in runs.items()},
             "norms": {s: r["norms"] for s, r in runs.items()},
-            "ddp_norms": ddp["norms"],
             "eval_losses": {s: r["eval_loss"] for s, r in runs.items()},
-            "ddp_eval_loss": ddp["eval_loss"],
             "stages": {s: differences(first["state"], r["state"]) for s, r in runs.items()},
-            "ddp": differences(first["state"], ddp["state"]),
         }
+        if case != "bf16":  # the plain Trainer's bf16 is autocast: another computation
+            ddp = train(example, f"{folder}/{case}-ddp", None, **overrides)
+            report[case].update(
+                ddp_losses=ddp["losses"], ddp_norms=ddp["norms"], ddp_eval_loss=ddp["eval_loss"],
+                ddp=differences(first["state"], ddp["state"]),
+            )  # fmt: skip
         if case == "plain":
             plain_state = first["state"]
         if case == "unclipped":

@@ -41,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return reports[0]["value"]
 
 
-@pytest.mark.parametrize("case", ["plain", "accumulation", "unclipped"])
+@pytest.mark.parametrize("case", ["plain", "accumulation", "unclipped", "bf16"])
 def test_every_stage_equals_stage_0_bit_for_bit(runs: dict, case: str) -> None:
     report = runs[case]
     losses = list(report["losses"].values())
@@ -64,6 +64,15 @@ def test_the_plain_trainer_agrees_within_rounding(runs: dict, case: str) -> None
     assert next(iter(report["norms"].values())) == pytest.approx(report["ddp_norms"], rel=1e-4)
     evaluation = next(iter(report["eval_losses"].values()))
     assert evaluation == pytest.approx(report["ddp_eval_loss"], rel=1e-5)
+
+
+def test_bf16_compute_trains_near_the_float32_run(runs: dict) -> None:
+    """ZeroConfig(param_dtype="bf16"): bf16 compute, float32 masters; its losses stay
+    within bf16's rounding (2**-8 relative) of the float32 run's, and differ from them."""
+    bf16 = next(iter(runs["bf16"]["losses"].values()))
+    float32 = next(iter(runs["plain"]["losses"].values()))
+    assert bf16 != float32
+    assert bf16 == pytest.approx(float32, rel=2**-7)
 
 
 def test_max_grad_norm_clips(runs: dict) -> None:
