@@ -91,12 +91,16 @@ def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> d
     return report
 
 
-def save_and_resume(comm: zero_comm.Communicator, folder: str, stage: int) -> dict[str, Any]:
-    """4 steps saving every 2, then a new ZeroTrainer resumed from checkpoint-2."""
+def save_and_resume(
+    comm: zero_comm.Communicator, folder: str, stage: int, resume_stage: int
+) -> dict[str, Any]:
+    """4 steps at ``stage`` saving every 2, then a new ZeroTrainer at ``resume_stage``
+    resumed from checkpoint-2 (the engine loads a checkpoint of any stage)."""
     example = load_example()
     saving = {"save_strategy": "steps", "save_steps": 2}
     whole = train(example, f"{folder}/whole", stage, **saving)
-    resumed = train(example, f"{folder}/whole", stage, f"{folder}/whole/checkpoint-2", **saving)
+    checkpoint = f"{folder}/whole/checkpoint-2"
+    resumed = train(example, f"{folder}/resumed", resume_stage, checkpoint, **saving)
     exported: dict[str, Any] = {}
     if comm.rank == 0:
         from safetensors.torch import load_file

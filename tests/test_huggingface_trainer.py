@@ -82,9 +82,11 @@ def test_max_grad_norm_clips(runs: dict) -> None:
     assert runs["unclipped"]["clipped_vs_unclipped"]["max_diff"] > 1e-4
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path: Path, stage: int) -> None:
-    kwargs = {"folder": str(tmp_path), "stage": stage}
+@pytest.mark.parametrize(("stage", "resume_stage"), [(3, 3), (2, 1)])
+def test_a_resumed_run_equals_the_uninterrupted_one(
+    tmp_path: Path, stage: int, resume_stage: int
+) -> None:
+    kwargs = {"folder": str(tmp_path), "stage": stage, "resume_stage": resume_stage}
     reports = run_on_ranks(hf_trainer_bodies.save_and_resume, 2, kwargs=kwargs, timeout=300)
     report = reports[0]["value"]
     assert report["resumed"]["equal"], report["resumed"]
@@ -112,6 +114,27 @@ def test_accelerator_prepare_of_an_engine_managed_model_names_zero_trainer() -> 
         accelerator.prepare(model)
     engine.close()
     assert accelerator.prepare(model) is model  # a closed engine lets go of it
+
+
+def test_initialize_guards_an_accelerate_loop_that_never_imports_zero_core_huggingface() -> None:
+    """A plain Accelerate loop: accelerate imported first, then zero_core.initialize; the
+    guard is installed by initialize (a fresh interpreter: this one installed it already)."""
+    script = """
+import accelerate, torch, zero_comm, zero_core, sys
+model = torch.nn.Linear(4, 4)
+engine = zero_core.initialize(model, torch.optim.AdamW, zero_core.ZeroConfig(stage=2),
+                              zero_comm.init(deterministic=True))
+assert "zero_core.huggingface" not in sys.modules
+try:
+    accelerate.Accelerator(cpu=True).prepare(model)
+except ValueError as refused:
+    print("refused:", refused)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: accelerator.prepare(model): Linear (parameter weight)" in result.stdout
+    assert "zero_core.huggingface.ZeroTrainer" in result.stdout
 
 
 def test_an_accumulation_window_cut_short_by_the_epoch_raises(tmp_path: Path) -> None:
