@@ -86,9 +86,34 @@ def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> d
             )  # fmt: skip
         if case == "plain":
             plain_state = first["state"]
+            meta = train_built_on_meta(example, f"{folder}/meta")
+            report["meta"] = {
+                "losses": meta["losses"],
+                **differences(first["state"], meta["state"]),
+            }
         if case == "unclipped":
             report[case]["clipped_vs_unclipped"] = differences(plain_state, first["state"])
     return report
+
+
+def train_built_on_meta(example: ModuleType, folder: str) -> dict[str, Any]:
+    """Stage 3 with the model built on the meta device and its values given as init_values
+    (here the state dict of the model the other runs build whole, so the runs compare)."""
+    from transformers import AutoModelForCausalLM
+
+    from zero_core import ZeroConfig
+    from zero_core.huggingface import ZeroTrainer
+
+    values = example.tiny_gpt2().state_dict()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(example.tiny_gpt2().config)
+    history = example.LossHistory()
+    trainer = ZeroTrainer(
+        model, example.arguments(folder), zero_config=ZeroConfig(stage=3), init_values=values,
+        train_dataset=example.counting_data(), callbacks=[history],
+    )  # fmt: skip
+    trainer.train()
+    return {"losses": history.losses, "state": trainer.engine.full_state_dict()}
 
 
 def save_and_resume(

@@ -66,6 +66,12 @@ def test_the_plain_trainer_agrees_within_rounding(runs: dict, case: str) -> None
     assert evaluation == pytest.approx(report["ddp_eval_loss"], rel=1e-5)
 
 
+def test_a_model_built_on_the_meta_device_trains_to_the_same_bits(runs: dict) -> None:
+    """ZeroTrainer(meta model, init_values=...) at stage 3: no rank builds it whole."""
+    assert runs["meta"]["equal"], runs["meta"]
+    assert runs["meta"]["losses"] == next(iter(runs["plain"]["losses"].values()))
+
+
 def test_bf16_compute_trains_near_the_float32_run(runs: dict) -> None:
     """ZeroConfig(param_dtype="bf16"): bf16 compute, float32 masters; its losses stay
     within bf16's rounding (2**-8 relative) of the float32 run's, and differ from them."""
@@ -156,12 +162,15 @@ def test_settings_it_cannot_honour_are_refused_together(tmp_path: Path) -> None:
     config = zero_core.ZeroConfig(stage=3, clip_grad_norm=1.0, gradient_accumulation_steps=4)
     from zero_core.huggingface import ZeroTrainer
 
+    with torch.device("meta"):
+        model = example.tiny_gpt2()
     with pytest.raises(ValueError) as refused:
-        ZeroTrainer(example.tiny_gpt2(), args, zero_config=config)
+        ZeroTrainer(model, args, zero_config=config)
     message = str(refused.value)
     assert "ZeroConfig(param_dtype='bf16'" in message
     assert "TrainingArguments(max_grad_norm=...)" in message
     assert "ZeroConfig(gradient_accumulation_steps=4) differs" in message
+    assert "on the meta device (transformer.wte.weight, ...) and no init_values" in message
 
 
 def test_the_tested_versions_are_the_ones_nox_and_the_extra_install() -> None:

@@ -45,7 +45,8 @@ methods above), logging, evaluation, the data loaders, RNG state and checkpoint 
 
 Refused at construction, each naming what to use: ``fp16``/``bf16`` (use
 ``ZeroConfig(param_dtype=...)``), ``deepspeed``/``fsdp``, ``model_init``,
-``load_best_model_at_end``, ``torch_compile``, a model on the meta device, a ZeroConfig
+``load_best_model_at_end``, ``torch_compile``, a model on the meta device without
+``init_values``, a ZeroConfig
 with ``clip_grad_norm`` (use ``max_grad_norm``) or another ``gradient_accumulation_steps``
 than the arguments'.
 """
@@ -67,6 +68,7 @@ import zero_comm
 
 from ..config.zero_config import ZeroConfig
 from ..engine import Engine
+from ..init_values import InitValues
 from ..initialize import initialize
 from .accelerator import ZeroAccelerator
 from .communicator import adopted_communicator
@@ -82,13 +84,17 @@ class ZeroTrainer(Trainer):
     """``transformers.Trainer`` training ``model`` with a zero_core engine (see the module).
 
     Args:
-        model: a model built whole (on the CPU or ``args.device``); the engine takes it
-            over when training starts.
+        model: a model built whole (on the CPU or ``args.device``), or on the meta device
+            with ``init_values``; the engine takes it over when training starts.
         args: the Trainer's ``TrainingArguments``; ``gradient_accumulation_steps`` and
             ``max_grad_norm`` are the engine's.
         zero_config: the engine's configuration (stage, ``param_dtype``, buckets, offload).
         comm: the data-parallel communicator; default: a deterministic one over the
             processes Accelerate set up (every stage then gives the same bits).
+        init_values: for a model built on the meta device (no rank holds it whole): its
+            values, as ``zero_core.initialize(..., init_values=...)`` takes them (a state
+            dict, ``(name, tensor)`` pairs, ``zero_core.values_from_reset_parameters``);
+            read when training starts, when the engine is built.
         **kwargs: the Trainer's other arguments (datasets, collator, callbacks,
             ``optimizers=(optimizer, scheduler)``, ...).
     """
@@ -100,9 +106,11 @@ class ZeroTrainer(Trainer):
         *,
         zero_config: ZeroConfig,
         comm: zero_comm.Communicator | None = None,
+        init_values: InitValues | None = None,
         **kwargs: Any,
     ) -> None:
-        _refuse_unsupported(model, args, zero_config, kwargs)
+        _refuse_unsupported(model, args, zero_config, kwargs, init_values)
+        self.init_values = init_values
         steps = args.gradient_accumulation_steps
         self.zero_config = dataclasses.replace(zero_config, gradient_accumulation_steps=steps)
         self.engine: Engine | None = None
@@ -129,12 +137,22 @@ class ZeroTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"ZeroTrainer needs a model (nn.Module), got {type(self.model)}")
-        engine = initialize(self.model, optimizer, self.zero_config, self.comm)
+        engine = initialize(
+            self.model, optimizer, self.zero_config, self.comm, init_values=self.init_values
+        )
+        self.init_values = None  # consumed (an iterator is read once)
         self.engine = engine
         self.accelerator.zero_engine = engine
         engine_optimizer = EngineOptimizer(engine)
         self.optimizer = engine_optimizer
         return engine_optimizer
+
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        # A model on the meta device gets its values (on the communicator's device) from
+        # the engine, through init_values; torch cannot move a meta tensor.
+        if any(p.is_meta for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
         # The engine is the wrapped model: the Trainer calls accelerator.prepare(model)
@@ -183,7 +201,11 @@ class ZeroTrainer(Trainer):
 
 
 def _refuse_unsupported(
-    model: nn.Module, args: TrainingArguments, config: ZeroConfig, kwargs: dict[str, Any]
+    model: nn.Module,
+    args: TrainingArguments,
+    config: ZeroConfig,
+    kwargs: dict[str, Any],
+    init_values: InitValues | None,
 ) -> None:
     """One ValueError naming every setting ZeroTrainer cannot honour, with the fix."""
     problems = []
@@ -213,11 +235,11 @@ def _refuse_unsupported(
             ": set it in TrainingArguments only"
         )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
+    if meta and init_values is None:
         problems.append(
-            f"the model is on the meta device ({meta[0]}, ...): ZeroTrainer takes a model "
-            "built whole; for a model too large for that, use zero_core.initialize(..., "
-            "init_values=...) in your own loop (examples/huggingface_causal_lm.py)"
+            f"the model is on the meta device ({meta[0]}, ...) and no init_values: pass "
+            "ZeroTrainer(..., init_values=...) (a state dict, (name, tensor) pairs, or "
+            "zero_core.values_from_reset_parameters(model))"
         )
     if problems:
         raise ValueError("ZeroTrainer cannot honour: " + "; ".join(problems))
