@@ -44,7 +44,8 @@ accumulation, ``_clip_grad_norm`` and ``_get_grad_norm`` (they call the accelera
 methods above), logging, evaluation, the data loaders, RNG state and checkpoint rotation.
 
 Refused at construction, each naming what to use: ``fp16``/``bf16`` (use
-``ZeroConfig(param_dtype=...)``), ``deepspeed``/``fsdp``, ``model_init``,
+``ZeroConfig(param_dtype=...)``), ``deepspeed``/``fsdp``, several GPUs in one process,
+``model_init``,
 ``load_best_model_at_end``, ``torch_compile``, a model on the meta device without
 ``init_values``, a ZeroConfig
 with ``clip_grad_norm`` (use ``max_grad_norm``) or another ``gradient_accumulation_steps``
@@ -213,6 +214,11 @@ def _refuse_unsupported(
         problems.append(
             "fp16/bf16 (Accelerate's autocast): set ZeroConfig(param_dtype='bf16' or 'fp16'); "
             "the engine keeps float32 master weights"
+        )
+    if args.n_gpu > 1:
+        problems.append(
+            f"{args.n_gpu} GPUs in one process (the Trainer's DataParallel): launch one process "
+            "per GPU (torchrun --nproc-per-node N)"
         )
     if args.deepspeed or args.fsdp:
         problems.append("deepspeed/fsdp: ZeroTrainer is the ZeRO backend; leave them unset")
