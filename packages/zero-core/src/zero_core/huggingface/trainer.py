@@ -45,11 +45,10 @@ methods above), logging, evaluation, the data loaders, RNG state and checkpoint 
 
 Refused at construction, each naming what to use: ``fp16``/``bf16`` (use
 ``ZeroConfig(param_dtype=...)``), ``deepspeed``/``fsdp``, several GPUs in one process,
-``model_init``,
-``load_best_model_at_end``, ``torch_compile``, a model on the meta device without
-``init_values``, a ZeroConfig
-with ``clip_grad_norm`` (use ``max_grad_norm``) or another ``gradient_accumulation_steps``
-than the arguments'.
+``model_init``, ``load_best_model_at_end``, ``torch_compile``, a model on the meta device
+without ``init_values``, a ZeroConfig with ``clip_grad_norm`` (use ``max_grad_norm``) or
+another ``gradient_accumulation_steps`` than the arguments'. While training, an
+accumulation window cut short by the end of an epoch raises (EngineOptimizer).
 """
 
 from __future__ import annotations
