@@ -204,3 +204,25 @@ def test_the_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert "ZeroTrainer, stage 3, 2 processes" in result.stdout
     steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 2, result.stdout[-2000:]
+
+
+def test_a_step_the_engine_skips_does_not_advance_the_scheduler(tmp_path: Path) -> None:
+    """A NaN loss at the second step: the engine skips that update (ZeroConfig's nonfinite
+    "skip"), the Trainer's scheduler is told and stays, and the weights stay finite. Before,
+    the Trainer saw every step as applied and advanced its scheduler past the skipped one."""
+    from zero_core.huggingface import ZeroTrainer
+
+    class NanAtStep2(ZeroTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            return loss * float("nan") if self.state.global_step == 1 else loss
+
+    example = hf_trainer_bodies.load_example()
+    trainer = NanAtStep2(
+        example.tiny_gpt2(), example.arguments(str(tmp_path), max_steps=4),
+        zero_config=zero_core.ZeroConfig(stage=2), train_dataset=example.counting_data(),
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.engine.global_steps == 3 and trainer.engine.skipped_steps == 1
+    assert trainer.lr_scheduler.last_epoch == 3  # 4 Trainer steps, 3 applied
+    assert all(v.isfinite().all() for v in trainer.engine.full_state_dict().values())
