@@ -8,7 +8,7 @@
     nox -s tests_nccl    GPU tests; skips, saying why, where there is no CUDA device
     nox -s faults        a rank SIGKILLed in each phase, on gloo and under mpiexec; stuck peers
     nox -s slow          what the default tests leave out for time (pytest -m slow)
-    nox -s integrations  zero_core.lightning under Lightning's launcher and torchrun (pinned)
+    nox -s integrations  Lightning's ZeroStrategy and the HF Trainer's ZeroTrainer (pinned)
     nox -s soak          2,000 steps on 4 ranks at stage 3, twice: flat memory, same bits
     nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
@@ -55,6 +55,9 @@ MPI_DEPS = ("mpi4py>=3.1", "mpich")
 # tests/test_huggingface.py and examples/: Hugging Face models built from a config (no
 # download); pinned, as the example relies on version 5's buffers and initialisation.
 MODEL_ZOO_DEPS = ("transformers==5.24.0",)
+# zero_core.huggingface (ZeroTrainer) also needs Accelerate: the extra zero-core[huggingface]
+# pins both, as zero_core.huggingface.TESTED_VERSIONS names them.
+HUGGINGFACE_DEPS = (*MODEL_ZOO_DEPS, "accelerate==1.15.0")
 LINT_DEPS = ("ruff", "mypy", "import-linter")
 # zero-core's extra [lightning], pinned where it is tested (nox -s integrations) and where
 # mypy reads its types (lint, dev); always installed beside TORCH_HELD, never replacing it.
@@ -132,8 +135,9 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None,
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff, mypy on each package's src, and the layering contract (import-linter)."""
-    _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS)
-    session.install(*_torch_held(session), LIGHTNING)  # zero_core.lightning's types
+    # mypy reads zero_core.huggingface and zero_core.lightning against the tested versions.
+    _install(session, *LINT_DEPS, *TEST_DEPS, *MPI_DEPS, *HUGGINGFACE_DEPS)
+    session.install(*_torch_held(session), LIGHTNING)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     for name in PACKAGES:
@@ -260,9 +264,12 @@ def slow(session: nox.Session) -> None:
 def integrations(session: nox.Session) -> None:
     """The optional frameworks, each pinned, with torch held at TORCH: zero-core[lightning]
     (zero_core.lightning.ZeroStrategy under Lightning's own launcher and under torchrun,
-    stages 0-3 against Lightning's ddp, resume). pytest -m integrations (about 2 min)."""
+    stages 0-3 against Lightning's ddp, resume) and zero-core[huggingface] (ZeroTrainer with
+    transformers and accelerate at the versions it is tested with, against the plain
+    Trainer). pytest -m integrations (about 4 min)."""
     _install(session, *TEST_DEPS)
-    session.install(*_torch_held(session), LIGHTNING, "-e", "packages/zero-core[lightning]")
+    session.install(*_torch_held(session), LIGHTNING, *HUGGINGFACE_DEPS,
+                    "-e", "packages/zero-core[lightning,huggingface]")  # fmt: skip
     _pytest(session, *TEST_DIRS.values(), CROSS_PACKAGE_TESTS, "-m", "integrations")
 
 
@@ -316,9 +323,9 @@ def dev(session: nox.Session) -> None:
         session.run(sys.executable, "-m", "venv", str(venv))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     _install_torch(session, str(venv / "bin" / "python"))
-    session.run(*pip, *_torch_held(session), *TEST_DEPS, *MPI_DEPS, *LINT_DEPS, *MODEL_ZOO_DEPS,
-                LIGHTNING, "-e", "packages/zero-comm", "-e", "packages/zero-core",
-                "-e", "packages/zero-models[plots]")  # fmt: skip
+    session.run(*pip, *_torch_held(session), *TEST_DEPS, *MPI_DEPS, *LINT_DEPS,
+                *HUGGINGFACE_DEPS, LIGHTNING, "-e", "packages/zero-comm",
+                "-e", "packages/zero-core", "-e", "packages/zero-models[plots]")  # fmt: skip
     session.log("ready: source .venv/bin/activate  (then zero-train --help)")
 
 

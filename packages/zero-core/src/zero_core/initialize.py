@@ -11,7 +11,7 @@ from torch import nn
 
 from zero_comm import Communicator
 
-from . import module_guard, param_owner, user_optimizer
+from . import accelerate_guard, module_guard, param_owner, user_optimizer
 from .builder import build_engine_parts
 from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import ZeroConfig
@@ -87,6 +87,7 @@ def initialize(
     engine = Engine(parts)
     param_owner.register(engine)
     module_guard.install()  # .to_empty()/.half()/.cuda() would detach the engine's params
+    accelerate_guard.install_if_imported()  # accelerator.prepare(model) would wrap it in DDP
     if config.stage == 3:
         module_guard.guard_state_dict(model)  # a released parameter reads NaN
     if isinstance(optimizer, torch.optim.Optimizer):
