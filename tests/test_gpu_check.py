@@ -1,8 +1,10 @@
 """tools/gpu/check.py: fails loudly without a GPU, and its code runs (on CPU, for testing);
-tools/gpu/mfu.py: the FLOPs formula, the batch plan against an H200's memory, the goal line."""
+tools/gpu/mfu.py: the FLOPs formula, the batch plan against an H200's memory, the goal line;
+packages/zero-core/tests/cuda_integrations_body.py (check.sh's framework part) on gloo."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -16,6 +18,15 @@ from tools.gpu import mfu
 from zero_models.gpt import PRESETS
 
 TOOL = ("-m", "tools.gpu.check")  # run as a module, with tool_env's PYTHONPATH
+REPOSITORY = Path(__file__).resolve().parent.parent
+INTEGRATIONS_BODY = REPOSITORY / "packages" / "zero-core" / "tests" / "cuda_integrations_body.py"
+
+
+def _lightning_installed() -> bool:
+    """Whether Lightning itself is importable: packages/zero-core/tests/lightning (our
+    tests, no __init__.py) is a namespace package of the same name, with no origin."""
+    spec = importlib.util.find_spec("lightning")
+    return spec is not None and spec.origin is not None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check itself runs")
@@ -58,6 +69,25 @@ def test_the_check_runs_every_stage_on_cpu_when_allowed(
     fragmentation = report["fragmentation"]
     assert [r["contiguous"] for r in fragmentation] == [False, True]
     assert fragmentation[1]["arena_mib"] > 0 and fragmentation[1]["outside_arena"] == 0
+
+
+@pytest.mark.gloo
+def test_the_framework_body_passes_every_part_on_cpu_when_allowed() -> None:
+    """check.sh's second part, on gloo and the CPU: the adopted group, zero_comm.init's
+    own world, the backend-less group, and Lightning's stage 3 against stage 0 where
+    Lightning is installed (the default test environment has no Lightning: the body says
+    SKIP with the reason). About 10 s, 25 s with Lightning."""
+    result = subprocess.run([sys.executable, str(INTEGRATIONS_BODY), "--allow-cpu"],
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = result.stdout.splitlines()
+    verdicts = [line for line in lines if line.startswith(("PASS ", "FAIL ", "SKIP "))]
+    expected = ["PASS adopt:", "PASS init:", "PASS auto:"]
+    expected.append("PASS lightning:" if _lightning_installed() else "SKIP lightning:")
+    assert [v.split(" ")[0] + " " + v.split(" ")[1] for v in verdicts] == expected, verdicts
+    assert "drives gloo" in verdicts[2]
+    if not _lightning_installed():
+        assert "zero-core's extra [lightning]" in verdicts[3]
 
 
 def test_a_spent_budget_lists_every_run_as_not_run(
