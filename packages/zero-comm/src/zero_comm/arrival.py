@@ -7,7 +7,7 @@ peers that are not coming, in seconds, instead of waiting out the collective tim
               wait for meet/<n>/<every rank>,     a beat at a time; between two beats:
                 a member that checked out            -> "left the job ... without calling"
                 a member that stopped beating        -> named as the heartbeat names it
-                a member of this host that is gone   -> "exited without calling" (/proc)
+                a member of this host that is gone   -> "is dead ... never called" (/proc)
                 ``within`` seconds gone, and a member
                   that beats has not come            -> "is elsewhere" (alive, not here)
               the labels differ                    -> each rank's label named
@@ -37,7 +37,7 @@ import warnings
 from typing import Any, NamedTuple
 
 from .errors import CollectiveMismatchError, CommTimeoutError, PeerFailureError
-from .heartbeat import Heartbeat, describe_peer
+from .heartbeat import WHAT_TO_DO, Heartbeat, describe_peer
 from .peers import Peer, is_running
 
 WARN_AFTER_S = 60.0  # waiting this long for a live rank is said once, naming it
@@ -122,12 +122,14 @@ def _not_coming(point: MeetingPoint, rank: int, missing: list[int], label: str) 
     peers, heartbeat = point.peers, point.heartbeat
     if peers is None:
         return None
-    sentences = []
+    sentences: list[str] = []
+    checked_out = False  # a script that ended without the call: the fix is in the script
     if heartbeat is not None:
         left = heartbeat.left_ranks()
         for r in missing:
             world = _world_rank(heartbeat, peers[r])
             if world in left:
+                checked_out = True
                 sentences.append(
                     f"{describe_peer(world, peers[r])} left the job "
                     f"({heartbeat.left_how(world)}) without calling {label}"
@@ -141,13 +143,20 @@ def _not_coming(point: MeetingPoint, rank: int, missing: list[int], label: str) 
     for r in missing:
         gone = peers[r].host == here and not is_running(peers[r].pid)
         if gone and not any(f"rank {r} " in s for s in sentences):
-            sentences.append(f"rank {r} (pid {peers[r].pid}) exited without calling {label}")
+            # gone without a check-out: killed or crashed, as peers.describe_dead says it
+            sentences.append(
+                f"rank {r} (pid {peers[r].pid}) is dead (it ended without checking out: "
+                f"killed or crashed) and never called {label}"
+            )
     if not sentences:
         return None
-    return (
-        f"{label}: " + "; ".join(sentences) + f". {label} is collective: call it on every "
-        "rank (a save under `if rank == 0:` alone never completes)"
+    fix = (
+        f"{label} is collective: call it on every rank (a save under `if rank == 0:` alone "
+        "never completes)"
+        if checked_out
+        else WHAT_TO_DO
     )
+    return f"{label}: " + "; ".join(sentences) + f". {fix}"
 
 
 def _elsewhere(
