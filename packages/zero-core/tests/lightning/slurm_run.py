@@ -1,0 +1,39 @@
+"""One tiny stage-3 fit on 2 CPU ranks, for test_lightning_slurm.py: run as
+``python slurm_run.py OUT`` under Lightning's own launcher (rank 0 re-runs this script as
+rank 1), or started once per task with the environment ``srun`` gives each task.
+
+The fit is lightning_runs.py's ``zero3`` (per-step schedule, gradient_clip_val=0.5); its
+parameters and losses go to ``OUT/zero3.pt`` (rank 0). Each rank then prints one line,
+``slurm_run: environment=... rank=... world_size=... process_group=... comm=... topology=...``,
+saying which cluster environment Lightning chose and which world the rank joined.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from lightning_runs import fit
+
+from zero_core.lightning import ZeroStrategy
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = ZeroStrategy(stage=3)
+    trainer = fit(out, "zero3", strategy, gradient_clip_val=0.5)
+    comm = strategy.comm
+    assert comm is not None
+    print(
+        f"slurm_run: environment={type(strategy.cluster_environment).__name__} "
+        f"rank={trainer.global_rank} world_size={trainer.world_size} "
+        f"process_group={dist.get_rank()}/{dist.get_world_size()} "
+        f"comm={comm.rank}/{comm.world_size} "
+        f"topology={comm.topology.source}:{list(comm.topology.node_of)}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
