@@ -6,6 +6,12 @@ The fit is lightning_runs.py's ``zero3`` (per-step schedule, gradient_clip_val=0
 parameters and losses go to ``OUT/zero3.pt`` (rank 0). Each rank then prints one line,
 ``slurm_run: environment=... rank=... world_size=... process_group=... comm=... topology=...``,
 saying which cluster environment Lightning chose and which world the rank joined.
+
+Under SLURM only, SLURM's own resume path follows: 2 epochs at once (``zero3_whole``), then
+1 epoch whose checkpoint is saved as ``ROOT/hpc_ckpt_1.ckpt`` (the name Lightning's
+requeue handler gives it) and a new fit of 2 epochs with no ``ckpt_path`` in the same
+``default_root_dir`` (``zero3_hpc``): Lightning resumes it from that checkpoint by itself
+because it runs under SLURM.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning_runs import fit
 
 from zero_core.lightning import ZeroStrategy
@@ -33,6 +40,12 @@ def main(out: Path) -> None:
         f"topology={comm.topology.source}:{list(comm.topology.node_of)}",
         flush=True,
     )
+    if isinstance(strategy.cluster_environment, SLURMEnvironment):
+        root = out / "root"
+        fit(out, "zero3_whole", ZeroStrategy(stage=3), max_epochs=2)
+        first = fit(out, "zero3_first", ZeroStrategy(stage=3), max_epochs=1, default_root_dir=root)
+        first.save_checkpoint(str(root / "hpc_ckpt_1.ckpt"))
+        fit(out, "zero3_hpc", ZeroStrategy(stage=3), max_epochs=2, default_root_dir=root)
 
 
 if __name__ == "__main__":

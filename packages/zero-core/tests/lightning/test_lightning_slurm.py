@@ -12,10 +12,15 @@ free port. No fake ``srun`` or ``scontrol`` is needed: Lightning 2.6.6 detects S
 SLURM_NTASKS (and a job name other than "bash"/"interactive"), runs no SLURM command
 during a fit, and only warns when an ``srun`` on PATH was not used.
 
+Also checked under the emulated step: Lightning's SLURM resume path, a fit without
+``ckpt_path`` resuming from ``hpc_ckpt_<n>.ckpt`` in its default_root_dir (here
+ZeroStrategy's checkpoint folder, saved by hand where the requeue handler would save it).
+
 What a real cluster adds: slurmd starting the tasks (with their CPU binding and cgroups),
 several nodes (SLURM_NODEID > 0, the first host of a bracketed node list as the main
-address, reached over the network), and the requeue signal (SIGUSR1, which Lightning's
-SLURMEnvironment handles by calling ``scontrol requeue``); none of these is exercised here.
+address, reached over the network), and the requeue signal (SIGUSR1, which Lightning's Trainer
+handles under SLURMEnvironment by saving that checkpoint and calling ``scontrol requeue``);
+none of these is exercised here.
 """
 
 from __future__ import annotations
@@ -126,8 +131,8 @@ def _launcher(out: Path) -> list[str]:
     return sorted(LINE.findall(done.stdout))
 
 
-def _load(out: Path) -> dict[str, Any]:
-    result: dict[str, Any] = torch.load(out / "zero3.pt", weights_only=False)
+def _load(out: Path, name: str = "zero3") -> dict[str, Any]:
+    result: dict[str, Any] = torch.load(out / f"{name}.pt", weights_only=False)
     return result
 
 
@@ -151,3 +156,16 @@ def test_a_slurm_step_is_one_world_with_the_launchers_bits(tmp_path: Path) -> No
     assert list(slurm["params"]) == list(launcher["params"])
     for name, value in launcher["params"].items():
         assert torch.equal(slurm["params"][name], value), f"SLURM vs launcher: {name} differs"
+    _assert_hpc_resume(tmp_path / "slurm")
+
+
+def _assert_hpc_resume(slurm: Path) -> None:
+    """Under SLURM a fit without ckpt_path resumes from ``hpc_ckpt_<n>.ckpt`` in its
+    default_root_dir (the requeue handler's file; here ZeroStrategy's checkpoint folder):
+    it runs only epoch 2 (4 steps, not 8) and ends with the uninterrupted run's bits."""
+    whole, resumed = _load(slurm, "zero3_whole"), _load(slurm, "zero3_hpc")
+    assert len(resumed["losses"]) == len(whole["losses"]) // 2 > 0
+    assert resumed["losses"] == whole["losses"][len(resumed["losses"]) :]
+    assert resumed["steps"] == whole["steps"]
+    for name, value in whole["params"].items():
+        assert torch.equal(resumed["params"][name], value), f"hpc resume: {name} differs"
