@@ -16,6 +16,7 @@ because it runs under SLURM.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,14 +33,17 @@ def main(out: Path) -> None:
     trainer = fit(out, "zero3", strategy, gradient_clip_val=0.5)
     comm = strategy.comm
     assert comm is not None
-    print(
+    line = (
         f"slurm_run: environment={type(strategy.cluster_environment).__name__} "
         f"rank={trainer.global_rank} world_size={trainer.world_size} "
         f"process_group={dist.get_rank()}/{dist.get_world_size()} "
         f"comm={comm.rank}/{comm.world_size} "
-        f"topology={comm.topology.source}:{list(comm.topology.node_of)}",
-        flush=True,
+        f"topology={comm.topology.source}:{list(comm.topology.node_of)}"
     )
+    # One write(2) of under PIPE_BUF bytes: under Lightning's launcher both ranks share
+    # one pipe, and print's separate writes of text and newline interleave.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
     if isinstance(strategy.cluster_environment, SLURMEnvironment):
         root = out / "root"
         fit(out, "zero3_whole", ZeroStrategy(stage=3), max_epochs=2)
