@@ -263,8 +263,9 @@ def slow(session: nox.Session) -> None:
 @nox.session
 def integrations(session: nox.Session) -> None:
     """The optional frameworks, each pinned, with torch held at TORCH: zero-core[lightning]
-    (zero_core.lightning.ZeroStrategy under Lightning's own launcher and under torchrun,
-    stages 0-3 against Lightning's ddp, resume) and zero-core[huggingface] (ZeroTrainer with
+    (zero_core.lightning.ZeroStrategy under Lightning's own launcher, torchrun and an
+    emulated SLURM step; stages 0-3 against Lightning's ddp, resume) and
+    zero-core[huggingface] (ZeroTrainer with
     transformers and accelerate at the versions it is tested with, against the plain
     Trainer). pytest -m integrations (about 4 min)."""
     _install(session, *TEST_DEPS)
