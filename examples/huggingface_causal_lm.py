@@ -4,6 +4,9 @@
     zero-launch -n 2 python examples/huggingface_causal_lm.py            # 2 ranks, gloo
     python examples/huggingface_causal_lm.py --model llama --dtype bfloat16 --stage 2
 
+The same model under the Hugging Face ``Trainer`` (``zero_core.huggingface.ZeroTrainer``
+in place of ``Trainer``) is examples/huggingface_trainer.py.
+
 It needs ``transformers``, tested at 5.24.0: ``./nox -s dev`` puts it in ``.venv``, or
 ``pip install transformers==5.24.0`` into your own environment.
 
