@@ -23,8 +23,8 @@ INTEGRATIONS_BODY = REPOSITORY / "packages" / "zero-core" / "tests" / "cuda_inte
 
 
 def _lightning_installed() -> bool:
-    """Whether Lightning itself is importable: packages/zero-core/tests/lightning (our
-    tests, no __init__.py) is a namespace package of the same name, with no origin."""
+    """Whether Lightning itself is importable (a folder named lightning on sys.path would
+    be a namespace package of that name, with no origin)."""
     spec = importlib.util.find_spec("lightning")
     return spec is not None and spec.origin is not None
 

@@ -52,7 +52,7 @@ CASE = ParityCase(
     persistence_threshold=0,
     steps=3,
 )
-LIGHTNING_RUNS = Path(__file__).parent / "lightning" / "lightning_runs.py"
+LIGHTNING_RUNS = Path(__file__).parent / "lightning_strategy" / "lightning_runs.py"
 
 
 class Target:

@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning.pytorch")
 import torch
 
 pytestmark = pytest.mark.integrations

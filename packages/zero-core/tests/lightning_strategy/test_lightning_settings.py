@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning.pytorch")
 import lightning as L
 import torch
 
