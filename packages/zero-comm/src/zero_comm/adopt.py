@@ -139,6 +139,7 @@ def from_process_group(
         options = CommOptions(deterministic, True, timeout, heartbeat_timeout)
     comm = TorchCommunicator(group, backend=backend, device=device, options=options)
     comm.owns_group = False
+    comm.adopted_world = True
     name = _group_name(group)
     count = _adoptions[name] = _adoptions.get(name, 0) + 1
     prefix = f"zero_comm/adopted/{name}/{count}"
