@@ -22,6 +22,12 @@ counts them. A wrong tier moves a whole category (12 bytes of 16 per element for
 2 for the parameters), far past 10%: each case also checks that no other tier combination's
 estimate would pass.
 
+Gradients follow the optimizer's tier at stages 2 and 3 (``offload_gradients``, the
+default; the cases marked ``grads:device`` keep them on the device, with zero-estimate's
+``--no-offload-gradients``): each such case checks the gradient shard's bytes in the tier
+where the engine keeps them. The last test holds zero-estimate's host <-> disk bytes per
+step to the engine's own I/O counters the same way.
+
 On a CPU-only machine the device and the host are the same RAM; the engine still keeps the
 tiers apart (host tensors, swap files), and so does the report. The process's resident set
 (MemoryTracker) is no measure of one rank here: simulated ranks are threads of one process,
@@ -101,9 +107,11 @@ class Case(NamedTuple):
     params: str  # offload_params (stage 3)
     dtype: str = "bf16"
     fraction: float = 1.0
+    gradients: bool = True  # offload_gradients: they follow the optimizer's tier
 
     def __str__(self) -> str:
         tail = "" if self.fraction == 1 else f"-f{self.fraction:g}"
+        tail += "" if self.gradients else "-grads:device"
         return f"s{self.stage}-opt:{self.optimizer}-par:{self.params}-{self.dtype}{tail}"
 
 
@@ -125,6 +133,7 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
             offload_optimizer=case.optimizer,
             offload_params=case.params,
             offload_fraction=case.fraction,
+            offload_gradients=case.gradients,
             offload_dir=str(offload_dir),
             **SETTINGS,
         )
@@ -156,6 +165,7 @@ def estimate(case: Case, *, optimizer: str | None = None, params: str | None = N
         "--offload-buffer-count", str(SETTINGS["offload_buffer_count"]),
         "--bucket-numel", str(SETTINGS["bucket_numel"]),
         "--prefetch-numel", str(SETTINGS["prefetch_numel"]), "--json",
+        *([] if case.gradients else ["--no-offload-gradients"]),
     ]  # fmt: skip
     out = StringIO()
     with redirect_stdout(out):
@@ -197,9 +207,12 @@ def check(case: Case, offload_dir: Path) -> None:
             )
 
 
-# Every tier of each kind, each kind of disk tier, both dtypes, a fraction (default run).
+# Every tier of each kind, each kind of disk tier, both dtypes, a fraction, gradients
+# following the optimizer's tier (the default) and kept on the device (default run).
 DEFAULT_CASES = [
     Case(3, "disk", "disk"),
+    Case(3, "disk", "disk", gradients=False),
+    Case(2, "cpu", "none", gradients=False),
     Case(3, "cpu", "disk"),
     Case(3, "disk", "cpu"),
     Case(3, "none", "cpu", "fp32"),
@@ -207,13 +220,22 @@ DEFAULT_CASES = [
     Case(1, "cpu", "none"),
     Case(2, "cpu", "none", "bf16", 0.5),
 ]
-ALL_CASES = [
-    Case(stage, optimizer, params, dtype)
-    for dtype in ("bf16", "fp32")
-    for stage in (1, 2, 3)
-    for optimizer in TIERS
-    for params in (TIERS if stage == 3 else ("none",))
-] + [Case(stage, "disk", "none", "bf16", 0.5) for stage in (1, 2, 3)]
+ALL_CASES = (
+    [
+        Case(stage, optimizer, params, dtype)
+        for dtype in ("bf16", "fp32")
+        for stage in (1, 2, 3)
+        for optimizer in TIERS
+        for params in (TIERS if stage == 3 else ("none",))
+    ]
+    + [Case(stage, "disk", "none", "bf16", 0.5) for stage in (1, 2, 3)]
+    + [
+        Case(stage, optimizer, "none", dtype, gradients=False)
+        for dtype in ("bf16", "fp32")
+        for stage in (2, 3)
+        for optimizer in ("cpu", "disk")
+    ]
+)
 SLOW_CASES = [case for case in ALL_CASES if case not in DEFAULT_CASES]
 
 
@@ -254,3 +276,97 @@ def test_the_report_counts_all_host_memory_of_the_disk_tiers(
         f"buffers are estimated at {WORLD_SIZE * estimated.host:.0f} and the swap files "
         f"allocated {sum(allocated)} more ({len(allocated)} buffers)"
     )
+
+
+class DiskTraffic(NamedTuple):
+    """Bytes one rank moved between host memory and disk in one step."""
+
+    states_read: float  # masters and optimizer states (and gradients on disk), read
+    states_written: float  # the same, written
+    params_read: float  # stage 3: parameter shards read for their gathers
+
+
+def measure_disk_traffic(case: Case, offload_dir: Path) -> list[DiskTraffic]:
+    """Each rank's swap-file traffic during its second step (the first records the
+    gather order that prefetching and the backward head follow), from the engine's own
+    counters: swapped_tiles' bytes read and written, parameter shards' bytes read."""
+
+    def body(comm: Communicator) -> DiskTraffic:
+        model = SmallTransformer()
+        config = zero_core.ZeroConfig(
+            stage=case.stage, param_dtype=CONFIG_DTYPES[case.dtype], persistence_threshold=0,
+            offload_optimizer=case.optimizer, offload_params=case.params,
+            offload_fraction=case.fraction, offload_gradients=case.gradients,
+            offload_dir=str(offload_dir), **SETTINGS,
+        )  # fmt: skip
+        engine = zero_core.initialize(model, torch.optim.Adam(model.parameters()), config, comm)
+        swap = getattr(engine.masters, "swap", None)
+        store = getattr(engine.compute_params, "store", None)
+        generator = torch.Generator().manual_seed(comm.rank)
+        try:
+            for step in range(2):
+                if step == 1:
+                    counted = [swap, getattr(store, "bytes_read", None) is not None and store]
+                    for counter in (c for c in counted if c):
+                        counter.bytes_read = 0
+                    if swap is not None:
+                        swap.bytes_written = 0
+                tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)  # (B, T)
+                logits = engine(tokens)  # (B, T, V)
+                target = torch.roll(tokens, 1, dims=1).reshape(-1)
+                engine.backward(nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target))
+                assert engine.step()
+        finally:
+            engine.close()
+        return DiskTraffic(
+            swap.bytes_read if swap is not None else 0,
+            swap.bytes_written if swap is not None else 0,
+            store.bytes_read if store is not None else 0,
+        )
+
+    return run_simulated(WORLD_SIZE, body)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(3, "disk", "disk"),
+        Case(3, "disk", "disk", gradients=False),
+        Case(2, "disk", "none", "fp32"),
+        Case(3, "cpu", "disk"),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_zero_estimate_predicts_the_disk_links_bytes(case: Case, tmp_path: Path) -> None:
+    """zero-estimate's host <-> disk bytes per step (zero_core.estimate.offload_traffic)
+    against the engine's counters, within 10% (the same padding as above): the optimizer
+    tier's tiles read once and written once per step (float32 master and Adam's two
+    moments: 12 bytes per element, with the gradients where they follow the optimizer),
+    and at stage 3 every parameter shard read for its forward gather (backward's are the
+    backward head here: the default backward_head_numel covers this model, so forward
+    keeps every unit gathered for it). The parameter shards' writes after the step have
+    no counter in the engine, so they are not compared."""
+    measured = measure_disk_traffic(case, tmp_path)
+    argv = [
+        "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
+        "--offload-optimizer", case.optimizer, "--offload-params", case.params,
+        "--bucket-numel", str(SETTINGS["bucket_numel"]),
+        "--prefetch-numel", str(SETTINGS["prefetch_numel"]), "--json",
+        *([] if case.gradients else ["--no-offload-gradients"]),
+    ]  # fmt: skip
+    out = StringIO()
+    with redirect_stdout(out):
+        zero_estimate(argv)
+    links = json.loads(out.getvalue())[str(case.stage)]["links"]
+    read, written = links["disk_to_host"], links["host_to_disk"]
+    estimated = DiskTraffic(
+        read["optimizer_states"] + read["gradients"],
+        written["optimizer_states"] + written["gradients"],
+        read["parameters"],
+    )
+    assert estimated.states_read > 0 or case.optimizer != "disk"
+    assert estimated.params_read > 0 or case.params != "disk"
+    for rank, traffic in enumerate(measured):
+        assert within(Tiers(*traffic), Tiers(*estimated)), (
+            f"{case}, rank {rank}: measured {traffic}, estimated {estimated}"
+        )
