@@ -74,7 +74,8 @@ def test_zero_offload_13b_fits_one_32gb_gpu(capsys: pytest.CaptureFixture[str]) 
     # Without a shape the row is the command: 26 GB and the bucket buffers.
     plain = estimate(capsys, *argv[:8])["2"]
     assert plain["device"] == 26e9 and plain["device_peak"] == 26e9 + plain["working"]
-    assert plain["working"] == 3 * 2**22 * 2 * 2  # (2 in flight + 1) x bucket x (1 + 1/1) x fp16
+    # (2 in flight + 1) x bucket x (staging, receive rows, slice) x fp16 x pool's size class
+    assert plain["working"] == 3 * 2**22 * 3 * 2 * (1 + 1 / 8)
 
 
 def test_zero_infinity_1t_fits_sixteen_32gb_gpus(capsys: pytest.CaptureFixture[str]) -> None:
@@ -176,7 +177,9 @@ def test_working_memory_is_set_by_the_configuration(
     }  # fmt: skip
     assert working_bytes(0, n, **common).total == working_bytes(1, n, **common).total == 0
     two = working_bytes(2, n, **common)
-    assert two.gradient_buckets == pytest.approx((in_flight + 1) * bucket * (1 + 1 / n) * 2)
+    assert two.gradient_buckets == pytest.approx(
+        (in_flight + 1) * bucket * (2 + 1 / n) * 2 * (1 + 1 / 8)
+    )
     assert two.autograd_gradient == 2 * largest and two.gathered_units == 0
     three = working_bytes(3, n, **common)
     assert three.gathered_units == 2 * (largest + 2**24)  # the backward head is the larger

@@ -5,11 +5,13 @@ With the model states offloaded (ZeRO-Offload, ZeRO-Infinity) these are most of 
 device holds, so an estimate that leaves them out says a model fits that does not. Per
 rank, bytes, at the peak of backward (the upper bound the engine's configuration sets):
 
-    stages 2, 3  gradient buckets   (M + 1) b (1 + 1/N) g     M = max_buckets_in_flight,
+    stages 2, 3  gradient buckets   (M + 1) b (2 + 1/N) g c   M = max_buckets_in_flight,
                                                                b = bucket_numel: each bucket
                                     being reduced (M) and the one being filled (+1): its
-                                    staging copy and this rank's reduced slice (stage2.py,
-                                    grad_reducer; the communicator's pool, ``comm_buffers``)
+                                    staging copy, the reduce-scatter's receive rows and this
+                                    rank's reduced slice (stage2.py's bound), each rounded up
+                                    to the communicator's pool's size class, c = 1 + 1/8
+                                    (zero_comm.buffers; MemoryReport's ``comm_buffers``)
                  autograd gradient  P p                        P = the largest parameter: its
                                     gradient as autograd hands it over, before a hook moves
                                     it into staging; one larger than b is never staged but
@@ -35,6 +37,11 @@ gradient, 2 x 2 x 4h^2 bytes, here U p + P p, plus the configuration's buffers.
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from zero_comm.buffers import CLASSES_PER_OCTAVE
+
+# A pooled buffer is at most this much larger than asked for (zero_comm.buffers).
+SIZE_CLASS_SLACK = 1 + 1 / CLASSES_PER_OCTAVE
 
 
 class WorkingBytes(NamedTuple):
@@ -83,7 +90,8 @@ def working_bytes(
     if stage < 2:
         return WorkingBytes(0.0, 0.0, 0.0, 0.0)
     n = world_size
-    buckets = (max_buckets_in_flight + 1) * bucket_numel * (1 + 1 / n) * grad_bytes
+    rows = 2 + 1 / n  # staging copy, receive rows, reduced slice: in buckets
+    buckets = (max_buckets_in_flight + 1) * bucket_numel * rows * grad_bytes * SIZE_CLASS_SLACK
     autograd = largest_param_numel * param_bytes
     gathered = coalesced = 0.0
     if stage == 3:
