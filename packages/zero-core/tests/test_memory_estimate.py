@@ -5,6 +5,7 @@ test_offload_memory.py)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any
@@ -153,7 +154,8 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
     their aliased master to a separate one (any tier); a fraction f of the masters and
     states (S elements of 4 + s bytes) leaves the device for the tier; host and disk hold
     nothing of a tier not asked for. At stages 2 and 3 with ``offload_gradients`` the
-    gradient slice of those elements (g bytes each) goes with them."""
+    gradient slice of those elements (g bytes each) goes with them, and the device keeps
+    one reduction's landed slice of them (a bucket slice at most) for its copy out."""
     tiered = tiered_state_bytes(**case)
     sizes = ("optimizer_state_bytes", "param_bytes", "grad_bytes")
     plain = model_state_bytes(
@@ -165,9 +167,13 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
     follow = case["offload_gradients"] and case["offload_optimizer"] != "none"
     follow = follow and case["stage"] >= 2
     elements = shard * case["offload_fraction"] if case["offload_optimizer"] != "none" else 0
-    assert tiered.model_states == pytest.approx(plain.total + separate, rel=1e-9)
+    bucket_slice = math.ceil(case["bucket_numel"] / (case["world_size"] * SLICE_ALIGNMENT))
+    landed = case["grad_bytes"] * min(elements, bucket_slice * SLICE_ALIGNMENT) if follow else 0
+    assert tiered.model_states == pytest.approx(plain.total + separate + landed, rel=1e-9)
     assert tiered.gradients == pytest.approx(
-        plain.gradients - (case["grad_bytes"] * elements if follow else 0), rel=1e-9, abs=1e-6
+        plain.gradients - (case["grad_bytes"] * elements if follow else 0) + landed,
+        rel=1e-9,
+        abs=1e-6,
     )
     g = case["grad_bytes"]
     assert tiered.tier_gradients == (pytest.approx(g * elements) if follow else 0)
@@ -220,7 +226,8 @@ def test_stage3_disk_everything_leaves_nothing_on_the_device() -> None:
         "buffer_count": 5, "bucket_numel": 2**22,
     }  # fmt: skip
     follow = tiered_state_bytes(psi, n, 3, offload_gradients=True, **everything)
-    assert follow.device == 0 and follow.disk == (2 + 12 + 2) * psi / n
+    assert follow.device == follow.gradients == 2 * 2**19  # one landed bucket slice
+    assert follow.disk == (2 + 12 + 2) * psi / n
     assert follow.staging == 5 * 2**19 * (12 + 2)
     tiered = tiered_state_bytes(psi, n, 3, offload_gradients=False, **everything)
     assert tiered.device == tiered.gradients == 2 * psi / n
@@ -252,7 +259,11 @@ def test_float32_offload_keeps_the_parameter_and_moves_a_separate_master() -> No
     assert plain.device == 4 * psi + 4 * psi / n + 8 * psi / n and plain.master_weights == 0
     assert host.device == 4 * psi + 4 * psi / n
     follow = tiered_state_bytes(psi, n, 2, offload_optimizer="cpu", offload_gradients=True, **fp32)
-    assert follow.device == 4 * psi and follow.host == (4 + 8 + 4) * psi / n
+    assert follow.host == (4 + 8 + 4) * psi / n
+    # The gradient shard is one bucket slice here: it lands whole on the device first.
+    assert follow.device == 4 * psi + 4 * psi / n
+    big = tiered_state_bytes(2**30, n, 2, offload_optimizer="cpu", offload_gradients=True, **fp32)
+    assert big.device == 4 * 2**30 + 4 * 2**20  # one landed slice: 2**22 / 4 elements
     assert host.host == (4 + 8) * psi / n
     assert host.model_states - plain.model_states == 4 * psi / n
 
@@ -295,8 +306,9 @@ def test_cli_prints_each_tier_and_what_a_stage_cannot_offload(
         assert row["tier_gradients"] == pytest.approx(gradients * 7.5e9 / 64)
         assert row["staging"] > 0
     assert rows["1"]["device"] == pytest.approx(4 * 7.5e9)  # parameters, full gradients
-    assert rows["2"]["device"] == pytest.approx(2 * 7.5e9)  # the parameters only
-    assert rows["3"]["device"] == 0
+    landed = 2 * 2**22 / 64  # one bucket's reduced slice, waiting for its copy out
+    assert rows["2"]["device"] == pytest.approx(2 * 7.5e9 + landed)  # + the parameters
+    assert rows["3"]["device"] == landed
     assert rows["3"]["host"] == pytest.approx(2 * 7.5e9 / 64 + rows["3"]["staging"])
     main(argv)
     table = capsys.readouterr().out

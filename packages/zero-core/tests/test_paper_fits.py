@@ -51,15 +51,18 @@ def shape(layers: int, width: int, heads: int) -> list[str]:
 
 
 def test_zero_offload_13b_fits_one_32gb_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    """Stage 2, fp16, optimizer on the CPU, one GPU: exactly 2 bytes per parameter of model
-    states on the device (26 GB), under 2 GB of working memory and activations on top:
+    """Stage 2, fp16, optimizer on the CPU, one GPU: 2 bytes per parameter of model states
+    on the device (26 GB) and one reduction's gradient slice landed before its copy out
+    (the largest: the 50257 x 5120 embedding's, 0.5 GB), under 2 GB of working memory and
+    activations on top:
     fits in 32 GB. With the gradients kept on the device (what the engine did before
     issue 48) it is 52 GB and does not fit. Over PCIe: 2Ψ down, 2Ψ up per step."""
     psi = 13e9
     argv = ["--params", "13e9", "--world-size", "1", "--dtype", "fp16", "--offload-optimizer",
             "cpu", *shape(40, 5120, 40)]  # fmt: skip
     row = estimate(capsys, *argv)["2"]
-    assert row["device"] == 2 * psi
+    embedding = GPT2_VOCAB * 5120
+    assert row["device"] == 2 * psi + 2 * embedding
     assert row["gradients_tier"] == "cpu" and row["tier_gradients"] == 2 * psi
     assert row["host"] == (4 + 8 + 2) * psi  # master, Adam's two moments, fp16 gradient
     assert row["working"] + row["activations_peak"] < 2e9
@@ -71,26 +74,29 @@ def test_zero_offload_13b_fits_one_32gb_gpu(capsys: pytest.CaptureFixture[str]) 
     assert links["disk_to_host"]["total"] == links["host_to_disk"]["total"] == 0
     kept = estimate(capsys, *argv, "--no-offload-gradients")["2"]
     assert kept["device"] == 4 * psi and kept["step_peak"] > V100
+    assert kept["step_peak"] - row["step_peak"] == 2 * psi - 2 * embedding
     # Without a shape the row is the issue's command: 26 GB and the bucket buffers.
     plain = estimate(capsys, *argv[:8])["2"]
-    assert plain["device"] == 26e9 and plain["device_peak"] == 26e9 + plain["working"]
+    assert plain["device"] == 26e9 + 2 * 2**22  # + one landed bucket slice (N = 1: a bucket)
+    assert plain["device_peak"] == plain["device"] + plain["working"]
     # (2 in flight + 1) x bucket x (staging, receive rows, slice) x fp16 x pool's size class
     assert plain["working"] == 3 * 2**22 * 3 * 2 * (1 + 1 / 8)
 
 
 def test_zero_infinity_1t_fits_sixteen_32gb_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     """Stage 3 on 16 GPUs, masters, states, gradients and parameters on disk: no model
-    state stays on the device; the working memory is the largest unit's parameter and
-    gradient (2 x 2 x 4 x 25600^2 bytes, the paper's model state working memory) plus
-    the configured buffers; with the activations the step fits in 32 GB. Keeping the
-    gradients on the device (before issue 48) puts 2Ψ/N = 125 GB there."""
+    state stays on the device but the landed slice of one reduction; the working memory
+    is the largest unit's parameter and gradient (2 x 2 x 4 x 25600^2 bytes, the paper's
+    model state working memory) plus the configured buffers; with the activations the
+    step fits in 32 GB. Keeping the gradients on the device (before issue 48) puts
+    2Ψ/N = 125 GB there."""
     psi, n = 1e12, 16
     argv = ["--params", "1e12", "--world-size", "16", "--dtype", "fp16", "--offload-optimizer",
             "disk", "--offload-params", "disk", *shape(128, 25600, 256)]  # fmt: skip
     row = estimate(capsys, *argv)["3"]
-    assert row["device"] == 0
-    assert row["disk"] == pytest.approx((2 + 4 + 8 + 2) * psi / n)
     largest_op = 4 * 25600 * 25600
+    assert row["device"] == 2 * largest_op / n  # its gradient's slice, landed for its copy
+    assert row["disk"] == pytest.approx((2 + 4 + 8 + 2) * psi / n)
     parts = row["working_parts"]
     assert parts["autograd_gradient"] == 2 * largest_op
     assert 2 * largest_op <= parts["gathered_units"] <= 2 * largest_op * 1.01
@@ -144,17 +150,19 @@ def test_gradients_follow_the_optimizers_tier(
     psi: int, n: int, tier: str, fraction: float, stage: int
 ) -> None:
     """Stages 2, 3: the offloaded fraction's gradient slice leaves the device for the tier
-    (in its dtype, 2 bytes here); the rest stays; nothing else moves. Stage 1 keeps its
-    full gradient buffers."""
+    (in its dtype, 2 bytes here), but for one reduction's slice (a bucket's, 2^22 / N
+    elements padded to 128, or the whole offloaded part if smaller) landed before its copy;
+    the rest stays; nothing else moves. Stage 1 keeps its full gradient buffers."""
     args: dict[str, Any] = {"offload_optimizer": tier, "offload_fraction": fraction}
     follow = tiered_state_bytes(psi, n, stage, offload_gradients=True, **args)
     stay = tiered_state_bytes(psi, n, stage, offload_gradients=False, **args)
     shard = psi / n
-    assert follow.gradients == pytest.approx(2 * shard * (1 - fraction))
+    landed = min(shard * fraction, -(-(2**22) // (128 * n)) * 128)
+    assert follow.gradients == pytest.approx(2 * (shard * (1 - fraction) + landed))
     assert follow.tier_gradients == pytest.approx(2 * shard * fraction)
     held = follow.host if tier == "cpu" else follow.disk
     assert held == pytest.approx((stay.host if tier == "cpu" else stay.disk) + 2 * shard * fraction)
-    assert follow.model_states == pytest.approx(stay.model_states)
+    assert follow.model_states == pytest.approx(stay.model_states + 2 * landed)
     assert follow.parameters == stay.parameters
     assert follow.optimizer_states == stay.optimizer_states
     stage1 = tiered_state_bytes(psi, n, 1, offload_gradients=True, **args)

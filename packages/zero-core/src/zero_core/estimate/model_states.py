@@ -21,7 +21,7 @@ master without offload) and p, g the parameter and gradient bytes, one rank hold
     parameters       p Ψ  (p Ψ / N at stage 3)      stage 3: p Ψ / N with offload_params
     gradients        g Ψ  (g Ψ / N at stages 2, 3)  stages 2, 3, offload_gradients:
                      (stages 2, 3, offload_grad-      g f S
-                     ients: g (1 - f) S)
+                     ients: g (1 - f) S + g T')
     masters + states (4 + s)(1 - f) S               (4 + s) f S
                      (s S: float32, no tier at all)
     staging          -                              host: B T (4 + s [+ g]) (optimizer on
@@ -33,7 +33,8 @@ Gradients follow the optimizer's tier (``offload_gradients``, ZeroConfig's field
 default, as in ZeRO-Offload and DeepSpeed): at stages 2 and 3 each reduced slice of the
 offloaded fraction leaves the device as it lands and is held (accumulated) in its own
 dtype (``gradient_dtype``: g bytes) in host memory or in the swap files, beside its tile's
-master and states; the device then keeps only the bounded working buffers of
+master and states; the device then keeps one reduction's landed slices, at most the
+largest bucket slice T' (waiting for their copy out), and the bounded working buffers of
 zero_core.estimate.working_set. Stage 1 keeps its full gradient buffers (that is stage 1)
 whatever the tier.
 
@@ -222,15 +223,17 @@ def tiered_state_bytes(
     if offload_params != "none":
         moved[offload_params] += parameters
         parameters = 0.0
+    slice_numel = _largest_slice(stage, world_size, bucket_numel, largest_param_numel)
     gradients = plain.gradients
     tier_gradients = 0.0
     grads_follow = offload_gradients and offload_optimizer != "none" and stage >= 2
     if grads_follow:  # the gradient shard's offloaded fraction: the masters' elements
         tier_gradients = grad_bytes * tiered
         moved[offload_optimizer] += tier_gradients
-        gradients = grad_bytes * resident
+        # On the device: the resident part, and the slices of one reduction landed there
+        # before their copy out (offload.gradient_tier: landed_bytes).
+        gradients = grad_bytes * (resident + min(tiered, slice_numel))
     staging = 0.0
-    slice_numel = _largest_slice(stage, world_size, bucket_numel, largest_param_numel)
     if offload_optimizer == "disk" and tiered > 0:
         tile = min(sub_group_numel, slice_numel, tiered)  # the largest tile
         buffers = min(buffer_count, math.ceil(tiered / tile))
