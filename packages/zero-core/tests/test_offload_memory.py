@@ -288,7 +288,9 @@ class DiskTraffic(NamedTuple):
     params_read: float  # stage 3: parameter shards read for their gathers
 
 
-def measure_disk_traffic(case: Case, offload_dir: Path) -> list[DiskTraffic]:
+def measure_disk_traffic(
+    case: Case, offload_dir: Path, accumulation: int = 1, clip: float | None = None
+) -> list[DiskTraffic]:
     """Each rank's swap-file traffic during its second step (the first records the
     gather order that prefetching and the backward head follow), from the engine's own
     counters: swapped_tiles' bytes read and written, parameter shards' bytes read."""
@@ -299,7 +301,8 @@ def measure_disk_traffic(case: Case, offload_dir: Path) -> list[DiskTraffic]:
             stage=case.stage, param_dtype=CONFIG_DTYPES[case.dtype], persistence_threshold=0,
             offload_optimizer=case.optimizer, offload_params=case.params,
             offload_fraction=case.fraction, offload_gradients=case.gradients,
-            offload_dir=str(offload_dir), **SETTINGS,
+            offload_dir=str(offload_dir), gradient_accumulation_steps=accumulation,
+            clip_grad_norm=clip, **SETTINGS,
         )  # fmt: skip
         engine = zero_core.initialize(model, torch.optim.Adam(model.parameters()), config, comm)
         swap = getattr(engine.masters, "swap", None)
@@ -313,10 +316,12 @@ def measure_disk_traffic(case: Case, offload_dir: Path) -> list[DiskTraffic]:
                         counter.bytes_read = 0
                     if swap is not None:
                         swap.bytes_written = 0
-                tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)  # (B, T)
-                logits = engine(tokens)  # (B, T, V)
-                target = torch.roll(tokens, 1, dims=1).reshape(-1)
-                engine.backward(nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target))
+                for _ in range(accumulation):
+                    tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)  # (B, T)
+                    logits = engine(tokens)  # (B, T, V)
+                    target = torch.roll(tokens, 1, dims=1).reshape(-1)
+                    loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target)
+                    engine.backward(loss)
                 assert engine.step()
         finally:
             engine.close()
@@ -330,31 +335,37 @@ def measure_disk_traffic(case: Case, offload_dir: Path) -> list[DiskTraffic]:
 
 
 @pytest.mark.parametrize(
-    "case",
+    ("case", "accumulation", "clip"),
     [
-        Case(3, "disk", "disk"),
-        Case(3, "disk", "disk", gradients=False),
-        Case(2, "disk", "none", "fp32"),
-        Case(3, "cpu", "disk"),
+        (Case(3, "disk", "disk"), 1, None),
+        (Case(3, "disk", "disk", gradients=False), 1, None),
+        (Case(2, "disk", "none", "fp32"), 3, None),
+        (Case(2, "disk", "none"), 2, 1.0),
+        (Case(3, "cpu", "disk"), 1, None),
     ],
     ids=str,
 )  # fmt: skip
-def test_zero_estimate_predicts_the_disk_links_bytes(case: Case, tmp_path: Path) -> None:
+def test_zero_estimate_predicts_the_disk_links_bytes(
+    case: Case, accumulation: int, clip: float | None, tmp_path: Path
+) -> None:
     """zero-estimate's host <-> disk bytes per step (zero_core.estimate.offload_traffic)
     against the engine's counters, within 10% (the same padding as above): the optimizer
     tier's tiles read once and written once per step (float32 master and Adam's two
-    moments: 12 bytes per element, with the gradients where they follow the optimizer),
-    and at stage 3 every parameter shard read for its forward gather (backward's are the
-    backward head here: the default backward_head_numel covers this model, so forward
-    keeps every unit gathered for it). The parameter shards' writes after the step have
-    no counter in the engine, so they are not compared."""
-    measured = measure_disk_traffic(case, tmp_path)
+    moments: 12 bytes per element), the gradients where they follow the optimizer
+    (written every micro-step, read back by every later one, by the non-finite check,
+    by clipping's norm and by the step), and at stage 3 every parameter shard read for
+    its forward gather (backward's are the backward head here: the default
+    backward_head_numel covers this model, so forward keeps every unit gathered for it).
+    The parameter shards' writes after the step have no counter in the engine, so they
+    are not compared."""
+    measured = measure_disk_traffic(case, tmp_path, accumulation, clip)
     argv = [
         "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
         "--offload-optimizer", case.optimizer, "--offload-params", case.params,
         "--bucket-numel", str(SETTINGS["bucket_numel"]),
         "--prefetch-numel", str(SETTINGS["prefetch_numel"]), "--json",
         *([] if case.gradients else ["--no-offload-gradients"]),
+        "--accumulation", str(accumulation), *([] if clip is None else ["--clip"]),
     ]  # fmt: skip
     out = StringIO()
     with redirect_stdout(out):

@@ -106,11 +106,13 @@ def test_zero_infinity_1t_fits_sixteen_32gb_gpus(capsys: pytest.CaptureFixture[s
     kept = estimate(capsys, *argv, "--no-offload-gradients")["3"]
     assert kept["device"] == pytest.approx(2 * psi / n) and kept["step_peak"] > V100
     # NVMe per rank and step: masters and states read and written whole, fp16
-    # gradients written once and read once, each parameter shard read for forward (and
-    # for backward where forward did not keep it) and written once.
+    # gradients written once and read twice (the non-finite check, then the step), each
+    # parameter shard read for forward (and for backward where forward did not keep it)
+    # and written once.
     links = row["links"]
     assert links["host_to_disk"]["optimizer_states"] == pytest.approx(12 * psi / n)
-    assert links["disk_to_host"]["gradients"] == pytest.approx(2 * psi / n)
+    assert links["disk_to_host"]["gradients"] == pytest.approx(2 * 2 * psi / n)
+    assert links["host_to_disk"]["gradients"] == pytest.approx(2 * psi / n)
     assert links["host_to_disk"]["parameters"] == pytest.approx(2 * psi / n)
     reads = links["disk_to_host"]["parameters"]
     assert 2 * psi / n < reads <= 4 * psi / n
@@ -139,7 +141,15 @@ def test_zero_offload_moves_2_psi_over_n_each_way(
     assert moved.host_to_disk.gradients == pytest.approx(
         accumulation * width * psi / n if on_disk else 0
     )
+    assert moved.disk_to_host.gradients == pytest.approx(
+        (accumulation + 1) * width * psi / n if on_disk else 0  # + the non-finite check
+    )
     assert kept.host_to_disk.gradients == 0  # on the device: they never reach the disk
+    clipped = offload_traffic(psi, n, 2, offload_gradients=True, clipping=True, **common)
+    assert clipped.host_to_device.gradients == pytest.approx(width * psi / n)  # the norm
+    assert clipped.disk_to_host.gradients - moved.disk_to_host.gradients == pytest.approx(
+        width * psi / n if on_disk else 0
+    )
     if accumulation == 1 and width == 2:
         assert moved.device_to_host.total + moved.host_to_device.total == pytest.approx(4 * psi / n)
 

@@ -131,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "ahead, into host buffers (default 2**22)",
     )  # fmt: skip
     tiers.add_argument(
+        "--clip", action="store_true",
+        help="clip_grad_norm is set: the norm reads offloaded gradients once more per step",
+    )  # fmt: skip
+    tiers.add_argument(
         "--no-offload-gradients", action="store_true",
         help="stages 2-3: keep the gradient shard on the device, not in the optimizer's tier "
         "(ZeroConfig.offload_gradients=False)",
@@ -353,7 +357,7 @@ def _offload_row(
         state_bytes=max(states, 0), offload_optimizer=args.offload_optimizer if stage else "none",
         offload_params=args.offload_params if stage == 3 else "none",
         offload_fraction=args.offload_fraction, offload_gradients=not args.no_offload_gradients,
-        accumulation_steps=args.accumulation, backward_head_numel=kept,
+        accumulation_steps=args.accumulation, backward_head_numel=kept, clipping=args.clip,
     )  # fmt: skip
     return {"working": held.total, "working_parts": held._asdict(), "links": traffic.as_dict()}
 

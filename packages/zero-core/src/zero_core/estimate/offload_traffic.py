@@ -11,14 +11,18 @@ offloaded gradients keep it in their tier) and s the optimizer's own state bytes
                                     (the step reads the device shard of its offloaded tiles)
                      parameters     stage 3, parameters offloaded: p (S - F), the shard
                                     the device's optimizer updated, back to its tier
-    host -> device   parameters     parameters on the device: p F, the updated compute
+    host -> device   gradients      with clipping, g F: the global norm sums each offloaded
+                                    slice's rows on the device (reduce_scattered_gradients)
+                     parameters     parameters on the device: p F, the updated compute
                                     shard of the offloaded tiles; stage 3, parameters
                                     offloaded: A p (2S - K/N), each gather's shard (forward
                                     and backward, less the K elements forward keeps
                                     gathered for backward's start: link_traffic's head)
     disk -> host     masters+states optimizer on disk: (4 + s) F, each tile read to step
-                     gradients      optimizer on disk, offload_gradients: A g F (the step
-                                    reads them; each later micro-step reads the sum so far)
+                     gradients      optimizer on disk, offload_gradients: (A + 1 + c) g F:
+                                    each later micro-step reads the sum so far (read-add-
+                                    write), the boundary's non-finite check reads every
+                                    slice, clipping (c = 1) again for the norm, and the step
                      parameters     parameters on disk: A p (2S - K/N), as their gathers
     host -> disk     masters+states optimizer on disk: (4 + s) F, each tile written back
                      gradients      optimizer on disk, offload_gradients: A g F (every
@@ -80,12 +84,14 @@ def offload_traffic(
     offload_gradients: bool = False,
     accumulation_steps: int = 1,
     backward_head_numel: float = 0,
+    clipping: bool = False,
 ) -> OffloadTraffic:
     """Bytes per rank per step over each offload link (module docstring);
     ``offload_gradients``: ZeroConfig's field (True there; pass the config's). ``state_bytes``:
     the optimizer's own float32 state bytes per element, s (Adam: 8), the master apart;
     ``backward_head_numel``: stage 3, the full-buffer elements forward keeps gathered for
-    backward (link_traffic.backward_head_buckets), read and copied once fewer."""
+    backward (link_traffic.backward_head_buckets), read and copied once fewer;
+    ``clipping``: ``clip_grad_norm`` is set (the norm reads the offloaded gradients)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: ZeRO stages are 0-3")
     if accumulation_steps < 1:
@@ -100,12 +106,13 @@ def offload_traffic(
     gathers = a * param_bytes * max(0.0, 2 * shard - backward_head_numel / n)
     params_tiered = offload_params != "none"
     down = LinkTraffic(down_grads, param_bytes * (shard - tiered) if params_tiered else 0.0, 0.0)
-    up = LinkTraffic(0.0, gathers if params_tiered else param_bytes * tiered, 0.0)
+    up_grads = grad_bytes * tiered if grads_follow and clipping else 0.0
+    up = LinkTraffic(up_grads, gathers if params_tiered else param_bytes * tiered, 0.0)
     states = (MASTER_BYTES + state_bytes) * tiered if offload_optimizer == "disk" else 0.0
-    disk_grads = a * grad_bytes * tiered if grads_follow and offload_optimizer == (
-        "disk"
-    ) else 0.0  # fmt: skip
+    grads_on_disk = grads_follow and offload_optimizer == "disk"
+    reads = (a + 1 + (1 if clipping else 0)) * grad_bytes * tiered if grads_on_disk else 0.0
     on_disk = offload_params == "disk"
-    read = LinkTraffic(disk_grads, gathers if on_disk else 0.0, states)
-    write = LinkTraffic(disk_grads, param_bytes * shard if on_disk else 0.0, states)
+    read = LinkTraffic(reads, gathers if on_disk else 0.0, states)
+    written = a * grad_bytes * tiered if grads_on_disk else 0.0
+    write = LinkTraffic(written, param_bytes * shard if on_disk else 0.0, states)
     return OffloadTraffic(down, up, read, write)
