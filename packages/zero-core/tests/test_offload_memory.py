@@ -430,3 +430,46 @@ def test_the_gradient_buckets_working_memory_bounds_the_pool(
         max_buckets_in_flight=in_flight,
     ).gradient_buckets  # fmt: skip
     assert 0.4 * estimated <= held <= estimated, (held, estimated)
+
+
+@pytest.mark.parametrize(
+    ("case", "accumulation"),
+    [(Case(2, "cpu", "none"), 2), (Case(3, "disk", "disk", "fp32"), 1)],
+    ids=str,
+)  # fmt: skip
+def test_zero_estimate_predicts_the_gradients_device_to_host_bytes(
+    case: Case, accumulation: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gradients' device -> host bytes per step (offload_traffic: each micro-step's
+    reduced slices, g bytes per element of the rank's shard) against what the gradient
+    tier hands to its one device-to-host call site (gradient_tier.to_host), within 10%:
+    two steps of both ranks, the same every step."""
+    from zero_core.offload import gradient_tier
+
+    copied: list[int] = []
+    original = gradient_tier.to_host
+
+    def counted(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        copied.append(values.numel() * values.element_size())
+        return original(values, out)
+
+    monkeypatch.setattr(gradient_tier, "to_host", counted)
+    measure_disk_traffic(case, tmp_path, accumulation)
+    measured = sum(copied) / (2 * WORLD_SIZE)
+    argv = [
+        "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
+        "--offload-optimizer", case.optimizer, "--offload-params", case.params,
+        "--bucket-numel", str(SETTINGS["bucket_numel"]), "--accumulation", str(accumulation),
+        "--json",
+    ]  # fmt: skip
+    out = StringIO()
+    with redirect_stdout(out):
+        zero_estimate(argv)
+    estimated = json.loads(out.getvalue())[str(case.stage)]["links"]["device_to_host"]
+    assert estimated["gradients"] == pytest.approx(
+        accumulation * (2 if case.dtype == "bf16" else 4) * PSI / WORLD_SIZE
+    )
+    assert abs(measured - estimated["gradients"]) <= TOLERANCE * estimated["gradients"], (
+        measured,
+        estimated,
+    )
