@@ -123,8 +123,9 @@ class Tiers(NamedTuple):
     disk: float
 
 
-def measure(case: Case, offload_dir: Path) -> list[Tiers]:
-    """Each rank's device, host and disk bytes after two steps of ``case``."""
+def measure(case: Case, offload_dir: Path, in_flight: list[int] | None = None) -> list[Tiers]:
+    """Each rank's device, host and disk bytes after two steps of ``case`` (and into
+    ``in_flight``, where given, each rank's reported ``gradients_in_flight``)."""
 
     def body(comm: Communicator) -> Tiers:
         model = SmallTransformer()
@@ -152,6 +153,8 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
             report = engine.memory_report()
         finally:
             engine.close()
+        if in_flight is not None:
+            in_flight.append(report.gradients_in_flight)
         return Tiers(report.model_states, report.host, report.disk)
 
     return run_simulated(WORLD_SIZE, body)
@@ -159,6 +162,14 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
 
 def estimate(case: Case, *, optimizer: str | None = None, params: str | None = None) -> Tiers:
     """zero-estimate's row for ``case.stage`` (with other tiers where given)."""
+    row = estimate_row(case, optimizer=optimizer, params=params)
+    return Tiers(row["device"], row["host"] or 0.0, row["disk"] or 0.0)
+
+
+def estimate_row(
+    case: Case, *, optimizer: str | None = None, params: str | None = None
+) -> dict[str, Any]:
+    """zero-estimate's --json row for ``case.stage``."""
     argv = [
         "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
         "--optimizer", "adam", "--offload-optimizer", optimizer or case.optimizer,
@@ -172,8 +183,8 @@ def estimate(case: Case, *, optimizer: str | None = None, params: str | None = N
     out = StringIO()
     with redirect_stdout(out):
         zero_estimate(argv)
-    row = json.loads(out.getvalue())[str(case.stage)]
-    return Tiers(row["device"], row["host"] or 0.0, row["disk"] or 0.0)
+    row: dict[str, Any] = json.loads(out.getvalue())[str(case.stage)]
+    return row
 
 
 def within(measured: Tiers, estimated: Tiers) -> bool:
@@ -194,10 +205,19 @@ def table(case: Case, measured: list[Tiers], estimated: Tiers) -> str:
 
 
 def check(case: Case, offload_dir: Path) -> None:
-    measured = measure(case, offload_dir)
+    in_flight: list[int] = []
+    measured = measure(case, offload_dir, in_flight)
     estimated = estimate(case)
     for tiers in measured:
         assert within(tiers, estimated), table(case, measured, estimated)
+    # The device bound the engine reports for offloaded gradients on their way out is
+    # within the estimate's working memory for gradient buckets (and 0 when none leave).
+    offloaded = case.gradients and case.optimizer != "none" and case.stage >= 2
+    bound = estimate_row(case)["working_parts"]["gradient_buckets"]
+    assert all((0 < held <= bound) if offloaded else held == 0 for held in in_flight), (
+        in_flight,
+        bound,
+    )
     # Only this case's tiers predict it: any other combination misses by more than 10%.
     params_tiers = TIERS if case.stage == 3 else ("none",)
     for optimizer, params in itertools.product(TIERS, params_tiers):
