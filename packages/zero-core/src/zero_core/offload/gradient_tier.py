@@ -90,6 +90,27 @@ class HostSlice:
         return self.values.numel() * self.values.element_size()
 
 
+class Staging:
+    """Two aligned host buffers of one tile each, shared by an engine's disk slices: the
+    landed part (copied from the device) and the block read back to add it to. Aligned,
+    so a swap write or read goes straight from them (no bounce buffer per thread)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self._buffers: list[torch.Tensor] = []
+
+    def take(self, which: int, numel: int) -> torch.Tensor:
+        """Buffer ``which`` (0 or 1), its first ``numel`` elements."""
+        while len(self._buffers) <= which:
+            self._buffers.append(aligned_empty(self.numel, self.dtype))
+        return self._buffers[which][:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
 class SwappedSlice:
     """A bucket slice's gradient as one block per disk tile (``GRAD`` beside the tile's
     master and states), written as it lands and accumulated read-add-write."""
@@ -98,12 +119,13 @@ class SwappedSlice:
         self,
         swap: SwappedTiles,
         tiles: Sequence[tuple[int, int, int]],
-        dtype: torch.dtype,
+        staging: Staging,
     ) -> None:
         """``tiles``: (disk tile index, start in the slice, elements), in slice order."""
         self.swap = swap
         self.tiles = list(tiles)
-        self.dtype = dtype
+        self.staging = staging
+        self.dtype = staging.dtype
         self._landed = False
 
     @property
@@ -112,11 +134,11 @@ class SwappedSlice:
 
     def land(self, target: torch.Tensor, first: bool) -> None:
         for index, start, numel in self.tiles:
-            part = to_host(target[start : start + numel])
+            part = to_host(target[start : start + numel], self.staging.take(0, numel))
             if first:
                 self.swap.write(index, GRAD, part)
             else:
-                total = aligned_empty(numel, self.dtype)
+                total = self.staging.take(1, numel)
                 self.swap.read(index, GRAD, total)
                 total.add_(part)
                 self.swap.write(index, GRAD, total)
@@ -131,7 +153,7 @@ class SwappedSlice:
             a, b = max(start, at), min(stop, at + numel)
             if a >= b:
                 continue
-            block = aligned_empty(numel, self.dtype)
+            block = self.staging.take(1, numel)
             self.swap.read(index, GRAD, block)
             out[a - start : b - start] = block[a - at : b - at]
         return out
@@ -169,6 +191,10 @@ class GradientTier:
         self.homes: dict[int, HostSlice | SwappedSlice] = {}
         self.peak_held = 0  # with track_peak: most device bytes of landed slices at once
         self.track_peak = False
+        largest_tile = (
+            max((spec.numel for spec in masters.swap.specs), default=0) if masters.swap else 0
+        )
+        self.staging = Staging(largest_tile, dtype)
         for bucket in self.buckets:
             specs = [s for s in masters.plan[bucket.group] if s.bucket == bucket.index]
             tiers = {spec.tier for spec in specs}
@@ -181,7 +207,7 @@ class GradientTier:
                 tiles = [
                     (masters.disk_index(spec), spec.start - start, spec.numel) for spec in specs
                 ]
-                home = SwappedSlice(masters.swap, tiles, dtype)
+                home = SwappedSlice(masters.swap, tiles, self.staging)
             else:
                 continue  # on the device, or split by offload_fraction: today's path
             self.homes[bucket.position] = home
@@ -219,8 +245,10 @@ class GradientTier:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host accumulators (the disk tiles' blocks are in the swap files)."""
-        return sum(h.nbytes for h in self.homes.values() if isinstance(h, HostSlice))
+        """Bytes of the host accumulators and the disk slices' staging (the disk tiles'
+        blocks are in the swap files)."""
+        held = sum(h.nbytes for h in self.homes.values() if isinstance(h, HostSlice))
+        return held + self.staging.nbytes
 
     @property
     def landed_bytes(self) -> int:
