@@ -90,8 +90,9 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
             assert offloaded.disk == plain.disk == 0
         else:
             assert offloaded.disk - plain.disk == shard  # one gradient block per tile
-            # the pipeline's gradient buffers, each at most one tile of bf16
-            assert 0 < offloaded.host - plain.host <= 4 * CASE.sub_group_numel * 2
+            # the pipeline's gradient buffers (offload_buffer_count, 4) and the landing's
+            # two staging buffers, each one tile of bf16
+            assert offloaded.host - plain.host == (4 + 2) * CASE.sub_group_numel * 2
 
 
 def test_the_bucket_split_by_offload_fraction_keeps_the_device_path() -> None:
