@@ -259,17 +259,16 @@ class ReduceScatteredGradients:
     def _row_pieces(self, gradients: list[GroupGradient]) -> list[torch.Tensor]:
         """Every bucket slice of ``gradients`` on the device, in order: an away slice is
         read back and copied to the device, one at a time, so its rows are summed by the
-        device's kernel as its resident twin's would be."""
+        device's kernel as its resident twin's would be (and so is a host piece of a
+        clone, model_parallel_rows')."""
         out: list[torch.Tensor] = []
         for g in gradients:
             if not isinstance(g, ShardGradient):
-                out.append(g)
+                out.append(g.to(self.comm.device))
                 continue
             for k, piece in enumerate(g.pieces):
-                if k in g.away:
-                    out.append(g.away_values(k).to(self.comm.device))
-                else:
-                    out.append(piece)
+                values = g.away_values(k) if k in g.away else piece
+                out.append(values.to(self.comm.device))
         return out
 
     def _canonical_row_order(self) -> torch.Tensor:
