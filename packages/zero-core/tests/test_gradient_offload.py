@@ -23,6 +23,7 @@ from parity import (
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_core.component_access import disk_swap, reduce_scattered_gradients
+from zero_core.deepspeed.utils.full_values import full_gradient
 from zero_core.offload.gradient_tier import HostSlice, SwappedSlice
 from zero_core.reduced_gradient import Scale, ShardGradient, scale_like_device
 
@@ -237,3 +238,29 @@ def test_offload_gradients_is_validated() -> None:
     kept = zero_core.ZeroConfig(offload_optimizer="cpu", offload_gradients=False)
     assert not kept.gradients_offloaded
     assert not zero_core.ZeroConfig(offload_gradients=True).gradients_offloaded  # no tier
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_safe_get_full_grad_reads_an_offloaded_gradient(optimizer: str) -> None:
+    """DeepSpeed's safe_get_full_grad between backward and step reads the offloaded slices
+    (not the freed device targets, which would read as zeros): the same bits as with the
+    gradients on the device, after each micro-step of an accumulation."""
+
+    def body(comm: Communicator) -> None:
+        grads: dict[bool, list[torch.Tensor]] = {}
+        for offload in (True, False):
+            case = with_tiers(optimizer, accumulation=2, offload_gradients=offload)
+            engine = build_engine(case, comm, 2)
+            grads[offload] = []
+            for micro in range(2):
+                tokens = torch.randint(
+                    0, 11, (3, 4), generator=torch.Generator().manual_seed(micro)
+                )
+                engine.backward(engine(tokens).float().square().mean())
+                grads[offload] += [full_gradient(engine, slot) for slot in engine.slots]
+            engine.close()
+        assert all(g.abs().sum() > 0 for g in grads[True])
+        for mine, reference in zip(grads[True], grads[False], strict=True):
+            assert torch.equal(mine, reference)
+
+    run_simulated(2, body)
