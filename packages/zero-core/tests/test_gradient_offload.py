@@ -24,7 +24,7 @@ import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_core.component_access import disk_swap, reduce_scattered_gradients
 from zero_core.deepspeed.utils.full_values import full_gradient
-from zero_core.offload.gradient_tier import HostSlice, SwappedSlice
+from zero_core.offload.gradient_tier import WRITES_IN_FLIGHT, HostSlice, SwappedSlice
 from zero_core.reduced_gradient import Scale, ShardGradient, scale_like_device
 
 CASE = ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
@@ -92,9 +92,10 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
             assert offloaded.disk == plain.disk  # stage 3: the parameter shards
         else:
             assert offloaded.disk - plain.disk == shard  # one gradient block per tile
-            # the pipeline's gradient buffers (offload_buffer_count, 4) and the landing's
-            # two staging buffers, each one tile of bf16
-            assert offloaded.host - plain.host == (4 + 2) * CASE.sub_group_numel * 2
+            # the pipeline's gradient buffers (offload_buffer_count, 4) and the landings'
+            # write-behind pairs, each buffer one tile of bf16
+            tiles = 4 + 2 * WRITES_IN_FLIGHT
+            assert offloaded.host - plain.host == tiles * CASE.sub_group_numel * 2
 
 
 def test_the_bucket_split_by_offload_fraction_keeps_the_device_path() -> None:

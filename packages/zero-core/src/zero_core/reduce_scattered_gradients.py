@@ -197,11 +197,15 @@ class ReduceScatteredGradients:
                 else:
                     self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
         self.reducer.finish()
+        if self.tier is not None:
+            self.tier.drain()  # the disk slices' writes behind the backward
         if self.full_buffers and self.accumulating:
             self._zero_full_buffers()
 
     def end_backward(self) -> None:
         self._accepting = False
+        if self.tier is not None:  # also after a backward that raised
+            self.tier.drain(raise_errors=False)
 
     def _zero_full_buffers(self) -> None:
         for bucket in self.buckets:
