@@ -265,3 +265,28 @@ def test_safe_get_full_grad_reads_an_offloaded_gradient(optimizer: str) -> None:
             assert torch.equal(mine, reference)
 
     run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_a_nonfinite_offloaded_gradient_skips_the_step(optimizer: str) -> None:
+    """Inf/NaN in gradients that live off the device is seen (on disk without reading the
+    blocks again: each write checked its values) and skips the step on every rank,
+    leaving the masters as they were; the next clean step applies."""
+    case = with_tiers(optimizer, accumulation=2)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        before = engine.full_state_dict()
+        for micro in range(2):
+            tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(micro))
+            loss = engine(tokens).float().square().mean()
+            poisoned = micro == 1 and comm.rank == 1  # one rank, the last micro-step
+            engine.backward(loss * float("inf") if poisoned else loss)
+        assert engine.step() is False
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        run_steps(engine, case, comm, range(1))
+        assert engine.global_steps == 1
+        engine.close()
+
+    run_simulated(2, body)

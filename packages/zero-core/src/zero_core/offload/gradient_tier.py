@@ -32,6 +32,11 @@ one tile at a time, at the price of a read and a write per tile per extra micro-
 The step's scaling (division, clipping) is replayed on every read (reduced_gradient:
 ``ShardGradient.finished``), with the device's arithmetic.
 
+The boundary's finiteness check needs no read of a disk slice: each tile's write finds
+whether its accumulated values are finite while they are in memory, and dividing finite
+values by a denominator >= 1 (N x steps x loss scale; the loss scale is 1 unless float16
+scales it up) keeps them finite, whether it divides or multiplies by the reciprocal.
+
 A gradient block is consumed only when this step's gradient has landed in it (``landed``;
 cleared after every step), and every read is checked against the checksum of its write
 (swap_file), so a stale or torn block raises instead of being stepped on.
@@ -117,6 +122,7 @@ class WriteBehind:
         self._free: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         self._pending: deque[tuple[Future[None], tuple[torch.Tensor, torch.Tensor]]] = deque()
         self._made = 0
+        self.finite: dict[int, bool] = {}  # per tile: its block's values are all finite
 
     def _take(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._free:
@@ -142,12 +148,14 @@ class WriteBehind:
         self._pending.append((self.swap.submit(self._write, index, landed, total, first), pair))
 
     def _write(self, index: int, landed: torch.Tensor, total: torch.Tensor, first: bool) -> None:
-        if first:
-            self.swap.write(index, GRAD, landed)
-        else:
+        if not first:
             self.swap.read(index, GRAD, total)
             total.add_(landed)
-            self.swap.write(index, GRAD, total)
+        block = landed if first else total
+        # Whether the accumulated values are finite, found while they are in memory: at
+        # the boundary this saves reading the block once more (GradientTier docstring).
+        self.finite[index] = bool(torch.isfinite(block).all())
+        self.swap.write(index, GRAD, block)
         self.swap.gradient_landed[index] = True
 
     def drain(self, *, raise_errors: bool = True) -> None:
@@ -203,6 +211,12 @@ class SwappedSlice:
         for index, start, numel in self.tiles:
             self.writes.land(index, target[start : start + numel], first)
         self._landed = True
+
+    def finite(self) -> bool:
+        """Whether every accumulated value of this step is finite (known since its last
+        landing, no read needed)."""
+        _check_landed(self._landed)
+        return all(self.writes.finite[index] for index, _, _ in self.tiles)
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         """A copy of elements [start, stop), read from the tiles' blocks."""
