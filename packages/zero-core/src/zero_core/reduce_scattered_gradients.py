@@ -131,6 +131,8 @@ class ReduceScatteredGradients:
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
             reduction=reduction, coalesce_numel=config.coalesce_limit,
         )  # fmt: skip
+        if self.tier is not None and not self.tier.homes:
+            self.tier = None  # every tile on the device (offload_fraction 0): nothing leaves
         if self.tier is not None:
             self.tier.reduced_together(self.reducer.groups)
             self.reducer.on_reduced = self.tier.landed  # each bucket, as it lands
@@ -327,6 +329,6 @@ class ReduceScatteredGradients:
     def in_flight_bytes(self) -> int:
         """The device bound of the offloaded gradients (``GradientTier.in_flight_bytes``
         over ``max_buckets_in_flight``); 0 when none are offloaded."""
-        if self.tier is None or not self.tier.homes:
+        if self.tier is None:
             return 0
         return self.tier.in_flight_bytes(self.config.max_buckets_in_flight)
