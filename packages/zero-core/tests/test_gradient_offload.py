@@ -23,7 +23,8 @@ from parity import (
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_core.component_access import disk_swap, reduce_scattered_gradients
-from zero_core.offload.gradient_tier import HostSlice, SwappedSlice
+from zero_core.deepspeed.utils.full_values import full_gradient
+from zero_core.offload.gradient_tier import WRITES_IN_FLIGHT, HostSlice, SwappedSlice
 from zero_core.reduced_gradient import Scale, ShardGradient, scale_like_device
 
 CASE = ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
@@ -63,7 +64,8 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
     def body(comm: Communicator) -> tuple[zero_core.MemoryReport, zero_core.MemoryReport]:
         reports = []
         for offload in (False, True):
-            case = with_tiers(optimizer, accumulation=2, offload_gradients=offload)
+            params = "disk" if stage == 3 else "none"  # stage 3: the working set only
+            case = with_tiers(optimizer, params, accumulation=2, offload_gradients=offload)
             engine = build_engine(case, comm, stage)
             gradients = reduce_scattered_gradients(engine)
             tier = gradients.tier
@@ -87,11 +89,13 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
         assert offloaded.gradients < shard
         if optimizer == "cpu":
             assert offloaded.host - plain.host == shard
-            assert offloaded.disk == plain.disk == 0
+            assert offloaded.disk == plain.disk  # stage 3: the parameter shards
         else:
             assert offloaded.disk - plain.disk == shard  # one gradient block per tile
-            # the pipeline's gradient buffers, each at most one tile of bf16
-            assert 0 < offloaded.host - plain.host <= 4 * CASE.sub_group_numel * 2
+            # the pipeline's gradient buffers (offload_buffer_count, 4) and the landings'
+            # write-behind pairs, each buffer one tile of bf16
+            tiles = 4 + 2 * WRITES_IN_FLIGHT
+            assert offloaded.host - plain.host == tiles * CASE.sub_group_numel * 2
 
 
 def test_the_bucket_split_by_offload_fraction_keeps_the_device_path() -> None:
@@ -235,3 +239,54 @@ def test_offload_gradients_is_validated() -> None:
     kept = zero_core.ZeroConfig(offload_optimizer="cpu", offload_gradients=False)
     assert not kept.gradients_offloaded
     assert not zero_core.ZeroConfig(offload_gradients=True).gradients_offloaded  # no tier
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_safe_get_full_grad_reads_an_offloaded_gradient(optimizer: str) -> None:
+    """DeepSpeed's safe_get_full_grad between backward and step reads the offloaded slices
+    (not the freed device targets, which would read as zeros): the same bits as with the
+    gradients on the device, after each micro-step of an accumulation."""
+
+    def body(comm: Communicator) -> None:
+        grads: dict[bool, list[torch.Tensor]] = {}
+        for offload in (True, False):
+            case = with_tiers(optimizer, accumulation=2, offload_gradients=offload)
+            engine = build_engine(case, comm, 2)
+            grads[offload] = []
+            for micro in range(2):
+                tokens = torch.randint(
+                    0, 11, (3, 4), generator=torch.Generator().manual_seed(micro)
+                )
+                engine.backward(engine(tokens).float().square().mean())
+                grads[offload] += [full_gradient(engine, slot) for slot in engine.slots]
+            engine.close()
+        assert all(g.abs().sum() > 0 for g in grads[True])
+        for mine, reference in zip(grads[True], grads[False], strict=True):
+            assert torch.equal(mine, reference)
+
+    run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_a_nonfinite_offloaded_gradient_skips_the_step(optimizer: str) -> None:
+    """Inf/NaN in gradients that live off the device is seen (on disk without reading the
+    blocks again: each write checked its values) and skips the step on every rank,
+    leaving the masters as they were; the next clean step applies."""
+    case = with_tiers(optimizer, accumulation=2)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        before = engine.full_state_dict()
+        for micro in range(2):
+            tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(micro))
+            loss = engine(tokens).float().square().mean()
+            poisoned = micro == 1 and comm.rank == 1  # one rank, the last micro-step
+            engine.backward(loss * float("inf") if poisoned else loss)
+        assert engine.step() is False
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        run_steps(engine, case, comm, range(1))
+        assert engine.global_steps == 1
+        engine.close()
+
+    run_simulated(2, body)

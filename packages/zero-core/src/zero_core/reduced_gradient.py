@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -78,6 +78,14 @@ class AwaySlice(Protocol):
     def landed(self) -> bool:
         """Whether this step's gradient has landed (a slice not landed is never read)."""
         ...
+
+
+@runtime_checkable
+class KnowsFinite(Protocol):
+    """An away slice that knows, without a read, whether its accumulated values are all
+    finite (offload.gradient_tier.SwappedSlice)."""
+
+    def finite(self) -> bool: ...
 
 
 class Scale(NamedTuple):
@@ -292,13 +300,18 @@ def pieces_of(gradient: GroupGradient) -> list[torch.Tensor]:
 def divide_away(gradients: Sequence[GroupGradient], denominator: float) -> bool:
     """Record the division by ``denominator`` for every away slice (the resident pieces
     were divided by the caller) and return whether every away value is finite after it.
-    Reads each away slice once (host memory, or the swap files one slice at a time)."""
+    Reads each away slice once (host memory, or the swap files one slice at a time)
+    unless it knows its finiteness (``KnowsFinite``) and the denominator is >= 1."""
     finite = True
     for gradient in gradients:
         if not isinstance(gradient, ShardGradient) or not gradient.away:
             continue
         gradient.scale_away("div", denominator)
-        for k in gradient.away:
-            if not bool(torch.isfinite(gradient.away_values(k)).all()):
-                finite = False
+        for k, away in gradient.away.items():
+            if denominator >= 1 and isinstance(away, KnowsFinite):
+                # |x / d| <= |x| for d >= 1: finite stays finite, inf and nan stay
+                ok = away.finite()
+            else:
+                ok = bool(torch.isfinite(gradient.away_values(k)).all())
+            finite = finite and ok
     return finite
