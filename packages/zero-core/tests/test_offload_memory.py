@@ -372,8 +372,8 @@ def test_zero_estimate_predicts_the_disk_links_bytes(
     against the engine's counters, within 10% (the same padding as above): the optimizer
     tier's tiles read once and written once per step (float32 master and Adam's two
     moments: 12 bytes per element), the gradients where they follow the optimizer
-    (written every micro-step, read back by every later one, by the non-finite check,
-    by clipping's norm and by the step), and at stage 3 every parameter shard read for
+    (written every micro-step, read back by every later one, by clipping's norm and by
+    the step; the non-finite check reads none), and at stage 3 every parameter shard read for
     its forward gather (backward's are the backward head here: the default
     backward_head_numel covers this model, so forward keeps every unit gathered for it).
     The parameter shards' writes after the step have no counter in the engine, so they
