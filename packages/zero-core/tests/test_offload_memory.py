@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from io import StringIO
 from pathlib import Path
@@ -309,11 +311,16 @@ class DiskTraffic(NamedTuple):
 
 
 def measure_disk_traffic(
-    case: Case, offload_dir: Path, accumulation: int = 1, clip: float | None = None
+    case: Case,
+    offload_dir: Path,
+    accumulation: int = 1,
+    clip: float | None = None,
+    second_step: Callable[[], None] = lambda: None,
 ) -> list[DiskTraffic]:
     """Each rank's swap-file traffic during its second step (the first records the
     gather order that prefetching and the backward head follow), from the engine's own
-    counters: swapped_tiles' bytes read and written, parameter shards' bytes read."""
+    counters: swapped_tiles' bytes read and written, parameter shards' bytes read.
+    ``second_step`` is called on each rank's thread as its second step begins."""
 
     def body(comm: Communicator) -> DiskTraffic:
         model = SmallTransformer()
@@ -331,6 +338,7 @@ def measure_disk_traffic(
         try:
             for step in range(2):
                 if step == 1:
+                    second_step()
                     counted = [swap, getattr(store, "bytes_read", None) is not None and store]
                     for counter in (c for c in counted if c):
                         counter.bytes_read = 0
@@ -493,3 +501,36 @@ def test_zero_estimate_predicts_the_gradients_device_to_host_bytes(
         measured,
         estimated,
     )
+
+
+def test_zero_estimate_predicts_the_parameter_fetches_host_to_device_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 3 with the parameter shards in host memory: every gather takes its shard
+    from the host (ParameterShards.take, the host tier's one host-to-device copy), once
+    per forward and again in backward for what forward did not keep; here the default
+    backward head keeps every unit, so one shard per step, p Ψ/N: offload_traffic's
+    host -> device parameters, within 10%, in the second step (the first has no
+    backward record yet, so it gathers every unit twice)."""
+    from zero_core.offload.tiered_parameters import ParameterShards
+
+    taken: dict[int, int] = {}  # per rank's thread: bytes taken in its second step
+    original = ParameterShards.take
+
+    def counted(self: ParameterShards, group: int, bucket: int) -> torch.Tensor:
+        shard = original(self, group, bucket)
+        rank = threading.get_ident()
+        taken[rank] = taken.get(rank, 0) + shard.numel() * shard.element_size()
+        return shard
+
+    def second_step() -> None:
+        taken[threading.get_ident()] = 0
+
+    monkeypatch.setattr(ParameterShards, "take", counted)
+    case = Case(3, "cpu", "cpu")
+    measure_disk_traffic(case, tmp_path, second_step=second_step)
+    assert len(taken) == WORLD_SIZE
+    measured = max(taken.values())
+    estimated = estimate_row(case)["links"]["host_to_device"]["parameters"]
+    assert estimated == pytest.approx(2 * PSI / WORLD_SIZE, rel=0.01)
+    assert abs(measured - estimated) <= TOLERANCE * estimated, (measured, estimated)
