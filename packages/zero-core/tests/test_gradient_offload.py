@@ -223,6 +223,8 @@ class _Held:
     def __init__(self, values: torch.Tensor) -> None:
         self.values = values
 
+    generation = 0
+
     @property
     def landed(self) -> bool:
         return True
@@ -290,3 +292,29 @@ def test_a_nonfinite_offloaded_gradient_skips_the_step(optimizer: str) -> None:
         engine.close()
 
     run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_a_step_s_gradient_read_after_its_release_is_refused(optimizer: str) -> None:
+    """A reader that outlives the step (a delayed update) and reads the step's offloaded
+    gradient after the step released it gets an error, never the next step's values;
+    a clone taken before the release stays readable, with the step's bits."""
+    case = with_tiers(optimizer)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(tokens).float().square().mean())
+        gradient = engine.gradients.float32_gradients()[0]
+        assert isinstance(gradient, ShardGradient) and gradient.away
+        numel = gradient.pieces[0].numel()
+        owned = gradient.clone()
+        before = gradient[0:numel]
+        engine.zero_grad()  # what the end of a step does
+        engine.backward(engine(tokens).float().square().mean())
+        with pytest.raises(RuntimeError, match="released by the step"):
+            gradient[0:numel]
+        assert torch.equal(owned[0:numel], before)
+        engine.close()
+
+    run_simulated(1, body)

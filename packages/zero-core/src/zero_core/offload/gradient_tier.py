@@ -77,6 +77,7 @@ class HostSlice:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
         self.values = host_empty(numel, dtype, device, pin)  # kept: pinned memory is dear
         self._landed = False
+        self.generation = 0  # steps that released it (reduced_gradient.AwaySlice)
 
     @property
     def landed(self) -> bool:
@@ -95,6 +96,7 @@ class HostSlice:
 
     def release(self) -> None:
         self._landed = False
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:
@@ -202,6 +204,7 @@ class SwappedSlice:
         self.writes = writes
         self.dtype = writes.dtype
         self._landed = False
+        self.generation = 0  # steps that released it (reduced_gradient.AwaySlice)
 
     @property
     def landed(self) -> bool:
@@ -230,6 +233,7 @@ class SwappedSlice:
 
     def release(self) -> None:
         self._landed = False
+        self.generation += 1
         for index, _, _ in self.tiles:
             self.writes.swap.gradient_landed[index] = False
 

@@ -381,12 +381,14 @@ def _disk_tile_gradient(
     """A disk tile's float32 gradient on the host: read with its master and states when
     it was offloaded (gradient_tier; scaled as the step scaled the rest), else its part
     of the device gradient, copied."""
-    if isinstance(gradient, ShardGradient) and gradient.away_at(spec.where) is not None:
+    k = gradient.away_at(spec.where) if isinstance(gradient, ShardGradient) else None
+    if k is not None:
+        assert isinstance(gradient, ShardGradient)
         if resident.gradient is None:
             raise RuntimeError(
                 f"disk tile {resident.index} (group {spec.group}, elements {spec.start}:"
                 f"{spec.stop}) has no gradient block of this step: a bug in the engine's "
                 "gradient bookkeeping; nothing was stepped on it"
             )
-        return gradient.finished(resident.gradient)
+        return gradient.finished(resident.gradient, k)
     return gradient[spec.where].to(host_device())
