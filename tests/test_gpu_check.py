@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,16 @@ def test_the_offload_search_climbs_steps_down_and_respects_its_caps(
     assert summary["largest_layers"] == 32 and summary["next"] == "out of memory"
     refused = [r["layers"] for r in rows if str(r["outcome"]).startswith("not tried: past")]
     assert refused == [128, 96, 80, 64]
+    # Climbing from rung 2 at 4 s per 1e9 parameters with 8.5 s left: 32 layers (1.74e9,
+    # ~7 s) is tried, 48 layers (2.55e9, ~10 s) is not, for time.
+    tried.clear()
+    climbed = offload_check.search(
+        Comm(), args, "cpu", time.perf_counter() + 8.5, rows.append, start=2,  # type: ignore[arg-type]
+        pace=[4e-9],
+    )  # fmt: skip
+    assert tried == [16, 24, 32]
+    assert climbed["largest_layers"] == 32
+    assert str(climbed["next"]).startswith("not tried: time budget")
     tried.clear()
     rows.clear()
     spent = offload_check.search(Comm(), args, "cpu", 0.0, rows.append)  # type: ignore[arg-type]

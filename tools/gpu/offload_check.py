@@ -13,13 +13,16 @@ Four sections, cheapest first, each row saved to ``--json`` as it ends:
    says "DPU not available").
 3. pinned: the same run with ``offload_pin_memory`` True and False, step time.
 4. the largest model: a ladder of GPTs (width 2048, 16 heads, context 512, more layers each
-   rung), stage 2 with and without ``offload_optimizer="cpu"``. Each search starts at the
-   largest rung the estimate (zero_core.estimate.model_states) says fits the GPU, climbs
-   while it trains and steps down when it runs out of memory; a rung whose host states
-   would pass ``--host-fraction`` of host memory, or past ``--max-params``, is not tried,
-   and no try starts after ``--budget-s``. The answer is the largest rung that trained,
-   with the next one's outcome beside it (out of memory, or why it was not tried).
+   rung), stage 2 with and without ``offload_optimizer="cpu"``. Without offload the search
+   starts at the largest rung the estimate (zero_core.estimate.model_states) fits on the
+   GPU; with offload, just above the largest that trained without. It climbs while a rung
+   trains and steps down when one runs out of memory. A rung is not tried past
+   ``--max-params``, when its host states would pass ``--host-fraction`` of host memory, or
+   when its try (build and one step) would not end within ``--budget-s`` at the slowest
+   pace seen so far. The answer is the largest rung that trained, with the next one's
+   outcome beside it (out of memory, or why it was not tried).
 
+Every run steps fused AdamW (the host step at memory bandwidth: docs/offload.md).
 Fails (exit 1) without a CUDA device unless ``--allow-cpu`` (then ``--tiny`` runs every
 section on tiny models on gloo/CPU in seconds, to test the script: tests/test_gpu_check.py),
 and when a run stops with an error that is not running out of memory.
@@ -234,38 +237,56 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+PRIOR_SECONDS_PER_PARAMETER = 1e-8  # a try (build + one step) of 1e9 parameters: 10 s
+
+
 def search(
     comm: zero_comm.Communicator,
     args: argparse.Namespace,
     offload: str,
     deadline: float,
     add: Callable[[dict[str, Any]], None],
+    *,
+    start: int | None = None,
+    pace: list[float] | None = None,
 ) -> dict[str, Any]:
-    """The largest rung of the ladder that trains with ``offload``; every try is a row."""
+    """The largest rung of the ladder that trains with ``offload``; every try is a row.
+
+    Starts at rung ``start`` (default: the largest the estimate fits on the device),
+    climbs while a rung trains and steps down when one runs out of memory. A rung is not
+    tried past ``--max-params``, past the host memory allowed, or when its try would not
+    end before ``deadline`` at the slowest pace seen so far (``pace``: seconds per
+    parameter of a try, shared between searches; 10 s per 1e9 parameters before any).
+    """
     rungs = ladder(args)
     device = comm.device
     capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     host_cap = args.host_fraction * host_memory()
+    pace = pace if pace is not None else []
 
     def refusal(config: GPTConfig) -> str | None:
         if config.num_params > args.max_params:
             return f"past --max-params {args.max_params:.3g}"
         if predicted_bytes(config, offload, args.search_batch)[1] > host_cap:
             return f"host states past {args.host_fraction:.0%} of host memory"
+        left = deadline - time.perf_counter()
+        needs = max(pace, default=PRIOR_SECONDS_PER_PARAMETER) * config.num_params
+        if needs > left:
+            return f"time budget (a try needs ~{needs:.0f} s, {max(left, 0):.0f} s left)"
         return None
 
-    fits = [
-        i
-        for i, c in enumerate(rungs)
-        if capacity == 0 or predicted_bytes(c, offload, args.search_batch)[0] < capacity
-    ]
-    position = fits[-1] if fits else 0
+    if start is None:
+        fits = [
+            i
+            for i, c in enumerate(rungs)
+            if capacity == 0 or predicted_bytes(c, offload, args.search_batch)[0] < capacity
+        ]
+        start = fits[-1] if fits else 0
+    position = min(max(start, 0), len(rungs) - 1)
     outcomes: dict[int, str] = {}
     while 0 <= position < len(rungs) and position not in outcomes:
         config = rungs[position]
         why = refusal(config)
-        if why is None and time.perf_counter() > deadline:
-            why = "time budget"
         head = {
             "section": "largest",
             "offload": offload,
@@ -275,14 +296,16 @@ def search(
         if why is not None:
             outcomes[position] = f"not tried: {why}"
             add({**head, "outcome": outcomes[position]})
-            if why == "time budget":
-                break
+            if "trains" in outcomes.values():
+                break  # climbing: what is above is larger still
             position -= 1
             continue
+        began = time.perf_counter()
         row = guarded(
             head,
             partial(train, config, comm, args.search_batch, 0, 1, offload_optimizer=offload),
         )
+        pace.append((time.perf_counter() - began) / config.num_params)
         if "error" in row:
             add(row)
             break
@@ -296,7 +319,8 @@ def search(
             "section": "largest-summary",
             "offload": offload,
             "largest_parameters": None,
-            "next": outcomes.get(0, "not tried"),
+            "largest_rung": None,
+            "next": outcomes.get(min(outcomes, default=0), "not tried"),
         }
     best = max(trained_rungs)
     return {
@@ -304,6 +328,7 @@ def search(
         "offload": offload,
         "largest_parameters": rungs[best].num_params,
         "largest_layers": rungs[best].layers,
+        "largest_rung": best,
         "next": outcomes.get(best + 1, "none above" if best + 1 == len(rungs) else "not tried"),
     }
 
@@ -366,15 +391,15 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny models, 1+1 steps")
     parser.add_argument("--allow-cpu", action="store_true", help="test this script on CPU/gloo")
     parser.add_argument("--json", type=Path, help="rewritten after every row")
-    parser.add_argument("--budget-s", type=float, default=100.0, help="no try starts after")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="no try ends after")
     parser.add_argument("--copy-mib", type=int, default=256)
     parser.add_argument("--step-preset", default="gpt2-medium")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--search-batch", type=int, default=2)
-    parser.add_argument("--max-params", type=float, default=7e9)
-    parser.add_argument("--host-fraction", type=float, default=0.6)
+    parser.add_argument("--max-params", type=float, default=6e9)
+    parser.add_argument("--host-fraction", type=float, default=0.5)
     args = parser.parse_args()
     if args.tiny:
         args.copy_mib, args.step_preset, args.batch = 1, "test", 2
@@ -413,8 +438,12 @@ def main() -> int:
             )
         )
     step_rows(comm, args, add)
-    for offload in ("none", "cpu"):
-        add(search(comm, args, offload, deadline, add))
+    pace: list[float] = []
+    plain = search(comm, args, "none", deadline, add, pace=pace)
+    add(plain)
+    # With offload, start just above the largest that trained without: what offload adds.
+    above = None if plain["largest_rung"] is None else plain["largest_rung"] + 1
+    add(search(comm, args, "cpu", deadline, add, start=above, pace=pace))
     comm.close()
     print("\n".join(table(rows)))
     failed = [r for r in rows if "error" in r or r.get("values_equal") is False]
