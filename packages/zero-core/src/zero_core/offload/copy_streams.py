@@ -36,6 +36,8 @@ On a device that is not CUDA (device.type == "cpu"), every copy runs inline with
 ticket is done: the values and the bits are those of a plain ``dst.copy_(src)``.
 
 Order: copies run on one side stream in call order; tickets complete in that order.
+Threads: a CopyStream is used by one thread at a time; "the current stream" is the
+calling thread's (torch keeps one per thread).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from .tiers import host_empty
 
 DEFAULT_SLOTS = 4
 DEFAULT_SLOT_BYTES = 4 << 20
@@ -128,8 +132,9 @@ class CudaStreams:
 
     def staging(self, nbytes: int) -> torch.Tensor:
         # Pageable staging (pin=False) is what offload_pin_memory=False asks for: the
-        # copies still run on the side stream, but the driver stages them itself.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        # copies still run on the side stream, but the driver stages them itself. Pinning
+        # that fails (a low memlock limit) falls back to pageable, with one warning.
+        return host_empty(nbytes, torch.uint8, self.device, self.pin)
 
 
 @dataclass(eq=False)
@@ -210,6 +215,8 @@ class CopyStream:
                 f"CopyStream needs slots >= 1 and slot_bytes >= 16; got slots={slots}, "
                 f"slot_bytes={slot_bytes}"
             )
+        if device.type == "cuda" and device.index is None and streams is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # as tensors name it
         self.device = device
         self.slots = slots
         self.slot_bytes = slot_bytes
