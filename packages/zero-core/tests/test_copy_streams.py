@@ -2,7 +2,7 @@
 
 On CPU the copies run inline; the staging ring, the pieces and the event order are driven
 here by a stand-in for the CUDA calls (RecordingStreams) that logs every call, runs the
-side stream's copies when they are enqueued and whose events are complete. The CUDA
+side stream's copies when they are enqueued; its events complete when synchronized. The CUDA
 tests run the real streams where a GPU exists and skip otherwise.
 """
 
@@ -21,14 +21,18 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 class LoggedEvent:
+    """An event that completes only when the host synchronizes on it (the stand-in's
+    side stream is never done by itself: a test sees every wait the code needs)."""
+
     def __init__(self, log: list[str], name: str) -> None:
-        self.log, self.name = log, name
+        self.log, self.name, self.completed = log, name, False
 
     def synchronize(self) -> None:
         self.log.append(f"sync {self.name}")
+        self.completed = True
 
     def query(self) -> bool:
-        return True
+        return self.completed
 
 
 class RecordingStreams:
@@ -39,6 +43,8 @@ class RecordingStreams:
         self.events = 0
         self.kept: list[torch.Tensor] = []
         self.staged = 0
+        self.pinned_storages: set[int] = set()
+        self.held: list[torch.Tensor] = []
 
     def _event(self, where: str) -> LoggedEvent:
         self.events += 1
@@ -68,6 +74,16 @@ class RecordingStreams:
     def staging(self, nbytes: int) -> torch.Tensor:
         self.staged += 1
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        return any(tensor.untyped_storage().data_ptr() == p for p in self.pinned_storages)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Declare ``tensor`` pinned (CPU-only torch cannot pin); it is held, so its
+        storage's address is not reused by another tensor meanwhile."""
+        self.held.append(tensor)
+        self.pinned_storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
 
 
 def ring(slots: int = 2, slot_bytes: int = 64) -> tuple[CopyStream, RecordingStreams]:
@@ -166,6 +182,23 @@ def test_to_device_stages_src_so_the_caller_may_change_it_at_once() -> None:
     assert torch.equal(dst, expected)
 
 
+def test_a_pinned_destination_of_the_same_dtype_is_written_directly() -> None:
+    copies, streams = ring(slots=2, slot_bytes=64)
+    src = values(100, torch.float32)
+    dst = streams.pin(torch.zeros(100))
+    ticket = copies.to_host(src, dst)
+    assert streams.log == ["record current1", "side waits current1", "copy", "record side2"]
+    assert len(ticket.pieces) == 1 and streams.staged == 0  # no staging, no host wait
+    ticket.wait_host()
+    assert streams.log[-1] == "sync side2" and torch.equal(dst, src)
+    # another dtype needs the cast: through the ring
+    half = streams.pin(torch.zeros(100, dtype=torch.float16))
+    staged = copies.to_host(src, half)
+    assert len(staged.pieces) == 7 and streams.staged == 2  # 16 float32 a slot, cast out
+    copies.drain()
+    assert torch.equal(half, src.half()) and staged.done
+
+
 def test_drain_completes_in_call_order() -> None:
     copies, streams = ring(slots=4, slot_bytes=64)
     dsts = [torch.zeros(16) for _ in range(3)]
@@ -188,19 +221,26 @@ def test_drain_completes_in_call_order() -> None:
             st.integers(0, 90),
             st.sampled_from(DTYPES),
             st.sampled_from(DTYPES),
+            st.booleans(),
         ),
         min_size=1,
         max_size=8,
     ),
 )
 def test_any_sequence_of_copies_equals_copy_and_stays_bounded(
-    slots: int, slot_bytes: int, copies_made: list[tuple[bool, int, torch.dtype, torch.dtype]]
+    slots: int,
+    slot_bytes: int,
+    copies_made: list[tuple[bool, int, torch.dtype, torch.dtype, bool]],
 ) -> None:
+    """Copies up and down, staged or (into pinned memory) direct, of any size and dtypes:
+    after drain every destination equals ``copy_``, and staging never passed the ring."""
     copies, streams = ring(slots=slots, slot_bytes=slot_bytes)
     results: list[tuple[CopyTicket, torch.Tensor, torch.Tensor]] = []
-    for i, (up, numel, src_dtype, dst_dtype) in enumerate(copies_made):
+    for i, (up, numel, src_dtype, dst_dtype, pinned) in enumerate(copies_made):
         src = values(numel, src_dtype, i)
         dst = torch.zeros(numel, dtype=dst_dtype)
+        if pinned and numel:
+            streams.pin(dst)
         ticket = copies.to_device(src, dst) if up else copies.to_host(src, dst)
         results.append((ticket, dst, torch.empty(numel, dtype=dst_dtype).copy_(src)))
         assert copies.staging_bytes <= slots * slot_bytes
@@ -257,4 +297,18 @@ def test_cuda_to_device_then_a_consumer_on_the_current_stream() -> None:
     assert reader.item() == 0.0
     assert torch.equal(doubled.cpu(), expected * 2)
     assert torch.equal(dst.cpu(), expected)
+    copies.drain()
+
+
+@cuda
+def test_cuda_to_host_into_pinned_memory_goes_straight_in_without_a_host_wait() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = CopyStream(device, slots=1, slot_bytes=1 << 16)
+    src = torch.randn(1 << 22, device=device)
+    dst = torch.empty(1 << 22, pin_memory=True)
+    ticket = copies.to_host(src, dst)
+    assert len(ticket.pieces) == 1 and copies.staging_bytes == 0
+    expected = src.cpu()
+    ticket.wait_host()
+    assert torch.equal(dst, expected)
     copies.drain()

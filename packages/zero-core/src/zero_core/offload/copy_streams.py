@@ -8,10 +8,13 @@ a bounded ring of pinned staging buffers (ZeRO-Offload's overlapped transfers).
 
 ``to_host(src, dst)`` copies a device tensor into a host tensor: an event recorded on the
 current stream orders the copy after the work queued there so far (the work that
-produced ``src``); the side stream waits on it, copies ``src`` piece by piece into pinned
-staging slots, and records an event per piece. ``dst`` holds the values once the ticket's
-``wait_host()`` returned (or ``drain()``): that is when the slots are copied out (with a
-cast where the dtypes differ).
+produced ``src``); the side stream waits on it. A ``dst`` in pinned memory of ``src``'s
+dtype is written directly (no staging, and the host never waits at the call: what a
+gradient going down during backward needs); any other ``dst`` gets ``src`` piece by piece
+through the pinned staging slots, an event per piece. Either way ``dst`` holds the values
+once the ticket's ``wait_host()`` returned (or ``drain()``): that is when the slots are
+copied out (with a cast where the dtypes differ), and the caller must not read or write
+``dst`` before.
 
 ``to_device(src, dst)`` copies a host tensor into a device tensor: each piece of ``src`` is
 copied (and cast to ``dst``'s dtype) into a staging slot on the host, so ``src`` may be
@@ -21,9 +24,10 @@ consumer calls ``ticket.wait_stream()``: the current stream waits on the copy's 
 the host does not.
 
 Memory: ``slots`` x ``slot_bytes`` of pinned host memory, allocated on first use, per
-CopyStream. A copy larger than a slot goes in pieces of one slot each; when the next slot
-is still in use, the oldest copy in it is waited for (an event synchronize on that piece,
-never a device-wide synchronize), so a copy of any size needs no more staging.
+CopyStream. A staged copy larger than a slot goes in pieces of one slot each; when the
+next slot is still in use, the oldest copy in it is waited for (an event synchronize on
+that piece, never a device-wide synchronize), so a copy of any size needs no more
+staging. Direct copies (into pinned memory) use none.
 
 Lifetime of device tensors: each device tensor a copy reads or writes on the side stream
 is marked with ``Tensor.record_stream(side)``, so the caching allocator does not hand its
@@ -42,6 +46,7 @@ calling thread's (torch keeps one per thread).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -93,6 +98,10 @@ class Streams(Protocol):
         """A pinned host buffer of ``nbytes`` bytes (uint8)."""
         ...
 
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether the host ``tensor`` is in pinned memory (a copy may go straight in)."""
+        ...
+
 
 class CudaStreams:
     """Streams on one CUDA device: a side stream of its own, events from torch.cuda."""
@@ -129,6 +138,9 @@ class CudaStreams:
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
         tensor.record_stream(self.side)
+
+    def pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned()
 
     def staging(self, nbytes: int) -> torch.Tensor:
         # Pageable staging (pin=False) is what offload_pin_memory=False asks for: the
@@ -218,6 +230,7 @@ class CopyStream:
         if device.type == "cuda" and device.index is None and streams is None:
             device = torch.device("cuda", torch.cuda.current_device())  # as tensors name it
         self.device = device
+        self.pin = pin
         self.slots = slots
         self.slot_bytes = slot_bytes
         if streams is None and device.type == "cuda":
@@ -225,6 +238,7 @@ class CopyStream:
         self.streams = streams
         self._buffers: list[torch.Tensor] = []
         self._occupant: list[_Piece | None] = [None] * slots
+        self._direct: deque[_Piece] = deque()  # to_host copies into pinned memory
         self._next = 0
         self.bytes_to_host = 0
         self.bytes_to_device = 0
@@ -271,6 +285,17 @@ class CopyStream:
         ticket = CopyTicket(streams=streams, hold=dst)
         streams.side_waits(streams.record_current())  # after the work that made src
         streams.keep_alive(flat_src)
+        if flat_dst.dtype == flat_src.dtype and streams.pinned(flat_dst):
+            # Straight into the caller's pinned memory: no staging, no host wait.
+            def direct() -> None:
+                flat_dst.copy_(flat_src, non_blocking=True)
+
+            streams.on_side(direct)
+            piece = _Piece(-1, streams.record_side(), None)
+            self._direct.append(piece)
+            ticket.pieces.append(piece)
+            self._prune_direct()
+            return ticket
         step = self._piece_numel(flat_src.dtype)
         for a in range(0, flat_src.numel(), step):
             b = min(a + step, flat_src.numel())
@@ -323,8 +348,15 @@ class CopyStream:
             ticket.pieces.append(piece)
         return ticket
 
+    def _prune_direct(self) -> None:
+        """Forget the direct copies that have landed (an event query, no wait)."""
+        while self._direct and (self._direct[0].done or self._direct[0].event.query()):
+            self._direct.popleft().done = True
+
     def drain(self) -> None:
         """Complete every copy in flight (event synchronize on each piece, in order)."""
+        while self._direct:
+            self._direct.popleft().complete()
         for offset in range(self.slots):
             slot = (self._next + offset) % self.slots
             piece = self._occupant[slot]

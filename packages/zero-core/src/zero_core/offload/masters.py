@@ -221,7 +221,8 @@ class OffloadedMasters:
         reading it: a device gradient for a host tile goes down on the side stream
         (copy_streams); anything else is moved as it was, its ticket already done."""
         if gradient.device.type != "cpu" and where.type == "cpu":
-            host = torch.empty(gradient.numel(), dtype=gradient.dtype, device=where)
+            # pinned (as .to(non_blocking=True) made it): the copy goes straight in
+            host = host_empty(gradient.numel(), gradient.dtype, self.device, self.copies.pin)
             return host.view(gradient.shape), self.copies.to_host(gradient, host)
         return gradient.to(where), CopyTicket()
 
