@@ -198,7 +198,7 @@ def test_the_offload_check_runs_every_section_on_cpu_when_allowed(
         assert steps[1]["not_run"] == "DPU not available"
         assert "DPU not available" in result.stdout
     summaries = [r for r in rows if r["section"] == "largest-summary"]
-    assert [r["offload"] for r in summaries] == ["none", "cpu"]
+    assert [r["offload"] for r in summaries] == ["cpu", "none"]
     assert all(r["largest_parameters"] > 0 for r in summaries)
     assert "| largest | offload=cpu |" in result.stdout
 

@@ -13,9 +13,9 @@ Four sections, cheapest first, each row saved to ``--json`` as it ends:
    says "DPU not available").
 3. pinned: the same run with ``offload_pin_memory`` True and False, step time.
 4. the largest model: a ladder of GPTs (width 2048, 16 heads, context 512, more layers each
-   rung), stage 2 with and without ``offload_optimizer="cpu"``. Without offload the search
-   starts at the largest rung the estimate (zero_core.estimate.model_states) fits on the
-   GPU; with offload, just above the largest that trained without. It climbs while a rung
+   rung), stage 2 with ``offload_optimizer="cpu"``, then without. Each search starts at the
+   largest rung the estimate (zero_core.estimate.model_states) fits on the GPU (without
+   offload, at most the largest that trained with it). It climbs while a rung
    trains and steps down when one runs out of memory. A rung is not tried past
    ``--max-params``, when its host states would pass ``--host-fraction`` of host memory, or
    when its try (build and one step) would not end within ``--budget-s`` at the slowest
@@ -223,14 +223,16 @@ def ladder(args: argparse.Namespace) -> list[GPTConfig]:
 
 def predicted_bytes(config: GPTConfig, offload: str, batch: int) -> tuple[float, float]:
     """(device, host) bytes the estimate gives: model states in their tiers plus the
-    activations (bf16) and the float32 logits of the loss."""
+    activations (bf16) and the float32 logits of the loss on the device; on the host, the
+    float32 gradients the step takes down beside the offloaded states."""
     states = tiered_state_bytes(
         config.num_params, 1, STAGE, offload_optimizer=offload, grad_bytes=4
     )
+    host_gradients = 0 if offload == "none" else 4 * config.num_params
     tokens = batch * config.context
     shape = TransformerShape(config.layers, config.width, config.heads, config.vocab_size, tokens)
     activations = activation_bytes(shape, dtype_bytes=2).peak + tokens * config.vocab_size * 4
-    return states.device + activations, states.host_resident
+    return states.device + activations, states.host_resident + host_gradients
 
 
 def host_memory() -> int:
@@ -248,15 +250,17 @@ def search(
     add: Callable[[dict[str, Any]], None],
     *,
     start: int | None = None,
+    below: int | None = None,
     pace: list[float] | None = None,
 ) -> dict[str, Any]:
     """The largest rung of the ladder that trains with ``offload``; every try is a row.
 
-    Starts at rung ``start`` (default: the largest the estimate fits on the device),
-    climbs while a rung trains and steps down when one runs out of memory. A rung is not
-    tried past ``--max-params``, past the host memory allowed, or when its try would not
-    end before ``deadline`` at the slowest pace seen so far (``pace``: seconds per
-    parameter of a try, shared between searches; 10 s per 1e9 parameters before any).
+    Starts at rung ``start`` (default: the largest the estimate fits on the device, at
+    most rung ``below``), climbs while a rung trains and steps down when one runs out of
+    memory. A rung is not tried past ``--max-params``, past the host memory allowed, or
+    when its try would not end before ``deadline`` at the slowest pace seen so far
+    (``pace``: seconds per parameter of a try, shared between searches; 10 s per 1e9
+    parameters before any).
     """
     rungs = ladder(args)
     device = comm.device
@@ -282,6 +286,8 @@ def search(
             if capacity == 0 or predicted_bytes(c, offload, args.search_batch)[0] < capacity
         ]
         start = fits[-1] if fits else 0
+        if below is not None:
+            start = min(start, below)
     position = min(max(start, 0), len(rungs) - 1)
     outcomes: dict[int, str] = {}
     while 0 <= position < len(rungs) and position not in outcomes:
@@ -393,13 +399,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="rewritten after every row")
     parser.add_argument("--budget-s", type=float, default=100.0, help="no try ends after")
     parser.add_argument("--copy-mib", type=int, default=256)
-    parser.add_argument("--step-preset", default="gpt2-medium")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--step-preset", default="gpt2")
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--search-batch", type=int, default=2)
     parser.add_argument("--max-params", type=float, default=6e9)
-    parser.add_argument("--host-fraction", type=float, default=0.5)
+    parser.add_argument("--host-fraction", type=float, default=0.6)
     args = parser.parse_args()
     if args.tiny:
         args.copy_mib, args.step_preset, args.batch = 1, "test", 2
@@ -438,12 +444,13 @@ def main() -> int:
             )
         )
     step_rows(comm, args, add)
+    # With offload first (the headline), from the largest rung the device and host allow;
+    # then without, from the largest rung the estimate fits, never above offload's.
     pace: list[float] = []
-    plain = search(comm, args, "none", deadline, add, pace=pace)
+    offloaded = search(comm, args, "cpu", deadline, add, pace=pace)
+    add(offloaded)
+    plain = search(comm, args, "none", deadline, add, pace=pace, below=offloaded["largest_rung"])
     add(plain)
-    # With offload, start just above the largest that trained without: what offload adds.
-    above = None if plain["largest_rung"] is None else plain["largest_rung"] + 1
-    add(search(comm, args, "cpu", deadline, add, start=above, pace=pace))
     comm.close()
     print("\n".join(table(rows)))
     failed = [r for r in rows if "error" in r or r.get("values_equal") is False]
