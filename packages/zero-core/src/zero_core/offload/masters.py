@@ -189,8 +189,7 @@ class OffloadedMasters:
             state: dict[str, Any] = {**resident_tile.states, **swap.scalars[index]}
             if state:
                 optimizer.state[tile] = state
-            tile.grad, ticket = self._to_tile(gradients[spec.group][spec.where], host_device())
-            ticket.wait_host()
+            tile.grad = gradients[spec.group][spec.where].to(host_device())
             try:
                 with profiler_range("optimizer_step"):
                     optimizer.step()
