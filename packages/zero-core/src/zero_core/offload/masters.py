@@ -38,9 +38,9 @@ from ..master_weights import (
     shard_pieces,
 )
 from ..memory.report import tensor_bytes
+from ..offload.copy_streams import CopyStream, CopyTicket  # apart from .tiers: merges
 from ..param_table import ParamSlot
 from ..reduced_gradient import GroupGradient
-from .copy_streams import CopyStream, CopyTicket
 from .partial_blocks import PartialBlocks
 from .swapped_tiles import MASTER, ResidentTile, SwappedTiles
 from .tiers import Tier, TileSpec, host_device, host_empty
