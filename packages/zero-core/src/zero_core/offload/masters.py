@@ -38,7 +38,7 @@ from ..master_weights import (
     shard_pieces,
 )
 from ..memory.report import tensor_bytes
-from ..offload.copy_streams import CopyStream, CopyTicket  # apart from .tiers: merges
+from ..offload.copy_streams import CopyStream, CopyTicket
 from ..param_table import ParamSlot
 from ..reduced_gradient import GroupGradient
 from .partial_blocks import PartialBlocks
