@@ -225,7 +225,7 @@ class ReduceScatteredGradients:
         if self.across_replicas is not None:
             self._sum_across_replicas()
         if self.grad_shards and not self.full_buffers:
-            return [shard.float() for shard in self.grad_shards]
+            return [shard.for_step().float() for shard in self.grad_shards]
         # Full buffers without accumulation: the reduced slices are views of this rank's
         # part of each bucket, handed over as they are (a float32 step scales them in
         # place; clear() zeroes the buffers after it). Concatenating them into one flat

@@ -12,10 +12,12 @@ as they land, for the tier of the master tiles they belong to.
 
 grad_reducer calls :meth:`GradientTier.landed` once a bucket's reduced slice of this
 micro-step is in its target (``BucketReducer.on_reduced``, run after the next launch); the
-slice is copied out (``to_host``, the one device-to-host call site) and the target's
-storage is freed. Every landing of an offloaded bucket lands fresh (``GradBucket.drained``:
-materialized and copied, never added to), so the device holds a gradient slice only
-between its reduction and its hand-over: at most ``max_buckets_in_flight`` reductions'
+slice is copied out (``to_host``, the one device-to-host call site: a side stream with
+pinned staging, copy_streams; inline on a CPU device) and the target's storage is freed;
+the copies into host slices land while backward goes on and are waited for at its end.
+Every landing of an offloaded bucket lands fresh (``GradBucket.drained``: materialized and
+copied, never added to), so the device holds a gradient slice only between its reduction
+and its hand-over: at most ``max_buckets_in_flight`` reductions'
 outputs and one landed reduction's slices (``in_flight_bytes``).
 
 A disk slice's tiles are copied out of the device as it lands and written (or read,
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..reduced_gradient import ShardGradient
+from .copy_streams import CopyStream, CopyTicket
 from .swap_file import aligned_empty
 from .swapped_tiles import GRAD, SwappedTiles
 from .tiers import Tier, host_empty
@@ -61,14 +64,13 @@ if TYPE_CHECKING:
     from .masters import OffloadedMasters
 
 
-def to_host(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Device-to-host copy of a landed gradient slice, into ``out`` when given; on a CPU
-    device ``values`` itself when no ``out`` is given. The one call site of the gradient
-    tier's device-to-host copies (a side stream with pinned staging goes here)."""
-    if out is not None:
-        out.copy_(values)
-        return out
-    return values if values.device.type == "cpu" else values.to("cpu")
+def to_host(copies: CopyStream, values: torch.Tensor, out: torch.Tensor) -> CopyTicket:
+    """Device-to-host copy of (part of) a landed gradient slice into ``out``: the one call
+    site of the gradient tier's device-to-host copies. On a side stream after the work
+    that produced ``values`` (copy_streams: straight into pinned ``out``, else through
+    pinned staging); ``out`` holds the values once the ticket is waited for, or the
+    stream drained. Inline on a CPU device (the ticket is done)."""
+    return copies.to_host(values, out)
 
 
 class HostSlice:
@@ -77,16 +79,24 @@ class HostSlice:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
         self.values = host_empty(numel, dtype, device, pin)  # kept: pinned memory is dear
         self._landed = False
+        self.generation = 0  # steps that released it (reduced_gradient.AwaySlice)
 
     @property
     def landed(self) -> bool:
         return self._landed
 
-    def land(self, target: torch.Tensor, first: bool) -> None:
+    def land(self, target: torch.Tensor, first: bool, copies: CopyStream, scratch: Scratch) -> None:
+        """This micro-step's slice (``target``, on the device): copied in (first), or
+        added, in the gradient dtype, as the device path adds it (later ones). The first
+        copy lands when ``copies`` is drained (at the end of the backward)."""
         if first:
-            to_host(target, self.values)
+            to_host(copies, target, self.values)
+        elif copies.inline:  # the device is the host: add it where it is
+            self.values.add_(target)
         else:
-            self.values.add_(to_host(target))
+            down = scratch.take(target.numel())
+            to_host(copies, target, down).wait_host()
+            self.values.add_(down)
         self._landed = True
 
     def read(self, start: int, stop: int) -> torch.Tensor:
@@ -95,6 +105,7 @@ class HostSlice:
 
     def release(self) -> None:
         self._landed = False
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +117,24 @@ class HostSlice:
 WRITES_IN_FLIGHT = 2
 
 
+class Scratch:
+    """One host buffer of up to a slice's elements (pinned on a GPU), made on first use:
+    where a later micro-step's host slice comes down before it is added."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
+        self.numel, self.dtype, self.device, self.pin = numel, dtype, device, pin
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = host_empty(self.numel, self.dtype, self.device, self.pin)
+        return self._buffer[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self.numel * self.dtype.itemsize
+
+
 class WriteBehind:
     """The disk slices' gradient writes, run on the swap pipeline's I/O threads while the
     backward goes on: ``WRITES_IN_FLIGHT`` pairs of aligned tile buffers, each lent to one
@@ -115,8 +144,11 @@ class WriteBehind:
     ``drain`` waits for them all, at the end of every backward, so the next micro-step's
     read-add-write of a tile always reads the last one's write."""
 
-    def __init__(self, swap: SwappedTiles, numel: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, swap: SwappedTiles, numel: int, dtype: torch.dtype, copies: CopyStream
+    ) -> None:
         self.swap = swap
+        self.copies = copies
         self.numel = numel
         self.dtype = dtype
         self._free: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
@@ -144,7 +176,7 @@ class WriteBehind:
         pair = self._take()
         numel = values.numel()
         landed, total = pair[0][:numel], pair[1][:numel]
-        to_host(values, landed)
+        to_host(self.copies, values, landed).wait_host()  # the I/O thread reads it next
         self._pending.append((self.swap.submit(self._write, index, landed, total, first), pair))
 
     def _write(self, index: int, landed: torch.Tensor, total: torch.Tensor, first: bool) -> None:
@@ -202,6 +234,7 @@ class SwappedSlice:
         self.writes = writes
         self.dtype = writes.dtype
         self._landed = False
+        self.generation = 0  # steps that released it (reduced_gradient.AwaySlice)
 
     @property
     def landed(self) -> bool:
@@ -230,6 +263,7 @@ class SwappedSlice:
 
     def release(self) -> None:
         self._landed = False
+        self.generation += 1
         for index, _, _ in self.tiles:
             self.writes.swap.gradient_landed[index] = False
 
@@ -264,9 +298,12 @@ class GradientTier:
         largest_tile = (
             max((spec.numel for spec in masters.swap.specs), default=0) if masters.swap else 0
         )
+        # The tier's own side stream: the masters' is stepped from another thread with a
+        # delayed update, and a CopyStream serves one thread at a time.
+        self.copies = CopyStream(device, pin=pin)
         self.writes: WriteBehind | None = None
         if masters.swap is not None:
-            self.writes = WriteBehind(masters.swap, largest_tile, dtype)
+            self.writes = WriteBehind(masters.swap, largest_tile, dtype, self.copies)
         for bucket in self.buckets:
             specs = [s for s in masters.plan[bucket.group] if s.bucket == bucket.index]
             tiers = {spec.tier for spec in specs}
@@ -289,6 +326,11 @@ class GradientTier:
         self._drained = [self.buckets[position] for position in self.homes]
         self._itemsize = dtype.itemsize
         self._largest = max((b.slice_numel for b in self._drained), default=0)
+        largest_host = max(
+            (h.values.numel() for h in self.homes.values() if isinstance(h, HostSlice)),
+            default=0,
+        )
+        self.scratch = Scratch(largest_host, dtype, device, pin)
 
     def reduced_together(self, groups: Sequence[Sequence[int]]) -> None:
         """The buckets each reduction lands at once (``BucketReducer.groups``): the
@@ -308,7 +350,12 @@ class GradientTier:
         if self.track_peak:
             held = sum(b.target.untyped_storage().nbytes() for b in self._drained)
             self.peak_held = max(self.peak_held, held)
-        home.land(target, self.first)
+        if isinstance(home, HostSlice):
+            home.land(target, self.first, self.copies, self.scratch)
+        else:
+            home.land(target, self.first)
+        # Freed now: a copy still reading it on the side stream keeps the memory from
+        # reuse until it has run (copy_streams marks it with record_stream).
         target.untyped_storage().resize_(0)
 
     def release(self) -> None:
@@ -321,10 +368,13 @@ class GradientTier:
         """Bytes of the host accumulators and the disk slices' staging (the disk tiles'
         blocks are in the swap files)."""
         held = sum(h.nbytes for h in self.homes.values() if isinstance(h, HostSlice))
+        held += self.scratch.nbytes + self.copies.staging_bytes
         return held + (0 if self.writes is None else self.writes.nbytes)
 
     def drain(self, *, raise_errors: bool = True) -> None:
-        """Wait for the disk slices' writes (``WriteBehind.drain``): after every backward."""
+        """Wait for the copies down and the disk slices' writes (``WriteBehind.drain``):
+        after every backward."""
+        self.copies.drain()
         if self.writes is not None:
             self.writes.drain(raise_errors=raise_errors)
 
