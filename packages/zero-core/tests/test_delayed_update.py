@@ -266,7 +266,7 @@ def test_a_failure_in_the_update_is_raised_at_the_next_step_with_its_traceback()
         frames = [f.name for f in __import__("traceback").extract_tb(raised.value.__traceback__)]
         assert "fail_second" in frames, frames  # the background thread's own frames
         assert any("delayed parameter update of step 2" in n for n in raised.value.__notes__)
-        with pytest.raises(DelayedUpdateError, match="step 2 failed.*load the last checkpoint"):
+        with pytest.raises(DelayedUpdateError, match=r"step 2 failed.*load the last checkpoint"):
             engine.step()
         with pytest.raises(DelayedUpdateError, match="step 2 failed"):
             engine.full_state_dict()
@@ -291,9 +291,9 @@ def test_a_flush_raises_the_failure_too() -> None:
 
 # ---------------------------------------------------------------- configuration
 def test_the_delayed_update_needs_the_optimizer_offloaded() -> None:
-    with pytest.raises(ValueError, match="needs the optimizer offloaded.*offload_optimizer='cpu'"):
+    with pytest.raises(ValueError, match=r"needs the optimizer offloaded.*offload_optimizer='cpu'"):
         zero_core.ZeroConfig(stage=2, delayed_parameter_update=True)
-    with pytest.raises(ValueError, match="optimizer_in_backward=True.*no step left to delay"):
+    with pytest.raises(ValueError, match=r"optimizer_in_backward=True.*no step left to delay"):
         zero_core.ZeroConfig(stage=3, optimizer_in_backward=True, nonfinite="raise",
                              delayed_parameter_update=True)  # fmt: skip
     with pytest.raises(ValueError, match="must be True or False"):

@@ -150,12 +150,10 @@ def own_gradients(
             return copy.copy_(piece.reshape(-1), non_blocking=True).view(piece.shape)
 
         owned = [_rebuilt(g, [to_host(p) for p in pieces_of(g)]) for g in gradients]
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(device))
         return owned, event
-    storages = {
-        t.untyped_storage().data_ptr() for t in held if t.numel() and has_storage(t)
-    }
+    storages = {t.untyped_storage().data_ptr() for t in held if t.numel() and has_storage(t)}
 
     def own(piece: torch.Tensor) -> torch.Tensor:
         shared = piece.numel() and piece.untyped_storage().data_ptr() in storages
@@ -247,7 +245,7 @@ class DelayedUpdate:
                         self.masters.step(shadow, owned, keep)
                 else:
                     self.masters.step(shadow, owned, keep)
-            except BaseException as exc:  # noqa: BLE001 - raised on the engine's thread
+            except BaseException as exc:  # raised again on the engine's thread (settle)
                 self._error = exc
 
         self._launched_at = step
