@@ -314,9 +314,10 @@ class Engine:
                 self.compute_params.take_master_values, self.compute_params.publish
             )
 
-    def _settle_update(self) -> None:
-        """Wait for a delayed update in flight (reads of the masters and optimizer states
-        come after it); its publish stays for the next step (zero_core.delayed_update)."""
+    def wait_for_update(self) -> None:
+        """With ``delayed_parameter_update``: wait for the update in flight (reads of the
+        master weights and optimizer states come after it) and raise what it raised; its
+        publish stays for the next step, so the run is unchanged. A no-op otherwise."""
         if self.delayed_update is not None:
             self.delayed_update.settle()
 
@@ -420,7 +421,7 @@ class Engine:
     def sharded_state(self) -> ShardedState:
         """This rank's part of the training state (see zero_core.checkpoint.sharded_state): views of
         the master weights and the optimizer's own state dicts, no copies."""
-        self._settle_update()
+        self.wait_for_update()
         groups = []
         for g in range(len(self.masters.tiles)):
             master_tiles, tile_states = self.masters.group_state(g, self.optimizer)
@@ -586,7 +587,7 @@ class Engine:
         Trainable parameters come from the master weights; frozen parameters and floating
         buffers are converted to float32. With ``rank`` given, only that rank gets the dict
         (the others get an empty one)."""
-        self._settle_update()
+        self.wait_for_update()
         masters = self.masters.full_values(self.shard_comm, self.slots)
         if rank is not None and rank != self.comm.rank:
             return {}
@@ -611,7 +612,7 @@ class Engine:
         persistent unit, the units gathered now and the frozen parameters. ``gradients``
         counts what the step holds: at stages 2 and 3 (and 1 with accumulation) the
         gradient shard has storage only from backward to the step (shard_gradient.py)."""
-        self._settle_update()  # the update in flight creates and swaps optimizer states
+        self.wait_for_update()  # the update in flight creates and swaps optimizer states
         device_states, host, disk = self.masters.tier_bytes(self.optimizer)
         host += self.compute_params.host_bytes
         disk += self.compute_params.disk_bytes
