@@ -12,6 +12,7 @@ equals stage 1 bit for bit (test_stage_parity), so one reference serves stages 1
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -68,13 +69,13 @@ def train_step(engine: zero_core.ZeroEngine, case: ParityCase, comm: Communicato
 
 def delayed_reference(
     case: ParityCase, comm: Communicator, *, flush_at: int | None = None,
-    schedule: bool = False,
+    schedule: bool = False, settings: dict[str, Any] | None = None,
 ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
     """The synchronous engine driven to apply every update one step late (module
     docstring); the full state after every applied step. ``flush_at=k``: after step k the
     parameters of step k are current (what a save does to the delayed run)."""
     reference = case_with(case, offload_optimizer="cpu", offload_params="none")
-    engine = build_engine(reference, comm, 1)
+    engine = build_engine(reference, comm, 1, settings)
     if schedule:
         engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: 1.0 / (1 + s)
@@ -127,7 +128,9 @@ def delayed_run(
 
 def delayed_equals_reference(comm: Communicator, case: ParityCase,
                              stages: tuple[int, ...] = (1, 2, 3), **run: Any) -> None:  # fmt: skip
-    expected = delayed_reference(case, comm, schedule=run.get("schedule", False))
+    expected = delayed_reference(
+        case, comm, schedule=run.get("schedule", False), settings=run.get("settings")
+    )
     for stage in stages:
         actual = delayed_run(case, comm, stage, **run)
         assert_same_states(expected, actual, f"delayed update, stage {stage}, {case}")
@@ -149,9 +152,22 @@ def test_float32_gradients_are_owned_and_float16_scaling_stays_exact(dtype: str)
     """float32: the update's gradients are the gradient shard itself, which zero_grad
     frees and the next backward refills, so they must be copies (a slow update makes a
     shared one show). float16: the skip decision and the scale's update are the
-    launching step's. Both equal the reference."""
-    case = case_with(CASE, dtype=dtype, steps=5)
-    run_simulated(2, lambda comm: delayed_equals_reference(comm, case, slow=0.02))
+    launching step's: with the scale doubled after every applied step and halved after
+    every overflow, skipped steps come between applied ones (so a skip publishes a
+    pending update: [skip, apply, skip, apply, apply, skip, skip, apply, apply, skip]).
+    Both equal the reference."""
+    case = case_with(CASE, dtype=dtype, steps=10)
+    scaling = {"loss_scale_window": 1, "hysteresis": 1} if dtype == "float16" else {}
+
+    def body(comm: Communicator) -> None:
+        delayed_equals_reference(comm, case, slow=0.02, settings=scaling)
+        if dtype == "float16":  # skips after applied steps happened
+            engine = build_engine(case, comm, 2, {**DPU, **scaling})
+            applied = [train_step(engine, case, comm, step) for step in range(case.steps)]
+            engine.close()
+            assert any(a and not b for a, b in itertools.pairwise(applied)), applied
+
+    run_simulated(2, body)
 
 
 def test_the_delay_is_real() -> None:
