@@ -17,6 +17,9 @@ One step, for every stage, in this order (the order is part of the bit-for-bit c
                      clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)
                      optimizer.step() on float32 master weights (full, or this rank's shard)
                      compute parameters = master weights cast to the compute dtype
+                     (delayed_parameter_update: the optimizer step runs in a background
+                     thread and its values are published at the next step instead;
+                     zero_core.delayed_update)
 
 The engine runs this protocol only. Where each state lives and which collectives move it
 is its components' business, chosen by the stage's frozen StagePolicy (stage_policy):
