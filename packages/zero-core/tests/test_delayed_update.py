@@ -260,6 +260,32 @@ def test_save_and_resume_equal_the_run_that_saved(stage: int, tmp_path: Path) ->
     run_simulated(2, body)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_flush_and_reads_do_not(stage: int) -> None:
+    """After step 2 the compute parameters are M_0 (the delay); full_state_dict and
+    memory_report wait for step 2's update but leave them so; gathered_parameters
+    publishes it: inside, the parameters are M_2, the state after every step taken."""
+    case = case_with(CASE, dtype="float32", steps=2)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, stage, DPU)
+        with engine.gathered_parameters():
+            initial = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        for step in range(case.steps):
+            train_step(engine, case, comm, step)
+        masters = engine.full_state_dict()
+        engine.memory_report()
+        assert engine.delayed_update is not None and engine.delayed_update.pending
+        with engine.gathered_parameters():
+            for name, p in engine.module.named_parameters():
+                assert torch.equal(p.detach(), masters[name]), name
+                assert not torch.equal(p.detach(), initial[name]), name
+        assert not engine.delayed_update.pending
+        engine.close()
+
+    run_simulated(2, body)
+
+
 # ---------------------------------------------------------------- failures
 def test_a_failure_in_the_update_is_raised_at_the_next_step_with_its_traceback() -> None:
     case = case_with(CASE, steps=4)
