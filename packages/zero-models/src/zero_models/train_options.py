@@ -27,7 +27,7 @@ from zero_comm.comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.checkpoint.reader import CheckpointReader
 from zero_core.command_line import CommandLineParser
-from zero_core.config.zero_config import SHORT_DTYPE_NAMES, offload_stage_error
+from zero_core.config.choices import SHORT_DTYPE_NAMES, offload_stage_error
 from zero_core.hybrid_sharding import hierarchy_sizes
 
 from .checkpoint_plan import CHECKPOINT_MODES
