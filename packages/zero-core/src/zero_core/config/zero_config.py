@@ -23,6 +23,7 @@ from .choices import (
     parse_dtype,
 )
 from .deepspeed_translation import TRAINER_KEYS, translate_deepspeed
+from .delayed_update_rule import delayed_update_error
 from .fused_step_rule import optimizer_in_backward_error
 
 
@@ -198,6 +199,12 @@ class ZeroConfig:
         whole gradient shard: model states peak at 12 bytes per parameter / N instead of
         16 (float32 Adam), with the same bits. Needs nonfinite="raise" and no clipping,
         accumulation, float16 or offload (zero_core.optimizer_in_backward says why).
+    delayed_parameter_update: ZeRO-Offload's one-step delayed parameter update (DPU): step
+        t's optimizer update runs in a background thread on the host while forward and
+        backward of step t+1 run with the parameters from before it (updates up to step
+        t-1's gradients). Needs ``offload_optimizer`` "cpu" or "disk"; not with
+        ``optimizer_in_backward``. ``save()`` waits for the update and publishes it, so a
+        checkpoint holds every step taken (zero_core.delayed_update; docs/offload.md).
     """
 
     stage: int = DEFAULT_STAGE
@@ -239,6 +246,7 @@ class ZeroConfig:
     release_host_heap: bool = True
     optimizer_in_backward: bool = False
     reduce_dtype: torch.dtype | None = None
+    delayed_parameter_update: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
@@ -293,6 +301,9 @@ class ZeroConfig:
             )
         if self.loss_scale and self.param_dtype is not torch.float16:
             raise ValueError("loss_scale applies to param_dtype=float16 only; remove it")
+        delayed = delayed_update_error(self)  # first: it names optimizer_in_backward itself
+        if delayed:
+            raise ValueError(delayed)
         fused = optimizer_in_backward_error(self)
         if fused:
             raise ValueError(fused)
