@@ -44,7 +44,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..config.zero_config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
+from ..config.choices import offload_stage_error
+from ..config.zero_config import DEFAULT_PREFETCH_NUMEL
 
 STAGES = (0, 1, 2, 3)
 TIERS = ("none", "cpu", "disk")
