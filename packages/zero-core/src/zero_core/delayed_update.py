@@ -59,8 +59,8 @@ again); offloaded slices (``offload_gradients``: in host memory or swap files, r
 the next backward too) are read back as float32 host copies, scaled as the step scaled
 them (``ShardGradient.clone``), so the update never reads the next step's values (a read
 of a released slice raises). On a CUDA device the copy goes to host memory (pinned), made
-on the calling thread and waited for by the update through an event. Memory: one float32 gradient shard, 4Ψ/N
-bytes, held from the launch until the update finishes, in host memory on a GPU (in the
+on the calling thread and waited for by the update through an event. Memory: one float32
+gradient shard, 4Ψ/N bytes, held from the launch until the update finishes, in host memory on a GPU (in the
 device memory, which is the host, on a CPU-only machine), on top of what the next
 backward holds; the updated values of disk tiles wait for the publish in the compute
 dtype (Ψ_disk/N elements), those of resident tiles are the tiles themselves.
