@@ -52,18 +52,19 @@ Touching ``engine.optimizer``'s state between steps (not its options) needs
 
 Ownership of the inputs. The gradient shard the update reads is freed by ``zero_grad``
 (ShardGradient.release resizes its storage to 0) and refilled by the next backward, so
-the update gets its own copy (``own_gradients``): float32 gradients that are views of the
-gradient buffers (float32 compute, or ``reduce_dtype=float32``) are copied (the step
+the update gets its own copy (``own_gradients``): float32 gradients that are views of
+the gradient buffers (float32 compute, or ``reduce_dtype=float32``) are copied (the step
 already copied 16-bit ones into float32 tensors of their own, which are kept, not copied
-again); offloaded slices (``offload_gradients``: in host memory or swap files, refilled by
-the next backward too) are read back as float32 host copies, scaled as the step scaled
-them (``ShardGradient.clone``), so the update never reads the next step's values (a read
-of a released slice raises). On a CUDA device the copy goes to host memory (pinned), made
-on the calling thread and waited for by the update through an event. Memory: one float32
-gradient shard, 4Ψ/N bytes, held from the launch until the update finishes, in host memory on a GPU (in the
-device memory, which is the host, on a CPU-only machine), on top of what the next
-backward holds; the updated values of disk tiles wait for the publish in the compute
-dtype (Ψ_disk/N elements), those of resident tiles are the tiles themselves.
+again); offloaded slices (``offload_gradients``: in host memory or swap files, refilled
+by the next backward too) are read back as float32 host copies, scaled as the step
+scaled them (``ShardGradient.clone``), so the update never reads the next step's values
+(a read of a released slice raises). On a CUDA device the copy goes to host memory
+(pinned), made on the calling thread and waited for by the update through an event.
+Memory: one float32 gradient shard, 4Ψ/N bytes, held from the launch until the update
+finishes, in host memory on a GPU (in the device memory, which is the host, on a
+CPU-only machine), on top of what the next backward holds; the updated values of disk
+tiles wait for the publish in the compute dtype (Ψ_disk/N elements), those of resident
+tiles are the tiles themselves.
 
 Thread safety: the background update and the next forward/backward touch disjoint
 tensors. The update touches the master tiles (separate tensors: offloaded masters are
