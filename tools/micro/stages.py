@@ -58,7 +58,7 @@ from torch import nn
 import zero_comm
 import zero_core
 from tools.common.provenance import git_head, sources_digest
-from zero_core.config.zero_config import SHORT_DTYPE_NAMES
+from zero_core.config.choices import SHORT_DTYPE_NAMES
 
 DTYPES = {name: SHORT_DTYPE_NAMES[name] for name in ("fp32", "bf16")}  # no loss scaling here
 MIB = 2**20

@@ -1,4 +1,4 @@
-"""Rank 0's wait at exit (zero_comm.torch_backend._WorldSession): it hosts the rendezvous
+"""Rank 0's wait at exit (zero_comm.world_session.WorldSession): it hosts the rendezvous
 store, so it stays until every other rank has checked out of it, except a rank on its own
 host that died (it uses no store; waiting for it cost every failed run the whole wait)."""
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_comm.peers import Peer
-from zero_comm.torch_backend import _check_out_key, _WorldSession
+from zero_comm.world_session import WorldSession, check_out_key
 
 LIMIT_S = 0.2
 
@@ -44,8 +44,8 @@ def test_rank_0_waits_exactly_for_the_ranks_that_may_still_use_the_store(
         host = "elsewhere" if fate == "dead elsewhere" else "here"
         peers.append(Peer(host, os.getpid() if fate == "running" else a_dead_pid()))
         if fate == "out":
-            store.add(_check_out_key(rank), 1)
-    session = _WorldSession(store, 0, len(peers), peers)
+            store.add(check_out_key(rank), 1)
+    session = WorldSession(store, 0, len(peers), peers)
     start = time.monotonic()
     session.wait_for_check_outs(LIMIT_S)
     waited = time.monotonic() - start
@@ -60,12 +60,12 @@ def test_rank_0_waits_exactly_for_the_ranks_that_may_still_use_the_store(
 def test_a_rank_that_checks_out_during_the_wait_ends_it(checked_out_late: bool) -> None:
     store = dist.HashStore()
     peers = [Peer("here", os.getpid()), Peer("here", os.getpid())]
-    session = _WorldSession(store, 0, 2, peers)
+    session = WorldSession(store, 0, 2, peers)
     start = time.monotonic()  # before the timer starts: it can fire before the next line
     if checked_out_late:
         import threading
 
-        threading.Timer(0.1, store.add, (_check_out_key(1), 1)).start()
+        threading.Timer(0.1, store.add, (check_out_key(1), 1)).start()
     session.wait_for_check_outs(LIMIT_S * 3)
     waited = time.monotonic() - start
     if checked_out_late:
@@ -88,16 +88,16 @@ def test_a_rank_checks_out_with_a_call_the_store_answers() -> None:
         def set(self, key: str, value: str) -> None:
             calls.append(f"set {key}")
 
-    previous = _WorldSession._current  # a world this test process may hold: put back
+    previous = WorldSession._current  # a world this test process may hold: put back
     try:
-        _WorldSession._current = _WorldSession(
+        WorldSession._current = WorldSession(
             RecordingStore(), 1, 2, [Peer("here", os.getpid())] * 2
         )
-        _WorldSession.release(0.1)
-        assert _WorldSession._current is None
+        WorldSession.release(0.1)
+        assert WorldSession._current is None
     finally:
-        _WorldSession._current = previous
-    assert calls == [f"add {_check_out_key(1)} 1"]
+        WorldSession._current = previous
+    assert calls == [f"add {check_out_key(1)} 1"]
 
 
 def test_a_rank_whose_store_host_is_gone_exits_without_a_traceback() -> None:
@@ -110,10 +110,10 @@ def test_a_rank_whose_store_host_is_gone_exits_without_a_traceback() -> None:
         def add(self, key: str, amount: int) -> int:
             raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was closed.")
 
-    previous = _WorldSession._current
+    previous = WorldSession._current
     try:
-        _WorldSession._current = _WorldSession(GoneStore(), 1, 2, [Peer("here", os.getpid())] * 2)
-        _WorldSession.release(0.1)  # raised DistNetworkError
-        assert _WorldSession._current is None
+        WorldSession._current = WorldSession(GoneStore(), 1, 2, [Peer("here", os.getpid())] * 2)
+        WorldSession.release(0.1)  # raised DistNetworkError
+        assert WorldSession._current is None
     finally:
-        _WorldSession._current = previous
+        WorldSession._current = previous

@@ -21,7 +21,7 @@ from torch import nn
 
 import zero_core
 from zero_comm import Communicator
-from zero_core.config.zero_config import DTYPES as CONFIG_DTYPES
+from zero_core.config.choices import DTYPES as CONFIG_DTYPES
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),

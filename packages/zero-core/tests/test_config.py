@@ -10,7 +10,7 @@ import torch
 import zero_core
 from zero_comm import run_simulated
 from zero_core import ZeroConfig
-from zero_core.config.zero_config import translate_deepspeed
+from zero_core.config.deepspeed_translation import translate_deepspeed
 
 
 def test_defaults_and_dtype_names() -> None:

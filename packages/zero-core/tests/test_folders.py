@@ -56,7 +56,7 @@ def folder_of(module: str) -> str:
 def test_the_graph_is_read() -> None:
     graph = import_graph()
     assert "checkpoint.tags" in graph["engine"]  # a module-level arrow
-    assert "config.zero_config" in graph["checkpoint.consolidate"]  # from a folder to another
+    assert "config.choices" in graph["checkpoint.consolidate"]  # from a folder to another
     assert (
         "flat_layout" in graph["checkpoint.writer"] or "flat_layout" in graph["checkpoint.loader"]
     )
@@ -87,7 +87,7 @@ ALLOWED_OUTSIDE = {
     "config": set(),
     "memory": set(),
     "zero_r": set(),
-    "checkpoint": {"flat_layout", "config.zero_config", "command_line"},  # zero-consolidate
+    "checkpoint": {"flat_layout", "config.choices", "command_line"},  # zero-consolidate
 }
 
 

@@ -70,6 +70,8 @@ def run(
         (["--stage", "3", "--optimizer-in-backward"], "combined with clip_grad_norm=1.0"),
         (["--stage", "2", "--clip", "0", "--optimizer-in-backward"], "stage=2 (it needs stage 3"),
         (["--deepspeed", "ds.json", "--optimizer-in-backward"], "with --deepspeed: a DeepSpeed"),
+        (["--stage", "2", "--delayed-parameter-update"], "needs the optimizer offloaded"),
+        (["--deepspeed", "empty.json", "--delayed-parameter-update"], "with --deepspeed: del"),
         (["--reduce-dtype", "bf16"], "would round every torch.float32 gradient"),
         (["--deepspeed", "empty.json", "--reduce-dtype", "fp32"], "--reduce-dtype with --deep"),
     ],
@@ -270,6 +272,33 @@ def test_the_optimizer_step_in_backward_trains_with_the_same_bits(
     losses = losses_of(tmp_path / "plain/metrics.jsonl")
     assert len(losses) == 4 and len(set(losses)) == 4
     assert losses_of(tmp_path / "fused/metrics.jsonl") == losses
+
+
+def test_the_delayed_parameter_update_trains_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """zero-train --delayed-parameter-update (from a --config JSON key too), host offload,
+    2 ranks: step 1 has the synchronous run's loss (both compute with the initial
+    weights), later steps compute with weights one update older, so they differ; a run
+    that stops and saves after step 3 (the save publishes step 3's update) and resumes has
+    the losses of the run that saved after step 3 and went on."""
+    common = ["--model", "test", "--stage", "2", "--offload-optimizer", "cpu", "--steps", "6",
+              "--batch-size", "4", "--sample-tokens", "4"]  # fmt: skip
+    (tmp_path / "dpu.json").write_text(json.dumps({"delayed_parameter_update": True}))
+    delayed = ["--config", str(tmp_path / "dpu.json")]
+    plain = run(*common, "--out", "plain", cwd=tmp_path)
+    whole = run(*common, *delayed, "--save-every", "3", "--out", "a", cwd=tmp_path)
+    assert plain.returncode == 0 and whole.returncode == 0, plain.stderr + whole.stderr
+    synchronous, losses = (
+        losses_of(tmp_path / "plain/metrics.jsonl"),
+        losses_of(tmp_path / "a/metrics.jsonl"),
+    )
+    assert losses[0] == synchronous[0] and losses[1:] != synchronous[1:]
+    partial = run(*common, "--delayed-parameter-update", "--stop-after", "3", "--save-every",
+                  "3", "--out", "b", cwd=tmp_path)  # fmt: skip
+    assert partial.returncode == 0, partial.stderr
+    resumed = run(*common, "--delayed-parameter-update", "--resume",
+                  str(tmp_path / "b/checkpoint"), "--out", "c", cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses_of(tmp_path / "c/metrics.jsonl") == losses[3:]
 
 
 def losses_of(metrics: Path) -> list[float]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import math
-import sys
 import threading
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,20 +21,16 @@ from .flight_recorder import keep_flight_recorder_off
 from .handle import Work
 from .heartbeat import WHAT_TO_DO, Heartbeat, store_host_note
 from .launcher_env import LaunchEnv
-from .peers import Peer, dead_ranks, describe_dead, is_running
+from .peers import Peer, dead_ranks, describe_dead
 from .reduce_op import ReduceOp
 from .rendezvous import read_peers, rendezvous_store, store_address, store_client
+from .world_session import AllOf, InFlightCollectives, WorldSession
 
 _TORCH_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.MIN: dist.ReduceOp.MIN,
 }
-_CLOSE_KEY = "zero_comm/closed"
-# Rank 0's wait at exit for the others to let go of the store it hosts (_WorldSession), and
-# how often it looks for those among them that died meanwhile.
-CHECK_OUT_WAIT_S = 10.0
-LOOK_FOR_DEAD_S = 0.1
 # The digest check's looks for posts while a gloo collective waits (_wait_watching).
 FIRST_LOOK_S = 0.01
 LOOK_EVERY_S = 0.1
@@ -131,7 +125,7 @@ class TorchCommunicator(Communicator):
                     heartbeat_timeout=options.heartbeat_timeout,
                     store_address=store_address(store),
                 )
-            _WorldSession.start(store, env.rank, env.world_size, peers, heartbeat)
+            WorldSession.start(store, env.rank, env.world_size, peers, heartbeat)
             if heartbeat is not None:
                 heartbeat.start()  # its exit handler after the session's: it runs first
             dist.init_process_group(
@@ -143,22 +137,22 @@ class TorchCommunicator(Communicator):
             )
         world = cls(dist.group.WORLD, backend=backend, device=device, options=options)
         world.peers = peers
-        if _WorldSession._current is not None:
-            world._heartbeat = _WorldSession._current.heartbeat
+        if WorldSession._current is not None:
+            world._heartbeat = WorldSession._current.heartbeat
         world._calls_store = (
-            _WorldSession._current.store
-            if _WorldSession._current is not None
+            WorldSession._current.store
+            if WorldSession._current is not None
             else dist.distributed_c10d._get_default_store()
         )
-        _WorldSession.worlds += 1
-        world._calls_prefix = f"zero_comm/calls/{_WorldSession.worlds}"
+        WorldSession.worlds += 1
+        world._calls_prefix = f"zero_comm/calls/{WorldSession.worlds}"
         return world
 
     def _wait(self, work: Work, name: str) -> None:
         silent = self._wait_watching(work)
         if silent is not None:
-            # Kept, not let go: its worker thread is still in it (_InFlight).
-            _InFlight.failed(work)
+            # Kept, not let go: its worker thread is still in it (InFlightCollectives).
+            InFlightCollectives.failed(work)
             if self._failed is None:
                 self._failed = f"{name} #{self._sequence}"
             self._note_failure(silent)
@@ -166,12 +160,13 @@ class TorchCommunicator(Communicator):
         try:
             work.wait()
         except RuntimeError as exc:
-            # Kept, not let go: its worker thread may not have let go of it yet (_InFlight).
-            _InFlight.failed(work)
+            # Kept, not let go: its worker thread may not have let go of it yet
+            # (InFlightCollectives).
+            InFlightCollectives.failed(work)
             if self._failed is None:
                 self._failed = f"{name} #{self._sequence}"
             raise self._failure(name, str(exc)) from exc
-        _InFlight.waited(work)
+        InFlightCollectives.waited(work)
 
     def _wait_watching(self, work: Work) -> str | None:
         """Block until ``work`` completes, or until the heartbeat names a member of this
@@ -363,7 +358,7 @@ class TorchCommunicator(Communicator):
                     raise PeerFailureError(self._err(f"{what}: {silent}. {WHAT_TO_DO}"))
 
     def _issued(self, work: Any) -> Work:
-        _InFlight.issued(work, self.timeout, self.rank)
+        InFlightCollectives.issued(work, self.timeout, self.rank)
         return work  # type: ignore[no-any-return]
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
@@ -388,14 +383,14 @@ class TorchCommunicator(Communicator):
         chunks = out.view(self.world_size, n)
         chunks[self.rank].copy_(inp)
         broadcasts = [self._broadcast_untracked(chunks[src], src) for src in range(self.world_size)]
-        return self._issued(_AllOf(broadcasts))
+        return self._issued(AllOf(broadcasts))
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Work:
         return self._issued(self._broadcast_untracked(tensor, src))
 
     def _broadcast_untracked(self, tensor: torch.Tensor, src: int) -> Any:
         """torch's asynchronous broadcast from this group's rank ``src``, not yet held in
-        _InFlight (the caller issues it, alone or as part of an _AllOf)."""
+        InFlightCollectives (the caller issues it, alone or as part of an AllOf)."""
         global_src = dist.get_global_rank(self.group, src)
         return dist.broadcast(tensor, global_src, group=self.group, async_op=True)
 
@@ -483,7 +478,7 @@ class TorchCommunicator(Communicator):
         """Collective: every rank of the group must call it.
 
         Closing the world communicator destroys torch's default process group if zero_comm
-        created it (see :class:`_WorldSession`); one the application created is left alone,
+        created it (see :class:`WorldSession`); one the application created is left alone,
         as is any group zero_comm adopted (zero_comm.adopt). Closing a subgroup that
         ``split`` made destroys that subgroup's process group.
         """
@@ -502,9 +497,9 @@ class TorchCommunicator(Communicator):
             if self._heartbeat is not None:
                 self._heartbeat.check_out("it closed zero_comm")
         elif self.group is dist.group.WORLD and dist.is_initialized():
-            if _WorldSession.created_here():
+            if WorldSession.created_here():
                 self.barrier()
-                _WorldSession.release(self.timeout, "it closed zero_comm")
+                WorldSession.release(self.timeout, "it closed zero_comm")
         elif self.group is not None and dist.is_initialized():
             self.barrier()
             dist.destroy_process_group(self.group)
@@ -512,225 +507,3 @@ class TorchCommunicator(Communicator):
         # Drop the process group now: a ProcessGroupGloo that lives on into interpreter
         # teardown is destroyed in no particular order with the rest of torch.
         self.group = None
-
-
-class _WorldSession:
-    """The world process group that zero_comm created, and its rendezvous store.
-
-    torch.distributed keeps the default process group in module globals, so this mirrors
-    it: one session per process, shared by every world communicator ``init`` returns.
-
-    Destroying the process group while a peer is still inside a collective, rank 0 (which
-    hosts the store) leaving before the others have let go of it, or exiting without
-    destroying it at all, aborts the process from torch's C++ threads ("terminate called
-    without an active exception"). So release lets the collectives still in flight end
-    first (:class:`_InFlight`), destroys the group, and rank 0 waits until every other rank
-    has checked out of the store (or, on rank 0's host, is no longer running: a dead rank
-    uses no store) before dropping it. A session that was never closed is released at
-    interpreter exit, with a short wait.
-
-    Each rank's heartbeat (zero_comm.heartbeat) checks out first, at close or at exit, so
-    that a peer still waiting in a collective on it names it at once.
-    """
-
-    _current: _WorldSession | None = None
-    worlds = 0  # world communicators created in this process (every rank alike)
-
-    def __init__(
-        self,
-        store: Any,
-        rank: int,
-        world_size: int,
-        peers: list[Peer],
-        heartbeat: Heartbeat | None = None,
-    ) -> None:
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.peers = peers
-        self.heartbeat = heartbeat
-
-    @classmethod
-    def start(
-        cls,
-        store: Any,
-        rank: int,
-        world_size: int,
-        peers: list[Peer],
-        heartbeat: Heartbeat | None = None,
-    ) -> None:
-        if cls._current is None:
-            atexit.register(cls.release, CHECK_OUT_WAIT_S)
-        cls._current = cls(store, rank, world_size, peers, heartbeat)
-
-    @classmethod
-    def check_out(cls, how: str | None = None) -> None:
-        """This rank joins no more collectives: say so to its peers (see Heartbeat)."""
-        if cls._current is not None and cls._current.heartbeat is not None:
-            cls._current.heartbeat.check_out(how)
-
-    @classmethod
-    def created_here(cls) -> bool:
-        """Whether zero_comm created the default process group (else the user owns it)."""
-        return cls._current is not None
-
-    @classmethod
-    def release(cls, wait_limit: float, how: str | None = None) -> None:
-        """Let go of the world (``how``: what the check-out says; None at exit)."""
-        cls.check_out(how)
-        session, cls._current = cls._current, None
-        _InFlight.settle()
-        stuck = session is not None and session.heartbeat is not None and session.heartbeat.named
-        if dist.is_initialized() and stuck:
-            _keep_groups_for_good()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
-        if session is None or session.world_size == 1:
-            return
-        if session.rank != 0:
-            # add, not set: it waits for the store's answer, so this rank is out before it
-            # goes on to exit (a set is not answered; with it one exit in ~20 aborted).
-            # A RuntimeError (DistNetworkError): rank 0, which hosts the store, is gone,
-            # and the error that ends this rank said so; there is nothing to check out
-            # from, and a traceback at exit would only bury that line.
-            with contextlib.suppress(RuntimeError):
-                session.store.add(_check_out_key(session.rank), 1)
-            return
-        session.wait_for_check_outs(wait_limit)
-        if session.heartbeat is not None:
-            session.heartbeat.stop()
-
-    def wait_for_check_outs(self, wait_limit: float) -> None:
-        """On rank 0: wait until every other rank has checked out or, on this host, has
-        died; at most ``wait_limit`` seconds (a dead rank on another host is waited out)."""
-        waiting = list(range(1, self.world_size))
-        deadline = time.monotonic() + wait_limit
-        next_look = time.monotonic()
-        while waiting and time.monotonic() < deadline:
-            if self.store.check([_check_out_key(r) for r in waiting]):
-                return
-            if time.monotonic() >= next_look:  # which are still out, and alive
-                waiting = [
-                    r
-                    for r in waiting
-                    if not self.store.check([_check_out_key(r)]) and not self._died(r)
-                ]
-                if self.heartbeat is not None:  # stuck or gone: it will not check out
-                    waiting = [r for r in waiting if r not in self.heartbeat.named]
-                next_look = time.monotonic() + LOOK_FOR_DEAD_S
-            time.sleep(0.005)
-
-    def _died(self, rank: int) -> bool:
-        peer = self.peers[rank]
-        return peer.host == self.peers[0].host and not is_running(peer.pid)
-
-
-def _keep_groups_for_good() -> None:
-    """Never destroy this process's process groups (it is about to exit).
-
-    A collective is still in flight on a peer that stopped or left (the heartbeat named
-    it): destroying or aborting a gloo group joins its worker threads, which wait in that
-    collective until its timeout (minutes) and then abort the process ("terminate called
-    after throwing an instance of 'gloo::IoException'"). One more reference to each group
-    keeps it alive through the interpreter's finalization; the process ends with its own
-    exit code, and its threads with it."""
-    import ctypes
-
-    for group in list(dist.distributed_c10d._world.pg_map):
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
-def _check_out_key(rank: int) -> str:
-    return f"{_CLOSE_KEY}/{rank}"
-
-
-class _AllOf:
-    """Several torch works as one :class:`Work`: done when all are; ``wait`` raises the
-    first failure, in issue order."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return torch.futures.collect_all([work.get_future() for work in self.works])
-
-
-class _InFlight:
-    """The collectives issued on torch process groups in this process and not yet waited for.
-
-    gloo runs each collective on a worker thread of its process group, and the thread that
-    lets go of a collective last frees its tensors. Freeing a tensor whose Python object is
-    gone already (its caller dropped its handle: a rank raising PeerFailureError leaves
-    behind the prefetches and bucket reductions it had issued) takes the GIL. A worker thread
-    that asks for the GIL in the last moments of the exit handlers is still waiting when
-    the interpreter starts finalizing, and Python then ends it (pthread_exit) inside that
-    C++ destructor: std::terminate, "terminate called without an active exception", and a
-    rank that had reported its error cleanly dies of SIGABRT instead of its exit code.
-
-    So every collective is held here from its issue until it is waited for, and
-    :meth:`settle`, before the process group is released and at interpreter exit, waits
-    until the ones left have ended (failing at once where a peer is dead, or by the
-    collective's own timeout) and keeps them: no worker thread is running one, or frees
-    one, while the interpreter finalizes.
-    """
-
-    works: ClassVar[dict[int, tuple[Any, float, int]]] = {}  # id(work): (work, timeout, rank)
-    ended: ClassVar[list[Any]] = []  # failed or settled: let go only with the interpreter
-    _exit_hook = False
-    _prune_at = 1024  # a caller that never waits: its ended collectives go past this many
-
-    @classmethod
-    def issued(cls, work: Any, timeout: float, rank: int) -> None:
-        cls.works[id(work)] = (work, timeout, rank)
-        if not cls._exit_hook:  # after _WorldSession's, so it runs before (LIFO)
-            cls._exit_hook = True
-            atexit.register(cls.settle)
-            # Last registered, so first to run: the peers hear that this rank leaves
-            # before it waits here for what it left in flight.
-            atexit.register(_WorldSession.check_out)
-        if len(cls.works) > cls._prune_at:
-            for key in [k for k, (w, _, _) in cls.works.items() if w.is_completed()]:
-                del cls.works[key]
-            cls._prune_at = max(1024, 2 * len(cls.works))
-
-    @classmethod
-    def waited(cls, work: Any) -> None:
-        cls.works.pop(id(work), None)
-
-    @classmethod
-    def failed(cls, work: Any) -> None:
-        cls.works.pop(id(work), None)
-        cls.ended.append(work)
-
-    @classmethod
-    def settle(cls) -> None:
-        """Wait until every collective in flight has ended, for at most the longest timeout
-        among them (each ends by its own timeout), and keep them; say so on stderr if some
-        have not."""
-        if not cls.works:
-            return
-        limit = max(timeout for _, timeout, _ in cls.works.values())
-        deadline = time.monotonic() + limit
-        running = []
-        while cls.works:
-            _, (work, _, rank) = cls.works.popitem()
-            cls.ended.append(work)
-            while not work.is_completed() and time.monotonic() < deadline:
-                time.sleep(0.002)
-            if not work.is_completed():
-                running.append(rank)
-        if running:
-            print(
-                f"zero-comm: [rank {running[0]}] {len(running)} collective(s) issued and never "
-                f"waited for had not ended {limit:g}s later; the process may abort as it exits",
-                file=sys.stderr,
-                flush=True,
-            )

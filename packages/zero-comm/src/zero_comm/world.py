@@ -136,9 +136,9 @@ def _initialised_by_someone_else() -> bool:
 
     if not dist.is_available() or not dist.is_initialized():
         return False
-    from .torch_backend import _WorldSession
+    from .world_session import WorldSession
 
-    return not _WorldSession.created_here()
+    return not WorldSession.created_here()
 
 
 def _adopt_default_group(

@@ -1,6 +1,7 @@
 """A rank that exits after a peer died, with collectives it issued still in flight, ends
 with its own exit code: not SIGABRT from a gloo worker thread ("terminate called without
-an active exception") as the interpreter finalizes. See zero_comm.torch_backend._InFlight."""
+an active exception") as the interpreter finalizes. See
+zero_comm.world_session.InFlightCollectives."""
 
 from __future__ import annotations
 

@@ -22,8 +22,9 @@ from .checkpoint.loader import DeterminismWarning
 from .checkpoint.reader import complete_checkpoint
 from .checkpoint.safetensors_file import read_state_dict
 from .checkpoint.sharded_state import ShardedState
+from .config.choices import AVAILABLE_STAGES
 from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
-from .config.zero_config import AVAILABLE_STAGES, ZeroConfig
+from .config.zero_config import ZeroConfig
 from .engine import Engine, ZeroEngine
 from .estimate.model_states import ModelStateBytes, model_state_bytes
 from .init_values import values_from_reset_parameters

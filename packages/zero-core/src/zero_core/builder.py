@@ -270,8 +270,13 @@ def build_components(
     return Components(layouts, parameters, gradients, masters, hooks)
 
 
-def close_components(masters: MasterComponent, parameters: ParameterComponent) -> None:
-    """Remove swap files and stop I/O threads (an engine's finalizer)."""
+def close_components(
+    masters: MasterComponent, parameters: ParameterComponent, delayed: Any = None
+) -> None:
+    """Remove swap files and stop I/O threads (an engine's finalizer), once a delayed
+    update in flight (``delayed``, zero_core.delayed_update) has finished with them."""
+    if delayed is not None:
+        delayed.close()
     masters.close()
     parameters.close()
 

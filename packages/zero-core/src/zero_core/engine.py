@@ -17,6 +17,9 @@ One step, for every stage, in this order (the order is part of the bit-for-bit c
                      clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)
                      optimizer.step() on float32 master weights (full, or this rank's shard)
                      compute parameters = master weights cast to the compute dtype
+                     (delayed_parameter_update: the optimizer step runs in a background
+                     thread and its values are published at the next step instead;
+                     zero_core.delayed_update)
 
 The engine runs this protocol only. Where each state lives and which collectives move it
 is its components' business, chosen by the stage's frozen StagePolicy (stage_policy):
@@ -60,6 +63,7 @@ from .checkpoint.format import CheckpointError
 from .checkpoint.loader import load as load_checkpoint
 from .checkpoint.sharded_state import ShardedGroupState, ShardedState
 from .checkpoint.tags import DEFAULT_TAG, check_tag, save_tagged
+from .delayed_update import DelayedUpdate
 from .forward_inputs import cast_floating
 from .grad_norm import clip_coefficient, norm_from_row_sums
 from .gradient_checks import (
@@ -109,7 +113,16 @@ class Engine:
         # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
         self.backward_stepper = parts.backward_stepper
         self._module_hooks = parts.module_hooks
-        self._closer = weakref.finalize(self, close_components, self.masters, self.compute_params)
+        # ZeroConfig.delayed_parameter_update: step t's update runs while step t+1 computes.
+        self.delayed_update = (
+            DelayedUpdate(self.masters, self.dtype, self.comm.device, self.comm.rank,
+                          self.config.offload_pin_memory)
+            if self.config.delayed_parameter_update
+            else None
+        )  # fmt: skip
+        self._closer = weakref.finalize(
+            self, close_components, self.masters, self.compute_params, self.delayed_update
+        )
         self._frozen = [not p.requires_grad for p in self.module.parameters()]
         self.micro_steps = 0
         self._boundary: BoundaryGradients | None = None  # this boundary's, once computed
@@ -269,11 +282,18 @@ class Engine:
                 )
             self.loss_scaler.update(overflow=True)  # a no-op unless float16
             self.skipped_steps += 1
+            self.flush_update()  # nothing launched: the pending update is still published
             self.zero_grad()
             self._release_heap_after_step()
             return False
         if self.config.clip_grad_norm is not None:
             self._clip(gradients, self.config.clip_grad_norm)
+        if self.delayed_update is not None:  # publish step t-1's update, launch step t's
+            self.flush_update()
+            held = self.gradients.tensors()
+            self.delayed_update.launch(self.optimizer, gradients, held, self.global_steps + 1)
+            self._applied()
+            return True
         # Whole parameters are all-gathered bucket by bucket after the step: stepping the
         # masters bucket by bucket lets each gather start as soon as its bucket is stepped.
         self.masters.step(
@@ -286,6 +306,23 @@ class Engine:
             self.compute_params.publish()
         self._applied()
         return True
+
+    def flush_update(self) -> None:
+        """With ``delayed_parameter_update``: wait for the update in flight and publish it
+        to the compute parameters (the next forward sees every step taken); raises what
+        the update raised. ``save`` does it; call it before touching ``optimizer``'s
+        state. A no-op otherwise (zero_core.delayed_update)."""
+        if self.delayed_update is not None:
+            self.delayed_update.publish(
+                self.compute_params.take_master_values, self.compute_params.publish
+            )
+
+    def wait_for_update(self) -> None:
+        """With ``delayed_parameter_update``: wait for the update in flight (reads of the
+        master weights and optimizer states come after it) and raise what it raised; its
+        publish stays for the next step, so the run is unchanged. A no-op otherwise."""
+        if self.delayed_update is not None:
+            self.delayed_update.settle()
 
     def _boundary_gradients(self) -> BoundaryGradients:
         """This boundary's float32 gradients, divided by N x accumulation x loss scale,
@@ -388,6 +425,7 @@ class Engine:
     def sharded_state(self) -> ShardedState:
         """This rank's part of the training state (see zero_core.checkpoint.sharded_state): views of
         the master weights and the optimizer's own state dicts, no copies."""
+        self.wait_for_update()
         groups = []
         for g in range(len(self.masters.tiles)):
             master_tiles, tile_states = self.masters.group_state(g, self.optimizer)
@@ -428,6 +466,8 @@ class Engine:
                 f"a state of {len(state.groups)} optimizer groups cannot load into an engine "
                 f"of {len(self.masters.tiles)}"
             )
+        if self.delayed_update is not None:
+            self.delayed_update.discard()  # the loaded masters are published below
         with torch.no_grad():
             for g, group in enumerate(state.groups):
                 self.masters.load_group_state(
@@ -474,6 +514,7 @@ class Engine:
                 f"({self.model_parallel.comm.world_size} model-parallel ranks) is not "
                 "supported yet: checkpoints hold data-parallel shards only"
             )
+        self.flush_update()  # the checkpoint holds every step taken; the next forward too
         tag = DEFAULT_TAG.format(steps=self.global_steps) if tag is None else tag
         return save_tagged(
             self.sharded_state(), self.comm, Path(path), tag, extra, keep_last, arrival_timeout
@@ -523,6 +564,7 @@ class Engine:
         drops them on exit, the others at the next step; but float32 parameters at stages
         0-2 are master weights, so do not change them there without ``modify``)."""
         modify = modify or modifier_rank is not None  # as DeepSpeed's GatheredParameters
+        self.flush_update()  # the parameters of every step taken, and masters to write to
         every = list(self.slots)
         wanted = every if params is None else [s for s in map(self.slots.get, params) if s]
         self.compute_params.gather_for_user(wanted)
@@ -549,6 +591,7 @@ class Engine:
         Trainable parameters come from the master weights; frozen parameters and floating
         buffers are converted to float32. With ``rank`` given, only that rank gets the dict
         (the others get an empty one)."""
+        self.wait_for_update()
         masters = self.masters.full_values(self.shard_comm, self.slots)
         if rank is not None and rank != self.comm.rank:
             return {}
@@ -577,6 +620,7 @@ class Engine:
         accumulators) or ``disk`` (their blocks in the swap files); ``gradients`` then
         counts only the most of them landed on the device at once, and
         ``gradients_in_flight`` the device bound of their way out (offload.gradient_tier)."""
+        self.wait_for_update()  # the update in flight creates and swaps optimizer states
         device_states, host, disk = self.masters.tier_bytes(self.optimizer)
         host += self.compute_params.host_bytes + self.gradients.host_bytes
         disk += self.compute_params.disk_bytes

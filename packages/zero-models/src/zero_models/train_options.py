@@ -10,6 +10,7 @@ another run's results unless told ``--resume auto`` (continue it) or ``--overwri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from zero_comm.comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.checkpoint.reader import CheckpointReader
 from zero_core.command_line import CommandLineParser
-from zero_core.config.zero_config import SHORT_DTYPE_NAMES, offload_stage_error
+from zero_core.config.choices import SHORT_DTYPE_NAMES, offload_stage_error
 from zero_core.hybrid_sharding import hierarchy_sizes
 
 from .checkpoint_plan import CHECKPOINT_MODES
@@ -148,6 +149,12 @@ def parser() -> argparse.ArgumentParser:
         help="stage 3: step each gradient bucket's optimizer shard as soon as backward has "
         "reduced it (12 bytes per parameter / N instead of 16; the same bits); needs --clip 0 "
         "and --grad-accum 1, and raises on a NaN instead of skipping the step",
+    )  # fmt: skip
+    p.add_argument(
+        "--delayed-parameter-update", action="store_true",
+        help="ZeRO-Offload's one-step delayed parameter update: step t's optimizer update "
+        "runs on the host in the background while step t+1 computes with the parameters "
+        "before it; needs --offload-optimizer cpu or disk (docs/offload.md)",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=600)
     p.add_argument(
@@ -322,6 +329,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "offload_dir": None if args.offload_dir is None else str(args.offload_dir),
         **hierarchy_settings(args),
         **(fused if args.optimizer_in_backward else {}),
+        "delayed_parameter_update": args.delayed_parameter_update,
     }
 
 
@@ -329,7 +337,22 @@ def run_zero_config(args: argparse.Namespace) -> zero_core.ZeroConfig:
     """The engine's configuration of a parsed run: its --deepspeed config's, else the
     command line's."""
     setup = getattr(args, "deepspeed_setup", None)
-    return setup.zero if setup is not None else zero_core.ZeroConfig(**engine_settings(args))
+    if setup is None:
+        return zero_core.ZeroConfig(**engine_settings(args))
+    return with_delayed_update(args, setup.zero)
+
+
+def with_delayed_update(
+    args: argparse.Namespace, zero: zero_core.ZeroConfig
+) -> zero_core.ZeroConfig:
+    """``zero`` (a --deepspeed config's, which has no such key) with
+    --delayed-parameter-update applied. Raises ValueError naming the flag."""
+    if not args.delayed_parameter_update:
+        return zero
+    try:
+        return dataclasses.replace(zero, delayed_parameter_update=True)
+    except ValueError as exc:
+        raise ValueError(f"--delayed-parameter-update with --deepspeed: {exc}") from None
 
 
 def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -377,6 +400,11 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--optimizer-in-backward: {exc} (zero-train: --stage 3 --clip 0 --grad-accum 1, "
                 "--dtype fp32 or bf16, no --offload-*)"
             )
+    if args.delayed_parameter_update and args.deepspeed is None:
+        try:
+            zero_core.ZeroConfig(**engine_settings(args))
+        except ValueError as exc:
+            p.error(f"--delayed-parameter-update: {exc} (zero-train: --offload-optimizer cpu)")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads} must be at least 1")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
@@ -581,6 +609,7 @@ def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
         )
     for dest, value in ruled.items():
         setattr(args, dest, value)
+    with_delayed_update(args, zero)  # refused here, before launching, if it cannot be
     args.deepspeed_setup = setup
 
 

@@ -118,6 +118,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.memory_mib: float | None = None  # this step's, where read before its update
         self.preemption = PreemptionFlag(args.preempt_signals)
         threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
         torch.set_num_threads(threads)
@@ -289,6 +290,12 @@ class Trainer:
             total += loss.item() / args.grad_accum
             del loss
             self.phase = f"the optimizer step of step {step + 1}"
+            if micro == args.grad_accum - 1:
+                # With the delayed update, memory_report waits for the update in flight:
+                # read just before the step (which waits for it anyway), not after it,
+                # where the wait would take the update's overlap with the next step away.
+                delayed = engine.delayed_update is not None and self.metrics is not None
+                self.memory_mib = engine.memory_report().total / 2**20 if delayed else None
             with tracker.phase("step"):
                 applied = engine.step()  # True at the last micro-batch, unless skipped
         return total, engine.last_grad_norm if applied else None
@@ -363,7 +370,9 @@ class Trainer:
         self.metrics.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.write(record)
-        memory = self.engine.memory_report().total / 2**20
+        memory = self.memory_mib
+        if memory is None:  # (read before the step with the delayed update: optimizer_step)
+            memory = self.engine.memory_report().total / 2**20
         if self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix_str(

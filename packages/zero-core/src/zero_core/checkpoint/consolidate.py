@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..command_line import CommandLineParser
-from ..config.zero_config import SHORT_DTYPE_NAMES
+from ..config.choices import SHORT_DTYPE_NAMES
 from .format import CheckpointError
 from .reader import CheckpointReader
 from .safetensors_file import CorruptFileError, write_stream

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from .zero_config import ZeroConfig, canonical_deepspeed, translate_deepspeed
+from .deepspeed_translation import canonical_deepspeed, translate_deepspeed
+from .zero_config import ZeroConfig
 
 # DeepSpeed's optimizer types -> the torch class, and the params it accepts.
 ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad")

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..command_line import CommandLineParser
+from ..config.choices import SHORT_DTYPE_NAMES
 from ..config.zero_config import (
     DEFAULT_BACKWARD_HEAD_NUMEL,
     DEFAULT_GATHER_COALESCE_NUMEL,
     DEFAULT_PREFETCH_NUMEL,
-    SHORT_DTYPE_NAMES,
     ZeroConfig,
 )
 from ..hybrid_sharding import hierarchy_sizes

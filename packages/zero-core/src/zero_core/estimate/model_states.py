@@ -57,7 +57,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..config.zero_config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
+from ..config.choices import offload_stage_error
+from ..config.zero_config import DEFAULT_PREFETCH_NUMEL
 from ..offload.gradient_tier import WRITES_IN_FLIGHT
 
 STAGES = (0, 1, 2, 3)

@@ -66,6 +66,7 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
+        self.engine.wait_for_update()  # a delayed update in flight writes it
         return self.engine.optimizer.state
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]

@@ -68,6 +68,7 @@ def tile_reader(tiles: list[tuple[torch.Tensor, slice]]) -> PieceReader:
 
 def full_master(engine: Engine, slot: ParamSlot) -> torch.Tensor:
     """``slot``'s float32 master value, whole (collective where sharded)."""
+    engine.wait_for_update()  # a delayed update in flight writes the masters
     tiles, _ = engine.masters.group_state(slot.group, engine.optimizer)
     return assemble(engine, slot, tile_reader(tiles))
 
@@ -75,6 +76,7 @@ def full_master(engine: Engine, slot: ParamSlot) -> torch.Tensor:
 def full_optimizer_state(engine: Engine, slot: ParamSlot, key: str) -> torch.Tensor | None:
     """``slot``'s optimizer state ``key`` (``exp_avg``, ...), whole; a per-group scalar
     (``step``) as it is; None before the optimizer's first step."""
+    engine.wait_for_update()  # a delayed update in flight writes the states
     tiles, states = engine.masters.group_state(slot.group, engine.optimizer)
     if not any(states):
         return None
