@@ -568,8 +568,9 @@ def test_what_counts_as_running_out_of_memory() -> None:
 def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits() -> None:
     """The issue's case: GPT-2 medium at stage 3 on 2 ranks in bf16 (1024 tokens per rank),
     about 1.3 GiB left to each rank by a 2.5 GB cap. zero-estimate's 16 bytes x 355M / 2
-    = 2.64 GiB of model states per rank: only the disk tiers and activation checkpointing
-    together fit (on a GPU, whose host memory is another place, the host tier does)."""
+    = 2.64 GiB of model states per rank: only the optimizer's disk tier (with which the
+    gradients go to disk too) and activation checkpointing together fit; the parameters
+    may stay (on a GPU, whose host memory is another place, the host tier does)."""
     import zero_core
     from zero_core.estimate.activations import TransformerShape
     from zero_core.estimate.model_states import model_state_bytes
@@ -587,7 +588,7 @@ def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits()
         f"[rank 1] out of memory in the build at stage 3 (bf16, 2 ranks): zero-estimate "
         f"predicts {states:.2f} GiB of model states per rank + 1.33 GiB of activations; this "
         "rank had about 1.30 GiB free; --checkpoint full --offload-optimizer disk "
-        "--offload-params disk --offload-dir DIR would keep "
+        "--offload-dir DIR would keep "
     ), line
     on_gpu = out_of_memory_line(1, "the build", run._replace(device="cuda"), MemoryError())
     assert "; --checkpoint full --offload-optimizer cpu" in on_gpu and "disk" not in on_gpu

@@ -144,6 +144,7 @@ class Footprint(NamedTuple):
             buffer_count=zero.offload_buffer_count, bucket_numel=zero.bucket_numel,
             largest_param_numel=self.shape.vocab_size * self.shape.width / self.tp,  # embedding
             optimizer_in_backward=zero.optimizer_in_backward,
+            offload_gradients=zero.offload_gradients,
         )  # fmt: skip
         device = held.device + (held.host_resident if self.device == "cpu" else 0.0)
         return held.model_states, device
