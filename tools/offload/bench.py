@@ -271,9 +271,14 @@ def main() -> None:
         json.dumps({"settings": settings, "results": results}, indent=1)
     )
     text = report(args, results)
-    target = args.out / "offload.md"
     print(text)
-    if target.exists() and KEPT in target.read_text():  # hand-written runs, kept below
+    write_report(args.out / "offload.md", text)
+
+
+def write_report(target: Path, text: str) -> None:
+    """``text`` into ``target``, followed by whatever ``target`` holds below KEPT (runs
+    measured by hand, which a bench run must not erase)."""
+    if target.exists() and KEPT in target.read_text():
         text += "\n" + KEPT + target.read_text().split(KEPT, 1)[1]
     target.write_text(text)
 
