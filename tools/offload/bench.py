@@ -63,7 +63,12 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
     """One launch: {"ok", "how", "parameters", "seconds", ranks' records}."""
     psi = config(args, layers).num_params
     record: dict[str, Any] = {"variant": variant, "layers": layers, "parameters": psi}
-    with tempfile.TemporaryDirectory() as tmp:
+    # A folder of the probe's own under --offload-dir, removed with it: a probe ends with
+    # os._exit (tools.peers.bench), so its engines leave their swap files behind (GBs each).
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(prefix="probe-", dir=args.offload_dir) as swap,
+    ):
         out = Path(tmp) / "probe.json"
         probe_variant, probe_env = PROBES.get(variant, (variant, {}))
         command = [
@@ -76,7 +81,7 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
             **os.environ,
             **MALLOC_ENV,
             "OMP_NUM_THREADS": str(args.threads),
-            "ZERO_BENCH_OFFLOAD_DIR": str(args.offload_dir),
+            "ZERO_BENCH_OFFLOAD_DIR": swap,
             "ZERO_BENCH_BUCKET_NUMEL": str(args.bucket_numel),
             "ZERO_BENCH_SUB_GROUP_NUMEL": str(args.sub_group_numel),
             "ZERO_BENCH_PREFETCH_NUMEL": str(args.prefetch_numel),
