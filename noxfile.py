@@ -13,7 +13,7 @@
     nox -s cluster       an emulated 2-node cluster (namespaces, a slow link); needs root
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~3 h)
-    nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~40 min)
+    nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~50 min)
     nox -s deepspeed     DeepSpeed-shaped scripts under real DeepSpeed and zero_core.deepspeed
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
@@ -398,7 +398,9 @@ def bench_offload(session: nox.Session) -> None:
     """Offload (ZeRO-Offload / ZeRO-Infinity) measured: the swap pipeline against dd on the
     same folder (docs/benchmarks/swap.md), the CPU optimizer step against memory bandwidth
     (docs/benchmarks/cpu-optimizer.md), and the largest GPT under a per-rank memory cap
-    with and without disk offload (docs/benchmarks/offload.md). About 40 minutes on 2 cores.
+    with and without disk offload, the disk variant with its gradients on disk and on the
+    device, each with its swap bytes per step beside zero-estimate's links
+    (docs/benchmarks/offload.md). About 50 minutes on 2 cores.
     Extra arguments go to tools/offload/bench.py: nox -s bench_offload -- --cap-mib 1024
     DeepSpeed (its stage 3 with CPU offload beside ours) is installed as in nox -s bench.
     """

@@ -2,7 +2,13 @@
 with its model states on disk (ZeRO-Infinity) against the largest that stage 3 trains
 without offload, with tokens/s of both; written to docs/benchmarks/offload.md.
 
-    python -m tools.offload.bench --cap-mib 1024 --nproc 2 --minutes 40
+The disk variant runs twice: with the gradient tier (``ours-3-disk``: gradients follow the
+optimizer to disk, the default) and without it (``ours-3-disk-grads-on-device``:
+``offload_gradients=False``, zero-train's ``--no-offload-gradients``). For each, the bytes
+its last probe step read from and wrote to swap files (the engine's counters) stand beside
+zero-estimate's host <-> disk bytes for the same run (``zero-estimate --json``'s links).
+
+    python -m tools.offload.bench --cap-mib 1024 --nproc 2 --minutes 50
 
 Each probe is `zero-launch -n N python -m tools.peers.bench --probe VARIANT ...`: after
 ``zero_comm.init`` each rank caps its address space (RLIMIT_AS) at its size then plus
@@ -19,6 +25,8 @@ tools/offload/cpu_optimizer.py) are added from their JSON files when present.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -34,10 +42,15 @@ from zero_models.gpt import GPTConfig
 
 BENCH = "tools.peers.bench"  # run as a module: its launches inherit how this one found it
 LAUNCHER = (sys.executable, "-m", "zero_comm.launch")
-VARIANTS = ("ours-3", "ours-3-disk", "deepspeed-3-cpu")
+VARIANTS = ("ours-3", "ours-3-disk", "ours-3-disk-grads-on-device", "deepspeed-3-cpu")
+# The probe each variant runs (tools.peers.trainers) and what its environment adds.
+PROBES = {"ours-3-disk-grads-on-device": ("ours-3-disk", {"ZERO_BENCH_OFFLOAD_GRADIENTS": "0"})}
+DISK_VARIANTS = ("ours-3-disk", "ours-3-disk-grads-on-device")
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 MODEL_STATE_BYTES = 16  # float32 parameter + gradient + Adam's two moments
 MIB = 2**20
+# docs/benchmarks/offload.md from this line on is not generated: a run keeps it.
+KEPT = "<!-- not generated: tools.offload.bench keeps what follows -->"
 
 
 def config(args: argparse.Namespace, layers: int) -> GPTConfig:
@@ -50,10 +63,16 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
     """One launch: {"ok", "how", "parameters", "seconds", ranks' records}."""
     psi = config(args, layers).num_params
     record: dict[str, Any] = {"variant": variant, "layers": layers, "parameters": psi}
-    with tempfile.TemporaryDirectory() as tmp:
+    # A folder of the probe's own under --offload-dir, removed with it: a probe ends with
+    # os._exit (tools.peers.bench), so its engines leave their swap files behind (GBs each).
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(prefix="probe-", dir=args.offload_dir) as swap,
+    ):
         out = Path(tmp) / "probe.json"
+        probe_variant, probe_env = PROBES.get(variant, (variant, {}))
         command = [
-            *LAUNCHER, "-n", str(args.nproc), sys.executable, "-m", BENCH, "--probe", variant,
+            *LAUNCHER, "-n", str(args.nproc), sys.executable, "-m", BENCH, "--probe", probe_variant,
             "--width", str(args.width), "--heads", str(args.heads), "--context",
             str(args.context), "--layers", str(layers), "--batch", "1", "--budget-mib",
             str(args.cap_mib), "--probe-steps", str(args.probe_steps), "--json", str(out),
@@ -62,11 +81,12 @@ def probe(args: argparse.Namespace, variant: str, layers: int) -> dict[str, Any]
             **os.environ,
             **MALLOC_ENV,
             "OMP_NUM_THREADS": str(args.threads),
-            "ZERO_BENCH_OFFLOAD_DIR": str(args.offload_dir),
+            "ZERO_BENCH_OFFLOAD_DIR": swap,
             "ZERO_BENCH_BUCKET_NUMEL": str(args.bucket_numel),
             "ZERO_BENCH_SUB_GROUP_NUMEL": str(args.sub_group_numel),
             "ZERO_BENCH_PREFETCH_NUMEL": str(args.prefetch_numel),
             "DS_ACCELERATOR": "cpu",
+            **probe_env,
         }
         started = time.perf_counter()
         try:
@@ -88,8 +108,9 @@ def largest(args: argparse.Namespace, variant: str, deadline: float) -> dict[str
     """The most layers ``variant`` trains under the cap (grow x1.5, then bisect)."""
     per_layer = config(args, 2).num_params - config(args, 1).num_params
     # A first guess from the resident model states: 16Ψ/N without offload; with every
-    # state on disk, the float32 gradient shard (4Ψ/N) and working buffers.
-    resident = 4 if variant == "ours-3-disk" else MODEL_STATE_BYTES
+    # state on disk, the float32 gradient shard (4Ψ/N) and working buffers; with the
+    # gradients on disk too, working buffers alone (1 for a guess).
+    resident = {"ours-3-disk": 1, "ours-3-disk-grads-on-device": 4}.get(variant, MODEL_STATE_BYTES)
     guess = max(1, int(0.5 * args.cap_mib * MIB * args.nproc / (resident * per_layer)))
     given = dict(item.split("=") for item in args.first_layers)
     guess = int(given.get(variant, guess))
@@ -130,6 +151,43 @@ def row(args: argparse.Namespace, result: dict[str, Any]) -> str:
     )
 
 
+def estimated_links(args: argparse.Namespace, psi: int, gradients: bool) -> dict[str, Any]:
+    """zero-estimate's bytes per rank per step over each offload link for this run."""
+    from zero_core.estimate.command import main as zero_estimate
+
+    argv = [
+        "--params", str(psi), "--world-size", str(args.nproc), "--dtype", "fp32",
+        "--offload-optimizer", "disk", "--offload-params", "disk", "--bucket-numel",
+        str(args.bucket_numel), "--prefetch-numel", str(args.prefetch_numel), "--json",
+        *([] if gradients else ["--no-offload-gradients"]),
+    ]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        zero_estimate(argv)
+    return json.loads(out.getvalue())["3"]["links"]  # type: ignore[no-any-return]
+
+
+def link_row(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+    """Measured against estimated bytes per rank per step over host <-> disk (rank 0)."""
+    best = result["best"]
+    if result["variant"] not in DISK_VARIANTS or best is None:
+        return None
+    measured = best["ranks"][0].get("disk_bytes_last_step")
+    links = estimated_links(args, best["parameters"], result["variant"] == "ours-3-disk")
+    read, written = links["disk_to_host"], links["host_to_disk"]
+    down = links["device_to_host"]["total"]
+    up = links["host_to_device"]["total"]
+    got = (
+        f"{measured['read'] / MIB:,.0f} / {measured['written'] / MIB:,.0f}" if measured else "- / -"
+    )
+    return (
+        f"| {result['variant']} | {result['layers']} | {got} "
+        f"| {read['total'] / MIB:,.0f} / {written['total'] / MIB:,.0f} "
+        f"(without parameter writes {(written['total'] - written['parameters']) / MIB:,.0f}) "
+        f"| {down / MIB:,.0f} / {up / MIB:,.0f} |"
+    )
+
+
 def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
     lines = [
         "# Offload: the largest model under a memory cap (ZeRO-Infinity)",
@@ -144,7 +202,9 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
         f"{args.threads} thread(s) per rank; "
         + ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
         + ". Model states: 16 bytes per parameter for the whole model. ours-3-disk: "
-        "offload_optimizer=disk and offload_params=disk. deepspeed-3-cpu: DeepSpeed's stage 3 "
+        "offload_optimizer=disk and offload_params=disk, gradients following the optimizer "
+        "to disk; ours-3-disk-grads-on-device: the same with offload_gradients=False. "
+        "deepspeed-3-cpu: DeepSpeed's stage 3 "
         "with offload_optimizer and offload_param on cpu (on a CPU-only machine that is the "
         "same memory; its NVMe tier needs libaio, absent here), the same torch AdamW.",
         "",
@@ -153,6 +213,21 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
         *(row(args, r) for r in results),
     ]
+    links = [line for line in (link_row(args, r) for r in results) if line is not None]
+    if links:
+        lines += [
+            "",
+            "Bytes per rank per step over the offload links, MiB: swap files read / written by "
+            "the last probe step (rank 0; the engine's counters, which do not count the "
+            "parameter shards' writes after the step) beside zero-estimate's host <-> disk "
+            "(disk -> host / host -> disk) and device <-> host (device -> host / host -> "
+            "device; on a CPU-only machine these are the same memory and move nothing).",
+            "",
+            "| variant | layers | measured read / written | estimated read / written "
+            "| estimated device -> host / host -> device |",
+            "|---|---|---|---|---|",
+            *links,
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +255,7 @@ def main() -> None:
     p.add_argument("--probe-steps", type=int, default=3)
     p.add_argument("--probe-timeout", type=int, default=900)
     p.add_argument("--max-probes", type=int, default=6)
-    p.add_argument("--minutes", type=float, default=40.0)
+    p.add_argument("--minutes", type=float, default=50.0)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--offload-dir", type=Path, default=Path(tempfile.gettempdir()) / "zero-offload")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
@@ -201,8 +276,16 @@ def main() -> None:
         json.dumps({"settings": settings, "results": results}, indent=1)
     )
     text = report(args, results)
-    (args.out / "offload.md").write_text(text)
     print(text)
+    write_report(args.out / "offload.md", text)
+
+
+def write_report(target: Path, text: str) -> None:
+    """``text`` into ``target``, followed by whatever ``target`` holds below KEPT (runs
+    measured by hand, which a bench run must not erase)."""
+    if target.exists() and KEPT in target.read_text():
+        text += "\n" + KEPT + target.read_text().split(KEPT, 1)[1]
+    target.write_text(text)
 
 
 if __name__ == "__main__":

@@ -496,7 +496,10 @@ def run_probe(args: argparse.Namespace) -> None:
             args.probe, config, args.seed, Hyper(), comm, args.batch, args.checkpoint
         )
         step_seconds = []
+        disk_bytes = getattr(trainer, "disk_bytes", None)  # ours with a disk tier
         for step in range(args.probe_steps):
+            if disk_bytes is not None and step == args.probe_steps - 1:
+                trainer.disk_bytes_reset()  # the last step's swap traffic
             started = time.perf_counter()
             phase = f"forward/backward {step + 1}"
             trainer.forward_backward(*sampler.batch(step, 0))
@@ -518,6 +521,7 @@ def run_probe(args: argparse.Namespace) -> None:
             "step_seconds": step_seconds[1:],
             "host_mib": getattr(report, "host", 0) / MIB,
             "disk_mib": getattr(report, "disk", 0) / MIB,
+            "disk_bytes_last_step": disk_bytes() if disk_bytes is not None else None,
         }
         everyone = world.all_gather_object(record)
     except (MemoryError, RuntimeError) as exc:

@@ -233,6 +233,10 @@ class Ours(Trainer):
             if offload == "disk":
                 folder = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
                 tiers["offload_dir"] = folder
+            # tools/offload/bench.py's gradient tier off: gradients kept on the device
+            if os.environ.get("ZERO_BENCH_OFFLOAD_GRADIENTS") == "0":
+                tiers["offload_gradients"] = False
+                self.name += "-grads-on-device"
         self.comm = comm
         init_values = None
         if stage >= 1:  # built on the meta device, as zero-train does: set-up holds the
@@ -290,6 +294,28 @@ class Ours(Trainer):
 
     def comm_bytes_reset(self) -> None:
         self.comm.stats.reset()
+
+    def disk_counters(self) -> list[Any]:
+        """The engine's swap-file counters: the optimizer's pipeline (masters, states and
+        offloaded gradients) and the parameter shards' reads; none without a disk tier."""
+        swap = getattr(self.engine.masters, "swap", None)
+        store = getattr(self.engine.compute_params, "store", None)
+        return [c for c in (swap, store) if c is not None and hasattr(c, "bytes_read")]
+
+    def disk_bytes_reset(self) -> None:
+        for counter in self.disk_counters():
+            counter.bytes_read = 0
+            if hasattr(counter, "bytes_written"):
+                counter.bytes_written = 0
+
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes read from and written to swap files since :meth:`disk_bytes_reset`
+        (the parameter shards' writes after the step have no counter in the engine)."""
+        counters = self.disk_counters()
+        return {
+            "read": sum(int(c.bytes_read) for c in counters),
+            "written": sum(int(getattr(c, "bytes_written", 0)) for c in counters),
+        }
 
     def comm_bytes(self) -> tuple[float, dict[str, int]]:
         counts = self.comm.stats.as_dict()

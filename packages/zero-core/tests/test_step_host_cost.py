@@ -174,5 +174,10 @@ def test_divide_and_check_finite_is_exact(
         assert divide_and_check_finite(tensors, denominator, chunk_numel=chunk) == expected
     finally:
         gradient_checks.CACHE_PIECE_NUMEL = saved
+    # NaN's sign and payload bits are not specified by the division (a vectorised and a
+    # scalar loop may differ, seen once in bfloat16): a NaN must stay a NaN, every other
+    # value keeps its bits. A step that sees a NaN is skipped whatever its bits.
     for got, want in zip(tensors, expected_values, strict=True):
-        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        keep = ~torch.isnan(want)
+        assert torch.equal(got[keep].view(torch.uint8), want[keep].view(torch.uint8))

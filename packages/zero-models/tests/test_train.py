@@ -460,11 +460,12 @@ def test_a_deepspeed_config_drives_the_run(tmp_path: Path) -> None:
     assert "train_batch_size=6 does not divide into 2 x 2 ranks" in refused.stderr
 
 
-# zero-train whose every rank may take BUDGET MiB of address space more than it holds once
-# started (RLIMIT_AS, set as the build begins, as tools/peers/bench.py's probes do): each
-# rank runs this file instead of `-m zero_models.train`, through zero-train's own launch.
+# zero-train whose every rank (or only rank ZERO_TEST_CAPPED_RANK) may take BUDGET MiB of
+# address space more than it holds once started (RLIMIT_AS, set as the build begins, as
+# tools/peers/bench.py's probes do): each rank runs this file instead of
+# `-m zero_models.train`, through zero-train's own launch.
 CAPPED_TRAIN = """
-import resource, sys
+import os, resource, sys
 import torch._dynamo  # imported on first use in the build: not the model's memory
 import zero_models.run_setup as run_setup
 import zero_models.train as train
@@ -473,8 +474,9 @@ from zero_core.memory.proc_status import process_status_kib
 budget, footprint, launch = int(sys.argv[1]) << 20, run_setup.run_footprint, train.launch
 
 def capped_footprint(*args, **kwargs):
-    mapped = process_status_kib("VmSize") * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + budget, resource.RLIM_INFINITY))
+    if os.environ.get("ZERO_TEST_CAPPED_RANK", os.environ["RANK"]) == os.environ["RANK"]:
+        mapped = process_status_kib("VmSize") * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + budget, resource.RLIM_INFINITY))
     return footprint(*args, **kwargs)
 
 def launch_capped(command, world_size, **kwargs):  # command: python -m zero_models.train ...
@@ -485,14 +487,18 @@ train.main(sys.argv[2:])
 """
 
 
-def run_capped(budget_mib: int, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """zero-train on 2 ranks (fp32, stage 3, 200 kB of text), each rank capped at
-    ``budget_mib`` MiB of address space more than it held before the build."""
+def run_capped(
+    budget_mib: int, *args: str, cwd: Path, rank: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    """zero-train on 2 ranks (fp32, stage 3, 200 kB of text), each rank (or only
+    ``rank``) capped at ``budget_mib`` MiB of address space more than it held before the
+    build."""
     (cwd / "capped_train.py").write_text(CAPPED_TRAIN)
     (cwd / "text.txt").write_bytes(bytes(range(32, 127)) * 2000)
     command = [sys.executable, "capped_train.py", str(budget_mib), "--data", "text.txt",
                "--steps", "2", "--sample-tokens", "4", "--out", "o", *args]  # fmt: skip
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **({} if rank is None else {"ZERO_TEST_CAPPED_RANK": str(rank)})}
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def one_line_per_rank(result: subprocess.CompletedProcess[str], phase: str) -> list[str]:
@@ -535,6 +541,36 @@ def test_out_of_memory_in_a_step_ends_in_one_line_per_rank(tmp_path: Path) -> No
         assert "--checkpoint full would keep" in line
 
 
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_rank_out_of_memory_is_named_by_the_survivor_in_one_line(
+    dead: int, tmp_path: Path
+) -> None:
+    """Only rank ``dead`` is capped (200 MiB): it runs out of memory in the forward of
+    step 1, prints its line, tells its peer it leaves and ends. The survivor, waiting on
+    it in a collective (rank 1 dead: the rendezvous store rank 0 hosts lives on; rank 0
+    dead: the store goes with it), prints one line naming it, in the seconds zero-launch
+    gives it after the first rank's end, with none of c10d's C++ warnings and stacks."""
+    from zero_models.out_of_memory import EXIT_OUT_OF_MEMORY
+
+    result = run_capped(200, "--model", "test", "--batch-size", "4096", cwd=tmp_path, rank=dead)
+    assert result.returncode == EXIT_OUT_OF_MEMORY, result.stderr[-3000:]
+    for noise in ("Exception raised from", "frame #", "c10d", "TCPStore", "Traceback"):
+        assert noise not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2, result.stderr[-3000:]
+    died = next(line for line in lines if line.startswith(f"[rank {dead}] "))
+    assert died.startswith(f"[rank {dead}] out of memory in the forward of step 1"), died
+    survivor = next(line for line in lines if line.startswith(f"[rank {1 - dead}] "))
+    assert survivor.startswith(
+        f"[rank {1 - dead}] stopped in the forward of step 1: PeerFailureError: "
+    ), survivor
+    if dead == 1:  # it told the survivor why, through the store that outlives it
+        assert "rank 1 (host " in survivor, survivor
+        assert "left the job (it ran out of memory in the forward of step 1)" in survivor
+    else:  # its store went with it
+        assert "rank 0 (host " in survivor and "is dead" in survivor, survivor
+
+
 def test_what_counts_as_running_out_of_memory() -> None:
     import torch
 
@@ -561,8 +597,9 @@ def test_what_counts_as_running_out_of_memory() -> None:
 def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits() -> None:
     """The issue's case: GPT-2 medium at stage 3 on 2 ranks in bf16 (1024 tokens per rank),
     about 1.3 GiB left to each rank by a 2.5 GB cap. zero-estimate's 16 bytes x 355M / 2
-    = 2.64 GiB of model states per rank: only the disk tiers and activation checkpointing
-    together fit (on a GPU, whose host memory is another place, the host tier does)."""
+    = 2.64 GiB of model states per rank: only the optimizer's disk tier (with which the
+    gradients go to disk too) and activation checkpointing together fit; the parameters
+    may stay (on a GPU, whose host memory is another place, the host tier does)."""
     import zero_core
     from zero_core.estimate.activations import TransformerShape
     from zero_core.estimate.model_states import model_state_bytes
@@ -580,7 +617,7 @@ def test_the_line_names_zero_estimates_bytes_and_the_cheapest_change_that_fits()
         f"[rank 1] out of memory in the build at stage 3 (bf16, 2 ranks): zero-estimate "
         f"predicts {states:.2f} GiB of model states per rank + 1.33 GiB of activations; this "
         "rank had about 1.30 GiB free; --checkpoint full --offload-optimizer disk "
-        "--offload-params disk --offload-dir DIR would keep "
+        "--offload-dir DIR would keep "
     ), line
     on_gpu = out_of_memory_line(1, "the build", run._replace(device="cuda"), MemoryError())
     assert "; --checkpoint full --offload-optimizer cpu" in on_gpu and "disk" not in on_gpu

@@ -53,6 +53,7 @@ from .call_check import (
 from .comm_options import CommOptions
 from .errors import CommError
 from .handle import CompletedWork, Handle, Work
+from .heartbeat import Heartbeat
 from .node_groups import NodeGroups
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
@@ -90,6 +91,10 @@ class Communicator(CallCheck, NodeGroups):
         parent_ranks: for a communicator made by ``split``, the rank in the parent of each
             of its ranks; None for a world communicator.
     """
+
+    # The world's heartbeat (zero_comm.heartbeat), shared by the communicators split from
+    # it; a backend that has one sets it. None: one rank, simulated ranks, MPI without it.
+    _heartbeat: Heartbeat | None = None
 
     def __init__(
         self,
@@ -204,6 +209,18 @@ class Communicator(CallCheck, NodeGroups):
     def _meeting_point(self) -> MeetingPoint | None:
         """The store this communicator's ranks meet in (zero_comm.arrival), if any."""
         return None
+
+    def leave(self, how: str | None = None) -> None:
+        """Say to the other ranks that this one takes part in no more collectives, as it
+        is about to end without closing (``os._exit`` after a fatal error, which skips the
+        check-out made at interpreter exit): a rank waiting on it then names it at once,
+        "rank 1 (host h, pid p) left the job (HOW)", instead of after heartbeat_timeout.
+        ``how``: why, in the peers' words ("it ran out of memory in the build"); None:
+        the failure this rank met in a collective, else "its script ended". Not
+        collective; at most once per process; never raises. Nothing happens where there
+        is no heartbeat (one rank, simulated ranks, MPI without its store)."""
+        if self._heartbeat is not None:
+            self._heartbeat.check_out(how)
 
     def close(self) -> None:
         """Release the backend's resources; the communicator cannot be used afterwards."""

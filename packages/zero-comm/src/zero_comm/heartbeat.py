@@ -19,6 +19,8 @@ and a rank waiting in a collective asks :meth:`Heartbeat.verdict` (no store roun
 the thread's last reading) about the collective's members, polling every ``period``:
 
     a counter >= LEFT                      the peer checked out: named at once
+    a peer of this host whose process is   it died without checking out (SIGKILL, the
+      gone (/proc)                           kernel's OOM killer, os._exit): named at once
     a counter unchanged over readings      the peer has not beaten for that long: named as
       more than heartbeat_timeout apart      stopped (/proc, on this host) or not beating
     the store gives no answer for longer   rank 0, which hosts it, is stopped or hung
@@ -29,8 +31,9 @@ A counter is compared only with itself, read by one rank, so no clocks are compa
 hosts; and a reading gap (this rank itself stopped) cannot make a beating peer look stale:
 a peer that beat in between shows a new value. A slow collective whose peers all beat
 waits up to the collective timeout, as before: the heartbeat only ever names a peer that
-has not beaten for ``heartbeat_timeout``. A peer whose beat thread cannot run for that
-long (a C call holding the GIL) is named as not beating: for its peers it is hung.
+has not beaten for ``heartbeat_timeout``, checked out, or (on this host) is gone. A peer
+whose beat thread cannot run for that long (a C call holding the GIL) is named as not
+beating: for its peers it is hung.
 
 Cost: one store ``add`` per rank per period (at most 2 s); the peers' counters are read
 only while a collective has been waiting on this rank for a period or more.
@@ -250,6 +253,11 @@ class Heartbeat:
                 f"{self.store_address} has not answered for {silent:.1f} s (heartbeat_timeout "
                 f"{self.timeout:g} s): {self._why_silent(0)}"
             )
+        dead = self._dead_here(ranks)
+        if any(r not in self._left for r in dead):
+            self.read_now()  # it may have checked out as it ended: then it left
+            if self._store_error is not None and self.rank != 0:
+                return self.store_lost(self._store_error)
         left = [r for r in ranks if r in self._left]
         if left:
             self.named.update(left)
@@ -257,6 +265,14 @@ class Heartbeat:
                 f"{describe_peer(r, self.peers[r])} left the job ({self._left[r]}) and will "
                 "join no more collectives"
                 for r in left
+            )
+        if dead:
+            self.named.update(dead)
+            return "; ".join(
+                f"{describe_peer(r, self.peers[r])} is dead: its process ended without "
+                "leaving the job (killed, by the kernel's out-of-memory killer or a signal, "
+                "or ended at once by a fatal error)"
+                for r in dead
             )
         stale = [
             (r, self._read_at - self._seen[r][1])
@@ -271,6 +287,15 @@ class Heartbeat:
                 for r, silent in stale
             )
         return None
+
+    def _dead_here(self, ranks: list[int]) -> list[int]:
+        """The ranks among ``ranks`` on this host whose process is gone (/proc): named at
+        once, not after ``heartbeat_timeout`` (a store that outlives them keeps their
+        counters, unchanged; a collective of the digest check waits on the store only)."""
+        here = self.peers[self.rank].host
+        return [
+            r for r in ranks if self.peers[r].host == here and not is_running(self.peers[r].pid)
+        ]
 
     def verdict_within_beats(self, members: list[Peer] | None, beats: int) -> str | None:
         """:meth:`verdict`, waiting up to ``beats`` beats for one (a peer that exited

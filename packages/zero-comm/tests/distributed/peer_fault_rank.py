@@ -15,6 +15,12 @@ CASE (HB: the heartbeat timeout in seconds; the collective timeout is 120 s, far
     leave   rank 1's script ends (exit 0) while rank 0 waits in an all-reduce at a new place
             (the digest check's store wait)
     kill0   rank 0 SIGKILLs itself while rank 1 waits: rank 1 names rank 0 and its store
+    leave1  rank 1 leaves as zero-train's rank out of memory does (comm.leave(why), then
+            os._exit) while rank 0 waits in the digest check's store wait: rank 0 names
+            it, and why
+    kill1   rank 1 SIGKILLs itself (the kernel's OOM killer) while rank 0 waits in the
+            digest check's store wait, which the store rank 0 hosts outlives: rank 0
+            names it as dead (/proc), not as silent after the heartbeat timeout
 
 The victim writes the time, what it did and its pid to DIR/event just before. The rank that waits
 prints one JSON line {"rank", "error", "after_s"} on stdout (after_s: from the event to
@@ -64,10 +70,15 @@ def main() -> int:
             time.sleep(0.5)  # rank 0 is waiting by now
             event(folder, "left")
             return 0
-        elif case == "kill0":
+        elif case in ("kill0", "kill1"):
             time.sleep(0.5)
             event(folder, "killed")
             os.kill(os.getpid(), signal.SIGKILL)
+        elif case == "leave1":
+            time.sleep(0.5)
+            event(folder, "left")
+            comm.leave("it ran out of memory in a test")
+            os._exit(71)
     try:
         comm.all_reduce(x)
     except zero_comm.CommError as exc:

@@ -138,6 +138,43 @@ def test_a_peer_that_exited_cleanly_is_named_at_its_check_out(tmp_path: Path) ->
 
 
 @pytest.mark.gloo
+def test_a_peer_that_leaves_on_a_fatal_error_is_named_with_why(tmp_path: Path) -> None:
+    """Rank 1 ends as zero-train's rank that ran out of memory does: comm.leave(why),
+    then os._exit (no interpreter exit, so no check-out of its own). Rank 0, waiting in
+    the digest check's store wait, names it and why in one line within 2.5 s, not after
+    the heartbeat timeout (30 s)."""
+    results = run_pair("leave1", tmp_path, heartbeat=30.0)
+    assert results[1][0] == 71, results[1][2][-3000:]
+    code, _, err = results[0]
+    assert code == 3, err[-3000:]
+    said = report(results[0])
+    assert said["error"] == "PeerFailureError", said
+    assert float(said["after_s"]) < 2.5, said  # type: ignore[arg-type]
+    line = one_line(err)
+    pid = victim_pid(tmp_path)
+    named = f"rank 1 (host {socket.gethostname()}, pid {pid}) left the job (it ran out of memory"
+    assert named in line, line
+
+
+@pytest.mark.gloo
+def test_a_peer_killed_while_the_store_lives_on_is_named_dead_at_once(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed (the kernel's OOM killer) while rank 0 waits in the digest
+    check's store wait: no connection of rank 0's fails (the store is its own), and rank 1
+    never checks out. Rank 0 names it as dead (/proc) within 2.5 s; before, as not beating,
+    after the heartbeat timeout (30 s here, 60 s by default)."""
+    results = run_pair("kill1", tmp_path, heartbeat=30.0)
+    assert results[1][0] == -signal.SIGKILL, results[1][2][-3000:]
+    code, _, err = results[0]
+    assert code == 3, err[-3000:]
+    said = report(results[0])
+    assert said["error"] == "PeerFailureError", said
+    assert float(said["after_s"]) < 2.5, said  # type: ignore[arg-type]
+    line = one_line(err)
+    pid = victim_pid(tmp_path)
+    assert f"rank 1 (host {socket.gethostname()}, pid {pid}) is dead" in line, line
+
+
+@pytest.mark.gloo
 def test_rank_0_killed_is_one_line_naming_it_and_its_store(tmp_path: Path) -> None:
     """Rank 0 hosts the rendezvous store; SIGKILLed while rank 1 waits, it takes the store
     with it. Rank 1's stderr is one line naming rank 0 and the store, with none of the

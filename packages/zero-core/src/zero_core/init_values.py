@@ -25,6 +25,17 @@ def named_init_values(
     weight's second name is accepted and skipped). Raises ValueError for an unknown name,
     a shape that differs from the module's, and, once the values run out, any parameter or
     buffer still on the meta device (nothing gave it a value)."""
+    for name, target, box in init_value_boxes(module, values):
+        yield name, target, box.pop()
+
+
+def init_value_boxes(
+    module: nn.Module, values: InitValues
+) -> Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]]:
+    """:func:`named_init_values`, each value in a one-element list that the caller empties
+    (``box.pop()``): this generator keeps no reference to a value it has handed on, so a
+    value of ``values``' own generator is freed as soon as its caller drops it, before
+    the next one is made (a suspended generator's local would hold it until then)."""
     targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     targets.update(module.named_buffers(remove_duplicate=False))
     seen: set[int] = set()
@@ -45,7 +56,9 @@ def named_init_values(
         if id(target) in seen:
             continue
         seen.add(id(target))
-        yield name, target, value
+        box = [value]
+        del value
+        yield name, target, box
     missing = [name for name, t in targets.items() if t.is_meta and id(t) not in seen]
     if missing:
         raise ValueError(

@@ -17,6 +17,7 @@ from .config.deepspeed_json import DeepSpeedSetup, read_deepspeed
 from .config.zero_config import ZeroConfig
 from .engine import Engine
 from .init_values import InitValues
+from .memory.build_heap import large_blocks_mapped
 from .model_parallel import ModelParallel
 from .optimizer_spec import OptimizerSpec, resolve_param_groups
 from .stage0 import POLICY as STAGE0
@@ -83,7 +84,10 @@ def initialize(
         model, optimizer, optimizer_kwargs, allow_untested=config.allow_untested_optimizer
     )
     policy = POLICIES[config.stage]
-    parts = build_engine_parts(model, groups, config, comm, policy, model_parallel, init_values)
+    # The build's whole values mapped, not carved from the heap (memory.build_heap)
+    host = comm.device.type == "cpu" or bool(config.offloads)
+    with large_blocks_mapped(config.release_host_heap and host):
+        parts = build_engine_parts(model, groups, config, comm, policy, model_parallel, init_values)
     engine = Engine(parts)
     param_owner.register(engine)
     module_guard.install()  # .to_empty()/.half()/.cuda() would detach the engine's params

@@ -142,7 +142,8 @@ class GPT(nn.Module):
                 yield name, torch.ones(p.shape, device="cpu")
             else:
                 std = residual_std if name.endswith("proj.weight") else 0.02
-                yield name, torch.randn(p.shape, generator=generator, device="cpu") * std
+                # scaled in place: one tensor, not two, at the build's peak (same bits)
+                yield name, torch.randn(p.shape, generator=generator, device="cpu").mul_(std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         _, t = tokens.shape

@@ -79,13 +79,16 @@ def size(nbytes: float) -> str:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc``, or an error it was raised from or while handling, is running out
-    of memory."""
+    of memory (this rank's: a peer's failure met in a collective is not, whatever it
+    says of the peer)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, (MemoryError, torch.OutOfMemoryError)):
             return True
+        if isinstance(current, PEER_FAILURES):
+            return False  # its message may quote a peer's end ("it ran out of memory")
         if isinstance(current, RuntimeError) and any(m in str(current).lower() for m in MESSAGES):
             return True
         current = current.__cause__ or current.__context__
@@ -141,6 +144,7 @@ class Footprint(NamedTuple):
             buffer_count=zero.offload_buffer_count, bucket_numel=zero.bucket_numel,
             largest_param_numel=self.shape.vocab_size * self.shape.width / self.tp,  # embedding
             optimizer_in_backward=zero.optimizer_in_backward,
+            offload_gradients=zero.offload_gradients,
         )  # fmt: skip
         device = held.device + (held.host_resident if self.device == "cpu" else 0.0)
         return held.model_states, device
@@ -295,14 +299,23 @@ def say(line: str) -> None:
 
 
 def exit_out_of_memory(
-    rank: int, phase: str, run: Footprint, exc: BaseException, before: Callable[[], None]
+    rank: int,
+    phase: str,
+    run: Footprint,
+    exc: BaseException,
+    before: Callable[[], None],
+    world: zero_comm.Communicator | None = None,
 ) -> NoReturn:
-    """Print the line, call ``before`` (what must not be left behind, as swap files),
-    and end this process with EXIT_OUT_OF_MEMORY, skipping the interpreter's shutdown
-    (which would wait for the collectives the other ranks are in)."""
+    """Print the line, tell ``world``'s other ranks that this one leaves ("it ran out of
+    memory in PHASE": a rank waiting on it names it so at once, in its own one line),
+    call ``before`` (what must not be left behind, as swap files), and end this process
+    with EXIT_OUT_OF_MEMORY, skipping the interpreter's shutdown (which would wait for
+    the collectives the other ranks are in)."""
     exc.__traceback__ = None  # its frames hold the tensors that did fit: let them go
     try:
         say(out_of_memory_line(rank, phase, run, exc))
+        if world is not None:
+            world.leave(f"it ran out of memory in {phase}")
         before()
     finally:
         os._exit(EXIT_OUT_OF_MEMORY)
@@ -314,12 +327,14 @@ def exit_after_peer_failure(
     exc: BaseException,
     before: Callable[[], None],
     signalled: Callable[[], bool],
+    world: zero_comm.Communicator | None = None,
 ) -> NoReturn:
     """A collective failed because a peer ended (out of memory, killed) or stopped
     answering: one line naming the failure, then wait (PEER_WAIT_S at most) for the
     launcher to stop this rank, so that the job ends with the peer's exit code and its
     line, not this one's; then EXIT_FAILED. A signal (``signalled``: already received)
-    ends the wait at once."""
+    ends the wait at once. ``world``'s other ranks hear that this one leaves, with the
+    failure it met (a third rank waiting on it names the first cause, not this rank)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     text = re.sub(r"^\[rank \d+\] ", "", text)
     line = f"[rank {rank}] stopped in {phase}: {type(exc).__name__}: {text}"
@@ -328,6 +343,8 @@ def exit_after_peer_failure(
         signal.signal(signum, lambda number, _frame: os._exit(128 + number))
     try:
         say(line)
+        if world is not None:
+            world.leave()
         before()
         deadline = time.monotonic() + PEER_WAIT_S
         while not signalled() and time.monotonic() < deadline:
@@ -344,15 +361,18 @@ def stop_in_one_line(
     *,
     before: Callable[[], None] = lambda: None,
     signalled: Callable[[], bool] = lambda: False,
+    world: zero_comm.Communicator | None = None,
 ) -> Iterator[None]:
     """A block in which running out of memory, or a collective failing for a peer's end,
     ends this rank with one line (``phase()`` names where; ``before`` runs first; see
-    exit_out_of_memory and exit_after_peer_failure). Any other error passes through."""
+    exit_out_of_memory and exit_after_peer_failure), and ``world``'s other ranks, each
+    in one line of its own, name this rank and why it left. Any other error passes
+    through."""
     try:
         yield
     except (MemoryError, RuntimeError) as exc:
         if is_out_of_memory(exc):
-            exit_out_of_memory(rank, phase(), run, exc, before)
+            exit_out_of_memory(rank, phase(), run, exc, before, world)
         if isinstance(exc, PEER_FAILURES):
-            exit_after_peer_failure(rank, phase(), exc, before, signalled)
+            exit_after_peer_failure(rank, phase(), exc, before, signalled, world)
         raise

@@ -88,7 +88,7 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
         args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
     )
     with stop_in_one_line(
-        world.rank, lambda: "the build", footprint, signalled=signalled,
+        world.rank, lambda: "the build", footprint, signalled=signalled, world=world,
         before=lambda: remove_swap_folders(zero_config.offload_dir),
     ):  # fmt: skip
         model, init_values, model_parallel = build_model(args, config, world, mesh)

@@ -165,7 +165,7 @@ class Trainer:
         run = self.run
         return stop_in_one_line(
             run.world.rank, lambda: self.phase, run.footprint, before=self.engine.close,
-            signalled=lambda: self.preemption.received is not None,
+            signalled=lambda: self.preemption.received is not None, world=run.world,
         )  # fmt: skip
 
     def announce(self, threads: str) -> None:
