@@ -24,6 +24,7 @@ from zero_core.estimate.activations import (
 from zero_core.estimate.command import main
 from zero_core.estimate.model_states import SLICE_ALIGNMENT, TIERS, tiered_state_bytes
 from zero_core.grad_norm import BLOCK
+from zero_core.offload.gradient_tier import WRITES_IN_FLIGHT
 
 
 def test_paper_figure_1() -> None:
@@ -187,9 +188,11 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
         expected = moved if case["offload_optimizer"] == tier else 0.0
         expected += plain.parameters if case["offload_params"] == tier else 0.0
         assert held == pytest.approx(expected, rel=1e-9, abs=1e-6)
-    # Staging: the optimizer's pipeline (B tiles of 4 + s bytes per element, at most what
-    # is on disk), the parameters' read buffers (at most the shard, at least one slice).
+    # Staging: the optimizer's pipeline (B tiles of 4 + s [+ g] bytes per element, at most
+    # what is on disk, and the gradients' write-behind pairs), the parameters' read
+    # buffers (at most the shard, at least one slice).
     pipeline = case["buffer_count"] * case["sub_group_numel"] * (4 + 8 + 4)
+    pipeline += WRITES_IN_FLIGHT * 2 * case["sub_group_numel"] * 4  # gradients' write-behind
     reads = plain.parameters if case["offload_params"] == "disk" else 0.0
     assert tiered.staging <= pipeline + 1e-6 * tiered.staging
     assert tiered.read_ahead <= reads + 1e-6 * tiered.read_ahead
