@@ -295,6 +295,8 @@ def test_presets_from_a_calibration() -> None:
     # 4 ranks on 2 cores: each gets half the rate the 2 calibrating processes had.
     emulated = emulated_cluster(CALIBRATION, "100mbit", 128)
     assert emulated.world_size == 4 and emulated.achieved_flops == 2e10
+    # A rank waiting on the link leaves its half of a core to the others.
+    assert emulated.overlap == 0.5
     assert emulated.inter_bandwidth == pytest.approx(95.3e6 / 8)
     with pytest.raises(ValueError, match="presets are"):
         preset("no-such-cluster", CALIBRATION)

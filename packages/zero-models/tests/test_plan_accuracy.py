@@ -31,7 +31,7 @@ from zero_core.plan.workload import GPT_PRESETS, gpt_params
 from zero_models.gpt import PRESETS
 
 TOLERANCE = 0.30
-STEPS = 6
+STEPS = 8
 CASES = {
     "stage 0": PlanConfig(stage=0),
     "stage 1": PlanConfig(stage=1),

@@ -3,7 +3,7 @@
 What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
 --nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
 cores as ranks, so that the machine's other load weighs on the measure as on a run; each
-the mean time of calls over a window of 0.5-1 s, each call after a barrier (a step's
+the mean time of calls over a window of 0.5-2 s, each call after a barrier (a step's
 compute runs between collectives, and a process that waits in them is scheduled unlike
 one that never sleeps), then the mean over the processes:
 
@@ -86,7 +86,7 @@ Timer = Callable[[Callable[[], object], float], float]
 
 
 def measure_matmul(
-    width: int, tokens: int = TOKENS, seconds: float = 1.0, timer: Timer | None = None
+    width: int, tokens: int = TOKENS, seconds: float = 2.0, timer: Timer | None = None
 ) -> float:
     """FLOP/s of one block's matmul shapes at ``width`` (module docstring)."""
     c, n = width, tokens

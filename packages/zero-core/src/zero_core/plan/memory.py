@@ -13,6 +13,7 @@ All per rank; a node holds devices_per_node of each host and disk figure.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from ..estimate.activations import CheckpointMode, activation_bytes
@@ -56,8 +57,10 @@ def memory_bytes(
         largest_param_numel=largest_param, prefetch_numel=config.prefetch_numel,
         offload_gradients=config.offload_gradients,
     )  # fmt: skip
+    # A bucket holds at most the model's parameters (the engine sizes its pool to it).
+    bucket = min(config.bucket_numel, max(1, math.ceil(workload.params)))
     working = working_bytes(
-        config.stage, n, param_bytes=p, grad_bytes=g, bucket_numel=config.bucket_numel,
+        config.stage, n, param_bytes=p, grad_bytes=g, bucket_numel=bucket,
         max_buckets_in_flight=config.max_buckets_in_flight, largest_param_numel=largest_param,
         largest_unit_numel=largest_unit, prefetch_numel=config.prefetch_numel,
         max_live_numel=MAX_LIVE_NUMEL, backward_head_numel=config.kept_head_numel,

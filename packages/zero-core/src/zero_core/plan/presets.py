@@ -48,12 +48,15 @@ def this_machine(
     """This machine as ``nodes`` x ``ranks`` CPU ranks (zero-train's --nproc), from its
     calibration: the matmul rate at the model's ``width``, shared where ranks outnumber
     the cores (the calibration ran ``calibration["ranks"]`` processes at once, 1 thread
-    each); gloo's loopback latency and bandwidth for every link; no overlap (gloo's
-    threads and the ranks share the cores). device memory = host memory = MemTotal /
-    ranks."""
+    each); gloo's loopback latency and bandwidth for every link. Overlap: none while
+    every rank has a core (gloo's threads and the ranks share the cores, none is idle);
+    with more ranks than cores, a rank that waits on a link leaves its share of the cores
+    to the others, so 1 - cores / ranks of its waiting hides behind their compute. Device
+    memory = host memory = MemTotal / ranks."""
     cores = int(calibration.get("cpu_count") or os.cpu_count() or 1)
     measured_with = int(calibration.get("ranks", 1))
     share = min(1.0, cores / (ranks * nodes)) / min(1.0, cores / measured_with)
+    overlap = 1.0 - min(1.0, cores / (ranks * nodes))
     rate = matmul_rate(calibration, width) * share
     gloo = calibration.get("gloo") or {"latency_s": 1e-4, "bandwidth": 1e9}
     memory = _memory_total() or 16e9
@@ -67,7 +70,7 @@ def this_machine(
         host_bandwidth=bandwidth, host_optimizer_rate=float(calibration["optimizer_rate"]) * share,
         optimizer_rate=float(calibration["optimizer_rate"]) * share,
         disk_bandwidth=THIS_MACHINE_DISK_BANDWIDTH,
-        op_overhead=float(calibration["op_overhead"]) / share, overlap=0.0,
+        op_overhead=float(calibration["op_overhead"]) / share, overlap=overlap,
         source=f"calibrated {calibration.get('measured_at', '?')} (zero-plan --calibrate; "
         f"load average {calibration.get('load_average', '?')}); disk: docs/benchmarks/swap.md",
     )  # fmt: skip

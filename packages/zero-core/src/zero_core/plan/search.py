@@ -138,5 +138,8 @@ def plan(
     """Predict ``requested`` and every candidate (or ``configs``) and rank them."""
     wanted = predict(workload, cluster, requested)
     pool = list(configs) if configs is not None else candidates(cluster, requested)
+    if configs is None and workload.params <= requested.bucket_numel:
+        # One bucket holds the whole model: larger buckets change nothing.
+        pool = [c for c in pool if c.bucket_numel == requested.bucket_numel]
     ranked = rank(predict(workload, cluster, c) for c in pool)
     return Plan(wanted, ranked, reason(ranked))
