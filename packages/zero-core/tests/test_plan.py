@@ -358,3 +358,15 @@ def test_bad_options_end_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         run_plan(["--params", "1e9"], monkeypatch, tmp_path)
     with pytest.raises(SystemExit):
         run_plan(["--cluster", "nowhere"], monkeypatch, tmp_path)
+
+
+def test_zero_trains_config_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--config (zero-train's JSON of option values) sets the run; flags override it."""
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"stage": 1, "steps": 9, "batch_size": 8, "overwrite": True}))
+    data = json.loads(run_plan(["--config", str(config), "--json"], monkeypatch, tmp_path))
+    assert data["requested"]["config"]["stage"] == 1 and data["workload"]["batch_size"] == 8
+    data = json.loads(
+        run_plan(["--config", str(config), "--stage", "2", "--json"], monkeypatch, tmp_path)
+    )
+    assert data["requested"]["config"]["stage"] == 2

@@ -127,3 +127,14 @@ def test_stage3_step_time_is_predicted() -> None:
 def test_step_time_is_predicted(name: str, tmp_path: Path) -> None:
     measured, predicted, line = compare(name, tmp_path)
     assert abs(predicted / measured - 1) <= TOLERANCE, line
+
+
+def test_zero_plan_takes_every_zero_train_option() -> None:
+    """zero-plan's parser knows every option string of zero-train's (used, or accepted and
+    ignored where it does not change a step), so a zero-train command line plans as is."""
+    from zero_core.plan.command import build_parser
+    from zero_models.train_options import parser
+
+    known = set(build_parser()._option_string_actions)
+    missing = [o for a in parser()._actions for o in a.option_strings if o not in known]
+    assert not missing, missing

@@ -52,8 +52,8 @@ IGNORED = {
     "--save-every": True, "--keep-checkpoints": True, "--final-save": False,
     "--no-final-save": False, "--resume": True, "--preempt-signals": True, "--threads": True,
     "--comm-timeout": True, "--heartbeat-timeout": True, "--stop-after": True,
-    "--tensorboard": None, "--offload-dir": True, "--backend": True, "--config": True,
-    "--deepspeed": True, "--offload-checkpoints": False,
+    "--tensorboard": None, "--offload-dir": True, "--backend": True,
+    "--offload-checkpoints": False,
 }  # fmt: skip
 CLUSTER_FLAGS = {
     "nodes": "nodes", "devices_per_node": "devices per node", "device_memory": "bytes per device",
@@ -69,6 +69,9 @@ CLUSTER_FLAGS = {
 def build_parser() -> argparse.ArgumentParser:
     p = CommandLineParser(prog="zero-plan", description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--config", type=Path, help="zero-train's JSON file of option values "
+                   "(flags override it)")  # fmt: skip
+    p.add_argument("--deepspeed", type=Path, help=argparse.SUPPRESS)
     model = p.add_argument_group("model (zero-train's options)")
     model.add_argument("--model", default="small", choices=sorted(GPT_PRESETS))
     for name in ("layers", "heads", "width", "context"):
@@ -124,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.config is not None:  # zero-train's rule: the file's values, then the flags
+        args = parser.parse_args([*config_flags(parser, args.config), *argv])
+    if args.deepspeed is not None:
+        parser.error("--deepspeed: zero-plan does not read DeepSpeed configs; give the run's "
+                     "--stage, --dtype, --batch-size and offload as flags")  # fmt: skip
     if args.list_presets:
         print("\n".join(preset_names()))
         return
@@ -153,6 +162,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(_json(result, workload, cluster)))
     else:
         _print(result, workload, cluster, args.top)
+
+
+def config_flags(parser: argparse.ArgumentParser, path: Path) -> list[str]:
+    """zero-train's --config JSON object as flags ({"batch_size": 4} -> ["--batch-size",
+    "4"]; true/false for switches); unknown keys stop with usage."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        parser.error(f"--config {path}: cannot read a JSON object from it ({exc})")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: must hold a JSON object of option values")
+    options = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    unknown = sorted(str(k) for k in set(values) - set(options) or ())
+    if unknown or "config" in values:
+        parser.error(f"--config {path}: unknown keys {unknown or ['config']}")
+    flags: list[str] = []
+    for key, value in values.items():
+        option = options[key]
+        if option.nargs == 0:
+            if value is True:
+                flags.append(option.option_strings[0])
+            continue
+        flags += [option.option_strings[0], str(value)]
+    return flags
 
 
 def _workload(args: argparse.Namespace) -> Workload:
