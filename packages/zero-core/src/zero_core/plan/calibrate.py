@@ -18,7 +18,8 @@ one that never sleeps), then the mean over the processes:
     gloo              the processes on zero_comm (gloo, loopback): all_gather of 4 KiB and
                       16 MiB (the slowest rank's); latency = the small one's time per ring
                       hop, bandwidth = the bytes one rank sends ((R-1)/R of the output) /
-                      (large time - small time)
+                      (large time - small time); sync_s = what a small all_gather adds
+                      between stretches of compute (the ranks' skew included: _sync_cost)
 
 Stored as JSON at $ZERO_PLAN_CALIBRATION, else $XDG_CACHE_HOME/zero/calibration.json
 (~/.cache/zero/calibration.json), with the machine's CPU count and when it was measured.
@@ -178,9 +179,12 @@ def _worker() -> None:
         for _ in range(calls):
             gather()
         collective[label] = (time.perf_counter() - start) / calls
+    collective["sync"] = _sync_cost(comm)
     mean = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
-    slowest = torch.tensor([collective["small"], collective["large"]], dtype=torch.float64)
+    slowest = torch.tensor(
+        [collective["small"], collective["large"], collective["sync"]], dtype=torch.float64
+    )
     comm.all_reduce(slowest, zero_comm.ReduceOp.MAX)
     if comm.rank == 0:
         values = mean.tolist()
@@ -192,9 +196,40 @@ def _worker() -> None:
             "memory_bandwidth": values[len(widths) + 1],
             "optimizer_rate": values[len(widths) + 2],
             "gloo": {"latency_s": latency,
-                     "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9)},
+                     "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9),
+                     "sync_s": float(slowest[2])},
         }), flush=True)  # fmt: skip
     comm.close()
+
+
+def _sync_cost(comm: Any, calls: int = 40) -> float:
+    """Seconds one small collective costs issued asynchronously before a stretch of
+    compute (about 5 ms of matmuls, as a block's) and waited for after it, as the engine
+    runs its buckets and gathers: (time with it) - (time of the compute alone), per call.
+    Beyond the back-to-back latency, this holds the backend's thread waiting for a core
+    the compute holds, and the ranks' skew: one waits for the other, whose compute the
+    machine's load stretched."""
+    x, w = torch.randn(1024, 128), torch.randn(128, 512)
+    shard, full = torch.ones(512), torch.empty(512 * comm.world_size)
+
+    def compute() -> None:
+        for _ in range(4):
+            x @ w
+
+    def loop(with_collective: bool) -> float:
+        comm.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            handle = comm.all_gather(full, shard, async_op=True) if with_collective else None
+            compute()  # the collective runs on the backend's thread meanwhile, as in a step
+            if handle is not None:
+                handle.wait()
+        comm.barrier()
+        return time.perf_counter() - start
+
+    loop(True)  # warm-up
+    both, alone, both_again = loop(True), loop(False), loop(True)
+    return max(0.0, ((both + both_again) / 2 - alone) / calls)
 
 
 def calibrate(

@@ -48,7 +48,8 @@ def this_machine(
     """This machine as ``nodes`` x ``ranks`` CPU ranks (zero-train's --nproc), from its
     calibration: the matmul rate at the model's ``width``, shared where ranks outnumber
     the cores (the calibration ran ``calibration["ranks"]`` processes at once, 1 thread
-    each); gloo's loopback latency and bandwidth for every link. Overlap: none while
+    each); gloo's loopback bandwidth for every link, and as latency the larger of its
+    back-to-back latency and its cost between stretches of compute (sync_s). Overlap: none while
     every rank has a core (gloo's threads and the ranks share the cores, none is idle);
     with more ranks than cores, a rank that waits on a link leaves its share of the cores
     to the others, so 1 - cores / ranks of its waiting hides behind their compute. Device
@@ -59,14 +60,16 @@ def this_machine(
     overlap = 1.0 - min(1.0, cores / (ranks * nodes))
     rate = matmul_rate(calibration, width) * share
     gloo = calibration.get("gloo") or {"latency_s": 1e-4, "bandwidth": 1e9}
+    # A collective inside a step costs what it costs between stretches of compute.
+    latency = max(float(gloo["latency_s"]), float(gloo.get("sync_s", 0.0)))
     memory = _memory_total() or 16e9
     bandwidth = float(calibration["memory_bandwidth"]) * share
     return Cluster(
         name="this-machine", nodes=nodes, devices_per_node=ranks,
         device_memory=memory / (ranks * nodes), peak_flops=rate, compute_efficiency=1.0,
         memory_bandwidth=bandwidth, intra_bandwidth=float(gloo["bandwidth"]),
-        intra_latency=float(gloo["latency_s"]), inter_bandwidth=float(gloo["bandwidth"]),
-        inter_latency=float(gloo["latency_s"]), host_memory=memory / nodes,
+        intra_latency=latency, inter_bandwidth=float(gloo["bandwidth"]),
+        inter_latency=latency, host_memory=memory / nodes,
         host_bandwidth=bandwidth, host_optimizer_rate=float(calibration["optimizer_rate"]) * share,
         optimizer_rate=float(calibration["optimizer_rate"]) * share,
         disk_bandwidth=THIS_MACHINE_DISK_BANDWIDTH,
