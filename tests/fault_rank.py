@@ -13,11 +13,16 @@ saving a checkpoint to DIR/ckpt after each step. At step 3 the victim dies:
     swap        inside the disk pipeline of the optimizer step: once the swap write of
                 its 3rd disk tile's ``exp_avg`` has landed, while that tile's other
                 writes and the next tiles' reads are in flight
+    grad_swap   in backward, mid-swap of gradients: once its 3rd disk tile's gradient
+                block has been written (the gradient tier writes each tile's block as its
+                bucket's reduced slice lands), while other buckets' reduce-scatters are
+                in flight and the remaining tiles' gradients are not written yet
 
-For ``swap`` every rank keeps its masters, optimizer states and parameter shards on disk
-(offload_optimizer and offload_params "disk", swap files under DIR/swap, tiles of
-SWAP_TILE_NUMEL elements: each rank's ~5,500 elements make 6 tiles or more); the victim's
-swap files stay behind, half written.
+For ``swap`` and ``grad_swap`` every rank keeps its masters, optimizer states, gradients
+and parameter shards on disk (offload_optimizer and offload_params "disk", gradients
+following the optimizer's tier, swap files under DIR/swap, tiles of SWAP_TILE_NUMEL
+elements: each rank's ~5,500 elements make 6 tiles or more); the victim's swap files stay
+behind, half written.
 
 Just before, it writes the time and its pid to DIR/killed_at. A surviving rank prints one JSON line
 ``{"rank", "error", "message", "after_kill_s"}`` and exits 3; the numbers of steps it
@@ -43,10 +48,12 @@ import zero_core
 from zero_comm.testing.threads import pin_test_threads
 from zero_core.component_access import disk_swap, sharded_parameters
 
-WHERE = ("forward", "backward", "collective", "step", "save", "swap")
+WHERE = ("forward", "backward", "collective", "step", "save", "swap", "grad_swap")
+ON_DISK = ("swap", "grad_swap")  # the disk tiers' points
 KILL_STEP = 3
 SWAP_TILE_NUMEL = 1024  # elements per disk tile (offload_sub_group_numel)
 SWAP_KILL_TILE = 2  # the victim dies in the write of its 3rd disk tile
+SWAP_KILL_KEY = {"swap": "exp_avg", "grad_swap": "gradient"}  # the block it dies after
 
 
 def build(comm: zero_comm.Communicator, offload_dir: Path | None = None) -> zero_core.ZeroEngine:
@@ -132,13 +139,14 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
             die(folder)
 
         checkpoint.write_file = write_then_die  # type: ignore[assignment]
-    elif where == "swap":
+    elif where in ON_DISK:
         swap: Any = disk_swap(engine)
-        swap_write = swap.write  # the pipeline's threads call the instance's attribute
+        # The pipeline's threads and the gradient tier call the instance's attribute.
+        swap_write = swap.write
 
         def swap_write_then_die(index: int, key: str, value: torch.Tensor) -> None:
             swap_write(index, key, value)
-            if index == SWAP_KILL_TILE and key == "exp_avg":
+            if index == SWAP_KILL_TILE and key == SWAP_KILL_KEY[where]:
                 die(folder)
 
         swap.write = swap_write_then_die
@@ -154,7 +162,7 @@ def main() -> int:
     args = parser.parse_args()
     pin_test_threads()  # the test compares with its own run: the same thread count
     comm = zero_comm.init(args.backend, deterministic=True, timeout=args.timeout)
-    engine = build(comm, args.folder / "swap" if args.where == "swap" else None)
+    engine = build(comm, args.folder / "swap" if args.where in ON_DISK else None)
     try:
         for step in range(6):
             if step == KILL_STEP and comm.rank == args.victim:

@@ -26,7 +26,15 @@ from zero_models.run_metrics import read_metrics
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from fault_rank import KILL_STEP, WHERE, build, expected_state, train_step  # noqa: E402
+from fault_rank import (  # noqa: E402
+    KILL_STEP,
+    ON_DISK,
+    SWAP_KILL_KEY,
+    WHERE,
+    build,
+    expected_state,
+    train_step,
+)
 
 TIMEOUT_S = 10.0
 
@@ -73,7 +81,7 @@ SLOW = pytest.mark.faults
 @pytest.mark.gloo
 @pytest.mark.parametrize(
     "where",
-    [w if w == "backward" else pytest.param(w, marks=SLOW) for w in WHERE if w != "swap"],
+    [w if w == "backward" else pytest.param(w, marks=SLOW) for w in WHERE if w not in ON_DISK],
 )
 def test_every_survivor_names_the_killed_rank_and_the_last_checkpoint_resumes(
     where: str, tmp_path: Path
@@ -102,15 +110,21 @@ def swap_files(folder: Path) -> dict[str, bytes]:
 # ~3 s): with the faults, not in the default run.
 @pytest.mark.gloo
 @SLOW
-def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_path: Path) -> None:
-    """Every rank's masters, Adam states and parameter shards on disk (fault_rank.build);
-    rank 1 dies in step 3's swap pipeline (its 3rd tile's write landed, the tile's other
-    writes and the next tiles' reads in flight). The survivors name it; its swap files
-    stay behind, half written (theirs are removed as they exit). The checkpoint of step 3
-    resumes on the disk tiers, with fresh swap files (the left-over ones are neither read
-    nor changed), and without them: both end bitwise equal to an uninterrupted run, on
-    the disk tiers or not (the tiers are exact: torch.equal)."""
-    victim_pid = survivors_name_the_killed_rank("swap", tmp_path)
+@pytest.mark.parametrize("where", ON_DISK)
+def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(
+    where: str, tmp_path: Path
+) -> None:
+    """Every rank's masters, Adam states, gradients and parameter shards on disk
+    (fault_rank.build); rank 1 dies in step 3's swap pipeline (``swap``: its 3rd tile's
+    exp_avg write landed, the tile's other writes and the next tiles' reads in flight) or
+    in step 3's backward as its gradients are swapped out (``grad_swap``: its 3rd tile's
+    gradient block written, the rest not). The survivors name it; its swap files stay
+    behind, half written (theirs are removed as they exit). The checkpoint of step 3
+    resumes on the disk tiers, with fresh swap files (the left-over ones, torn gradient
+    blocks included, are neither read nor changed), and without them: both end bitwise
+    equal to an uninterrupted run, on the disk tiers or not (the tiers are exact:
+    torch.equal)."""
+    victim_pid = survivors_name_the_killed_rank(where, tmp_path)
     swap, checkpoint = tmp_path / "swap", tmp_path / "ckpt"
     found = zero_core.complete_checkpoint(checkpoint)  # the tag that ckpt/latest names
     assert found is not None
@@ -119,7 +133,7 @@ def test_a_rank_killed_mid_swap_resumes_bit_for_bit_from_fresh_swap_files(tmp_pa
     left = swap_files(swap)
     victims = {Path(name).parts[0] for name in left}
     assert victims == {f"zero-swap.rank1.pid{victim_pid}.0"}, sorted(left)
-    assert any(name.endswith(".exp_avg.swap") for name in left), sorted(left)
+    assert any(name.endswith(f".{SWAP_KILL_KEY[where]}.swap") for name in left), sorted(left)
 
     def resume_on_disk(comm: zero_comm.Communicator) -> dict[str, torch.Tensor]:
         engine = build(comm, swap)

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,92 @@ def test_the_goal_runs_first() -> None:
         [(p, "ours", s) for p in ("gpt2-xl", "gpt2") for s in range(4)]
         + [(p, "fsdp2", 3) for p in ("gpt2-xl", "gpt2")]
     )
+
+
+# ------------------------------------------------------- offload_check (ZeRO-Offload)
+OFFLOAD_TOOL = ("-m", "tools.gpu.offload_check")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check itself runs")
+def test_without_a_gpu_the_offload_check_fails_and_says_why(tool_env: dict[str, str]) -> None:
+    result = subprocess.run([sys.executable, *OFFLOAD_TOOL], capture_output=True, text=True,
+                            timeout=120, env=tool_env)  # fmt: skip
+    assert result.returncode == 1
+    assert "offload_check: FAILED: no CUDA device is visible" in result.stderr
+
+
+def test_the_offload_check_runs_every_section_on_cpu_when_allowed(
+    tmp_path: Path, tool_env: dict[str, str]
+) -> None:
+    """The tiny mode on gloo/CPU: every section, a few seconds."""
+    out = tmp_path / "offload.json"
+    result = subprocess.run(
+        [sys.executable, *OFFLOAD_TOOL, "--allow-cpu", "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=tool_env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    copies = [r for r in rows if r["section"] == "copies"]
+    assert [r["pin"] for r in copies] == [True, False]
+    assert all(r["values_equal"] and r["to_host_gb_s"] > 0 for r in copies)
+    steps = [r for r in rows if r["section"] == "step"]
+    keys = [(r["delayed_parameter_update"], r["offload_pin_memory"]) for r in steps]
+    assert keys == [(False, True), (True, True), (False, False)]
+    assert steps[0]["step_s"] > 0 and steps[2]["step_s"] > 0
+    if report["dpu_available"]:
+        assert steps[1]["step_s"] > 0
+    else:
+        assert steps[1]["not_run"] == "DPU not available"
+        assert "DPU not available" in result.stdout
+    summaries = [r for r in rows if r["section"] == "largest-summary"]
+    assert [r["offload"] for r in summaries] == ["cpu", "none"]
+    assert all(r["largest_parameters"] > 0 for r in summaries)
+    assert "| largest | offload=cpu |" in result.stdout
+
+
+def test_the_offload_search_climbs_steps_down_and_respects_its_caps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The search over the ladder, with training replaced: rungs past 32 layers run out
+    of memory, and --max-params refuses the rungs past it without trying them."""
+    from tools.gpu import offload_check
+
+    tried: list[int] = []
+
+    def fake_train(config: object, *_: object, **__: object) -> dict[str, float]:
+        layers = config.layers  # type: ignore[attr-defined]
+        tried.append(layers)
+        if layers > 32:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        return {"step_s": 1.0}
+
+    monkeypatch.setattr(offload_check, "train", fake_train)
+
+    class Comm:
+        device = torch.device("cpu")  # no capacity: the search starts at the top rung
+
+    args = offload_check.argparse.Namespace(
+        tiny=False, max_params=3e9, host_fraction=1e9, search_batch=1
+    )
+    rows: list[dict[str, object]] = []
+    summary = offload_check.search(Comm(), args, "cpu", float("inf"), rows.append)  # type: ignore[arg-type]
+    # 128..64 layers are past 3e9 parameters (not tried), 48 runs out of memory, 32 trains
+    assert tried == [48, 32]
+    assert summary["largest_layers"] == 32 and summary["next"] == "out of memory"
+    refused = [r["layers"] for r in rows if str(r["outcome"]).startswith("not tried: past")]
+    assert refused == [128, 96, 80, 64]
+    # Climbing from rung 2 at 4 s per 1e9 parameters with 8.5 s left: 32 layers (1.74e9,
+    # ~7 s) is tried, 48 layers (2.55e9, ~10 s) is not, for time.
+    tried.clear()
+    climbed = offload_check.search(
+        Comm(), args, "cpu", time.perf_counter() + 8.5, rows.append, start=2,  # type: ignore[arg-type]
+        pace=[4e-9],
+    )  # fmt: skip
+    assert tried == [16, 24, 32]
+    assert climbed["largest_layers"] == 32
+    assert str(climbed["next"]).startswith("not tried: time budget")
+    tried.clear()
+    rows.clear()
+    spent = offload_check.search(Comm(), args, "cpu", 0.0, rows.append)  # type: ignore[arg-type]
+    assert tried == [] and spent["largest_parameters"] is None

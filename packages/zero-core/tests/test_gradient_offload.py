@@ -14,16 +14,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from parity import (
     ParityCase,
+    assert_same_states,
     build_engine,
     normalised,
     run_steps,
     tiers_equal_stage0,
+    train,
 )
+from test_copy_streams import RecordingStreams
 
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_core.component_access import disk_swap, reduce_scattered_gradients
-from zero_core.offload.gradient_tier import HostSlice, SwappedSlice
+from zero_core.deepspeed.utils.full_values import full_gradient
+from zero_core.offload.copy_streams import CopyStream
+from zero_core.offload.gradient_tier import WRITES_IN_FLIGHT, HostSlice, Scratch, SwappedSlice
 from zero_core.reduced_gradient import Scale, ShardGradient, scale_like_device
 
 CASE = ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
@@ -63,7 +68,8 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
     def body(comm: Communicator) -> tuple[zero_core.MemoryReport, zero_core.MemoryReport]:
         reports = []
         for offload in (False, True):
-            case = with_tiers(optimizer, accumulation=2, offload_gradients=offload)
+            params = "disk" if stage == 3 else "none"  # stage 3: the working set only
+            case = with_tiers(optimizer, params, accumulation=2, offload_gradients=offload)
             engine = build_engine(case, comm, stage)
             gradients = reduce_scattered_gradients(engine)
             tier = gradients.tier
@@ -87,11 +93,13 @@ def test_device_gradient_bytes_drop_to_the_in_flight_bound(stage: int, optimizer
         assert offloaded.gradients < shard
         if optimizer == "cpu":
             assert offloaded.host - plain.host == shard
-            assert offloaded.disk == plain.disk == 0
+            assert offloaded.disk == plain.disk  # stage 3: the parameter shards
         else:
             assert offloaded.disk - plain.disk == shard  # one gradient block per tile
-            # the pipeline's gradient buffers, each at most one tile of bf16
-            assert 0 < offloaded.host - plain.host <= 4 * CASE.sub_group_numel * 2
+            # the pipeline's gradient buffers (offload_buffer_count, 4) and the landings'
+            # write-behind pairs, each buffer one tile of bf16
+            tiles = 4 + 2 * WRITES_IN_FLIGHT
+            assert offloaded.host - plain.host == tiles * CASE.sub_group_numel * 2
 
 
 def test_the_bucket_split_by_offload_fraction_keeps_the_device_path() -> None:
@@ -168,9 +176,11 @@ def test_a_gradient_slice_is_never_read_before_it_landed_or_after_the_step() -> 
         engine.close()
 
     run_simulated(1, body)
-    host = HostSlice(4, torch.float32, torch.device("cpu"), pin=False)
-    host.land(torch.ones(4), first=True)
-    host.land(torch.ones(4), first=False)
+    cpu = torch.device("cpu")
+    host = HostSlice(4, torch.float32, cpu, pin=False)
+    copies, scratch = CopyStream(cpu), Scratch(4, torch.float32, cpu, pin=False)
+    host.land(torch.ones(4), True, copies, scratch)
+    host.land(torch.ones(4), False, copies, scratch)
     assert torch.equal(host.read(0, 4), torch.full((4,), 2.0))
     host.release()
     with pytest.raises(RuntimeError, match="landed"):
@@ -219,6 +229,8 @@ class _Held:
     def __init__(self, values: torch.Tensor) -> None:
         self.values = values
 
+    generation = 0
+
     @property
     def landed(self) -> bool:
         return True
@@ -235,3 +247,110 @@ def test_offload_gradients_is_validated() -> None:
     kept = zero_core.ZeroConfig(offload_optimizer="cpu", offload_gradients=False)
     assert not kept.gradients_offloaded
     assert not zero_core.ZeroConfig(offload_gradients=True).gradients_offloaded  # no tier
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_safe_get_full_grad_reads_an_offloaded_gradient(optimizer: str) -> None:
+    """DeepSpeed's safe_get_full_grad between backward and step reads the offloaded slices
+    (not the freed device targets, which would read as zeros): the same bits as with the
+    gradients on the device, after each micro-step of an accumulation."""
+
+    def body(comm: Communicator) -> None:
+        grads: dict[bool, list[torch.Tensor]] = {}
+        for offload in (True, False):
+            case = with_tiers(optimizer, accumulation=2, offload_gradients=offload)
+            engine = build_engine(case, comm, 2)
+            grads[offload] = []
+            for micro in range(2):
+                tokens = torch.randint(
+                    0, 11, (3, 4), generator=torch.Generator().manual_seed(micro)
+                )
+                engine.backward(engine(tokens).float().square().mean())
+                grads[offload] += [full_gradient(engine, slot) for slot in engine.slots]
+            engine.close()
+        assert all(g.abs().sum() > 0 for g in grads[True])
+        for mine, reference in zip(grads[True], grads[False], strict=True):
+            assert torch.equal(mine, reference)
+
+    run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_a_nonfinite_offloaded_gradient_skips_the_step(optimizer: str) -> None:
+    """Inf/NaN in gradients that live off the device is seen (on disk without reading the
+    blocks again: each write checked its values) and skips the step on every rank,
+    leaving the masters as they were; the next clean step applies."""
+    case = with_tiers(optimizer, accumulation=2)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        before = engine.full_state_dict()
+        for micro in range(2):
+            tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(micro))
+            loss = engine(tokens).float().square().mean()
+            poisoned = micro == 1 and comm.rank == 1  # one rank, the last micro-step
+            engine.backward(loss * float("inf") if poisoned else loss)
+        assert engine.step() is False
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        run_steps(engine, case, comm, range(1))
+        assert engine.global_steps == 1
+        engine.close()
+
+    run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "disk"])
+def test_a_step_s_gradient_read_after_its_release_is_refused(optimizer: str) -> None:
+    """A reader that outlives the step (a delayed update) and reads the step's offloaded
+    gradient after the step released it gets an error, never the next step's values;
+    a clone taken before the release stays readable, with the step's bits."""
+    case = with_tiers(optimizer)
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(0))
+        engine.backward(engine(tokens).float().square().mean())
+        gradient = engine.gradients.float32_gradients()[0]
+        assert isinstance(gradient, ShardGradient) and gradient.away
+        numel = gradient.pieces[0].numel()
+        owned = gradient.clone()
+        before = gradient[0:numel]
+        engine.zero_grad()  # what the end of a step does
+        engine.backward(engine(tokens).float().square().mean())
+        with pytest.raises(RuntimeError, match="released by the step"):
+            gradient[0:numel]
+        assert torch.equal(owned[0:numel], before)
+        engine.close()
+
+    run_simulated(1, body)
+
+
+@pytest.mark.parametrize(("stage", "optimizer"), [(2, "cpu"), (2, "disk"), (3, "cpu")])
+def test_gradients_go_down_on_the_side_stream_and_land_before_they_are_read(
+    stage: int, optimizer: str
+) -> None:
+    """The gradient tier's copies down through a CopyStream driven by
+    test_copy_streams.RecordingStreams (the CUDA path's staging ring and events, on CPU,
+    in tiny slots): with accumulation, the first micro-step's copies land in the host
+    slices when the backward drains them, the later ones are waited for before they are
+    added; the bits equal stage 0 without offload, and the ring is never exceeded."""
+    case = with_tiers(optimizer, accumulation=2, steps=3)
+    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none"})
+
+    def body(comm: Communicator) -> None:
+        reference = train(plain, comm, 0)
+        engine = build_engine(case, comm, stage)
+        tier = reduce_scattered_gradients(engine).tier
+        assert tier is not None
+        streams = RecordingStreams()
+        tier.copies = CopyStream(comm.device, slots=2, slot_bytes=64, streams=streams)
+        if tier.writes is not None:
+            tier.writes.copies = tier.copies
+        states = run_steps(engine, case, comm, range(case.steps))
+        engine.close()
+        assert_same_states(reference, states, f"stage {stage}, offload {optimizer}")
+        assert streams.staged == 2  # the ring, never more
+        assert sum(e.startswith("record side") for e in streams.log) > 2 * case.steps
+
+    run_simulated(2, body)

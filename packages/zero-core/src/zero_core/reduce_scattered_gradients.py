@@ -131,6 +131,8 @@ class ReduceScatteredGradients:
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
             reduction=reduction, coalesce_numel=config.coalesce_limit,
         )  # fmt: skip
+        if self.tier is not None and not self.tier.homes:
+            self.tier = None  # every tile on the device (offload_fraction 0): nothing leaves
         if self.tier is not None:
             self.tier.reduced_together(self.reducer.groups)
             self.reducer.on_reduced = self.tier.landed  # each bucket, as it lands
@@ -197,11 +199,15 @@ class ReduceScatteredGradients:
                 else:
                     self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
         self.reducer.finish()
+        if self.tier is not None:
+            self.tier.drain()  # the disk slices' writes behind the backward
         if self.full_buffers and self.accumulating:
             self._zero_full_buffers()
 
     def end_backward(self) -> None:
         self._accepting = False
+        if self.tier is not None:  # also after a backward that raised
+            self.tier.drain(raise_errors=False)
 
     def _zero_full_buffers(self) -> None:
         for bucket in self.buckets:
@@ -219,7 +225,7 @@ class ReduceScatteredGradients:
         if self.across_replicas is not None:
             self._sum_across_replicas()
         if self.grad_shards and not self.full_buffers:
-            return [shard.float() for shard in self.grad_shards]
+            return [shard.for_step().float() for shard in self.grad_shards]
         # Full buffers without accumulation: the reduced slices are views of this rank's
         # part of each bucket, handed over as they are (a float32 step scales them in
         # place; clear() zeroes the buffers after it). Concatenating them into one flat
@@ -259,17 +265,16 @@ class ReduceScatteredGradients:
     def _row_pieces(self, gradients: list[GroupGradient]) -> list[torch.Tensor]:
         """Every bucket slice of ``gradients`` on the device, in order: an away slice is
         read back and copied to the device, one at a time, so its rows are summed by the
-        device's kernel as its resident twin's would be."""
+        device's kernel as its resident twin's would be (and so is a host piece of a
+        clone, model_parallel_rows')."""
         out: list[torch.Tensor] = []
         for g in gradients:
             if not isinstance(g, ShardGradient):
-                out.append(g)
+                out.append(g.to(self.comm.device))
                 continue
             for k, piece in enumerate(g.pieces):
-                if k in g.away:
-                    out.append(g.away_values(k).to(self.comm.device))
-                else:
-                    out.append(piece)
+                values = g.away_values(k) if k in g.away else piece
+                out.append(values.to(self.comm.device))
         return out
 
     def _canonical_row_order(self) -> torch.Tensor:
@@ -324,6 +329,6 @@ class ReduceScatteredGradients:
     def in_flight_bytes(self) -> int:
         """The device bound of the offloaded gradients (``GradientTier.in_flight_bytes``
         over ``max_buckets_in_flight``); 0 when none are offloaded."""
-        if self.tier is None or not self.tier.homes:
+        if self.tier is None:
             return 0
         return self.tier.in_flight_bytes(self.config.max_buckets_in_flight)

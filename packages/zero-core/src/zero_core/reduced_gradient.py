@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -78,6 +78,20 @@ class AwaySlice(Protocol):
     def landed(self) -> bool:
         """Whether this step's gradient has landed (a slice not landed is never read)."""
         ...
+
+    @property
+    def generation(self) -> int:
+        """How many steps have released it: a step's gradient read after its release
+        (its slices hold the next step's values, or are being written) is refused."""
+        ...
+
+
+@runtime_checkable
+class KnowsFinite(Protocol):
+    """An away slice that knows, without a read, whether its accumulated values are all
+    finite (offload.gradient_tier.SwappedSlice)."""
+
+    def finite(self) -> bool: ...
 
 
 class Scale(NamedTuple):
@@ -128,6 +142,8 @@ class ShardGradient:
         self.away: dict[int, AwaySlice] = dict(away or {})
         self.device_type = device_type
         self.scales: list[Scale] = []  # applied to the away slices on every read
+        # Each away slice's generation when this view of the step's gradient was taken.
+        self.generations = {k: away.generation for k, away in self.away.items()}
         for k in range(1, len(self.pieces)):
             if self.offsets[k] != self.offsets[k - 1] + self.pieces[k - 1].numel():
                 raise ValueError(f"piece {k} does not follow piece {k - 1}")
@@ -140,16 +156,31 @@ class ShardGradient:
         """Elements [start, stop) of away slice ``k``: a float32 host copy, scaled as the
         resident pieces were (module docstring)."""
         stop = self.pieces[k].numel() if stop is None else stop
-        values = self.finished(self.away[k].read(start, stop))
-        return values
+        self._check_generation(k)
+        return self.finished(self.away[k].read(start, stop), k)
 
-    def finished(self, raw: torch.Tensor) -> torch.Tensor:
-        """``raw`` (an away slice's accumulated values, gradient dtype, host) as the step
-        applies them: a float32 copy with every recorded scaling replayed."""
+    def finished(self, raw: torch.Tensor, k: int) -> torch.Tensor:
+        """``raw`` (away slice ``k``'s accumulated values, gradient dtype, host, read for
+        this step) as the step applies them: a float32 copy with every recorded scaling
+        replayed."""
         values = raw.to(torch.float32, copy=True)
+        self._check_generation(k)  # after the copy: the values were this step's
         for scale in self.scales:
             scale_like_device(values, scale)
         return values
+
+    def _check_generation(self, k: int) -> None:
+        if self.away[k].generation != self.generations.get(k, 0):
+            raise RuntimeError(
+                f"bucket slice {k} of this gradient was released by the step it belongs to "
+                "and may hold the next step's values: a reader that outlives the step (a "
+                "delayed update) must own the gradient first (ShardGradient.clone())"
+            )
+
+    def for_step(self) -> ShardGradient:
+        """A view of this shard for one step's boundary: the same pieces and away slices,
+        no scaling recorded yet, the away slices' generations taken now."""
+        return ShardGradient(self.pieces, self.offsets, self.away, self.device_type)
 
     def scale_away(self, op: str, value: float) -> None:
         """Record a scaling for the away slices (the resident ones are scaled by the
@@ -277,6 +308,7 @@ class ShardGradient:
             self.device_type,
         )
         copy.scales = list(self.scales)
+        copy.generations = dict(self.generations)
         return copy
 
 
@@ -292,13 +324,18 @@ def pieces_of(gradient: GroupGradient) -> list[torch.Tensor]:
 def divide_away(gradients: Sequence[GroupGradient], denominator: float) -> bool:
     """Record the division by ``denominator`` for every away slice (the resident pieces
     were divided by the caller) and return whether every away value is finite after it.
-    Reads each away slice once (host memory, or the swap files one slice at a time)."""
+    Reads each away slice once (host memory, or the swap files one slice at a time)
+    unless it knows its finiteness (``KnowsFinite``) and the denominator is >= 1."""
     finite = True
     for gradient in gradients:
         if not isinstance(gradient, ShardGradient) or not gradient.away:
             continue
         gradient.scale_away("div", denominator)
-        for k in gradient.away:
-            if not bool(torch.isfinite(gradient.away_values(k)).all()):
-                finite = False
+        for k, away in gradient.away.items():
+            if denominator >= 1 and isinstance(away, KnowsFinite):
+                # |x / d| <= |x| for d >= 1: finite stays finite, inf and nan stay
+                ok = away.finite()
+            else:
+                ok = bool(torch.isfinite(gradient.away_values(k)).all())
+            finite = finite and ok
     return finite

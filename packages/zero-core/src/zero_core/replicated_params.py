@@ -14,7 +14,9 @@ most ``max_buckets_in_flight`` at once; a bucket past ``bucket_numel`` in column
 A bucket's all-gather is launched, asynchronously, as soon as every element of this
 rank's slice of it has been handed over, so it overlaps the optimizer's step of the next
 buckets when the masters step bucket by bucket (master_weights); ``publish`` launches
-the rest and waits for all:
+the rest and waits for all. A tile in host memory (offload) goes up to the device on a
+side stream (offload.copy_streams), so the host steps the next tile meanwhile; a
+gather, or the next forward, waits for it on the device through an event:
 
     optimizer     | step b0 | step b1 | step b2 |
     all-gathers             | b0 ......| b1 .....| b2 ....|   <- publish waits here
@@ -39,6 +41,7 @@ from .component_contracts import ParametersAlwaysWhole
 from .config.zero_config import ZeroConfig
 from .group_layout import GroupLayout, piece_numel
 from .init_values import become
+from .offload.copy_streams import CopyStream, CopyTicket
 from .param_table import ParamSlot, ParamTable
 
 InFlight = tuple[Handle, torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -86,6 +89,9 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         ]
         self._launched = 0  # buckets of _order launched since the last publish
         self._in_flight: deque[InFlight] = deque()
+        # Host tiles' updated values go up on a side stream (offload; made on first use).
+        self._copies: CopyStream | None = None
+        self._last_upload: CopyTicket | None = None
 
     def _bucket(self, bucket: Bucket, rank: int) -> ReplicatedBucket:
         """``bucket`` with its full buffer (zeros), and its slots' parameter views of it."""
@@ -118,7 +124,11 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         for bucket, overlap in buckets.overlapping(start, start + values.numel()):
             target = bucket.owned[overlap.shift(bucket.local_offset).start :][: overlap.size]
             source = values[overlap.start - start :][: overlap.size]
-            if target.data_ptr() != source.data_ptr():
+            if target.data_ptr() == source.data_ptr():
+                pass  # the master is this slice (aliased)
+            elif source.device.type == "cpu":  # a host tile (inline where all is on CPU)
+                self._upload(source, target)
+            else:
                 target.copy_(source)
             if buckets.layout.world_size > 1:
                 self._count(bucket, overlap.size)
@@ -143,12 +153,29 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         full (N x S) viewed as rows:  full[r, a:b] = rank r's owned slice[a:b]
         """
         self._launch(ready_only=False)
+        self._uploaded()  # world size 1: no gather waited for them
         while self._in_flight:
             self._finish(self._in_flight.popleft())
         self._launched = 0
         for bucket in self.buckets:
             bucket.received = 0
         self._check_storage()
+
+    def _upload(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """A host tile's values up into the device slice ``target`` on the side stream
+        (cast on the host into a pinned staging slot): the host goes on to step the next
+        tile while it is copied. The stream that uses ``target`` next waits for it
+        (``_uploaded``); the host never does."""
+        if self._copies is None:
+            self._copies = CopyStream(self.comm.device, pin=self.config.offload_pin_memory)
+        self._last_upload = self._copies.to_device(source, target)
+
+    def _uploaded(self) -> None:
+        """The current stream waits for the uploads so far (one event: they run in
+        order on one side stream), before a gather or the next forward reads them."""
+        if self._last_upload is not None:
+            self._last_upload.wait_stream()
+            self._last_upload = None
 
     def _launch(self, *, ready_only: bool) -> None:
         """Launch the all-gathers of the next buckets in launch order: those whose slice
@@ -158,6 +185,7 @@ class ReplicatedParameters(ParametersAlwaysWhole):
             bucket = self._order[self._launched]
             if ready_only and bucket.received < bucket.slice_numel:
                 return
+            self._uploaded()
             for launched in self._gather_bucket(bucket):
                 self._in_flight.append(launched)
                 if len(self._in_flight) > self.config.max_buckets_in_flight:

@@ -25,7 +25,8 @@ master without offload) and p, g the parameter and gradient bytes, one rank hold
     masters + states (4 + s)(1 - f) S               (4 + s) f S
                      (s S: float32, no tier at all)
     staging          -                              host: B T (4 + s [+ g]) (optimizer on
-                                                    disk [with its gradients])
+                                                    disk [with its gradients; + 2 W T g:
+                                                    W pairs of write-behind buffers])
     read ahead       -                              host, during forward and backward:
                                                     p min(S, max(T', 2 R / N)) (params)
 
@@ -57,6 +58,7 @@ import math
 from typing import NamedTuple
 
 from ..config.zero_config import DEFAULT_PREFETCH_NUMEL, offload_stage_error
+from ..offload.gradient_tier import WRITES_IN_FLIGHT
 
 STAGES = (0, 1, 2, 3)
 TIERS = ("none", "cpu", "disk")
@@ -239,6 +241,8 @@ def tiered_state_bytes(
         buffers = min(buffer_count, math.ceil(tiered / tile))
         per_element = MASTER_BYTES + states + (grad_bytes if grads_follow else 0)
         staging += buffers * tile * per_element
+        if grads_follow:  # the gradient writes behind the backward: pairs of tile buffers
+            staging += WRITES_IN_FLIGHT * 2 * tile * grad_bytes
     read_ahead = 0.0
     if offload_params == "disk":
         ahead = max(slice_numel, 2 * prefetch_numel / world_size)

@@ -19,10 +19,11 @@ offloaded gradients keep it in their tier) and s the optimizer's own state bytes
                                     and backward, less the K elements forward keeps
                                     gathered for backward's start: link_traffic's head)
     disk -> host     masters+states optimizer on disk: (4 + s) F, each tile read to step
-                     gradients      optimizer on disk, offload_gradients: (A + 1 + c) g F:
-                                    each later micro-step reads the sum so far (read-add-
-                                    write), the boundary's non-finite check reads every
-                                    slice, clipping (c = 1) again for the norm, and the step
+                     gradients      optimizer on disk, offload_gradients: (A + c) g F: each
+                                    later micro-step reads the sum so far (read-add-write),
+                                    clipping (c = 1) reads every slice for the norm, and
+                                    the step (the non-finite check reads none: each write
+                                    found whether its block is finite)
                      parameters     parameters on disk: A p (2S - K/N), as their gathers
     host -> disk     masters+states optimizer on disk: (4 + s) F, each tile written back
                      gradients      optimizer on disk, offload_gradients: A g F (every
@@ -110,7 +111,7 @@ def offload_traffic(
     up = LinkTraffic(up_grads, gathers if params_tiered else param_bytes * tiered, 0.0)
     states = (MASTER_BYTES + state_bytes) * tiered if offload_optimizer == "disk" else 0.0
     grads_on_disk = grads_follow and offload_optimizer == "disk"
-    reads = (a + 1 + (1 if clipping else 0)) * grad_bytes * tiered if grads_on_disk else 0.0
+    reads = (a + (1 if clipping else 0)) * grad_bytes * tiered if grads_on_disk else 0.0
     on_disk = offload_params == "disk"
     read = LinkTraffic(reads, gathers if on_disk else 0.0, states)
     written = a * grad_bytes * tiered if grads_on_disk else 0.0

@@ -8,6 +8,7 @@
     tiered_parameters.py  stage 3's compute shards in their tier (device, host or disk)
     swap_file.py          a preallocated swap file in checksummed blocks
     partial_blocks.py     blocks written piece by piece, sent to a swap file when whole
+    copy_streams.py       device<->host copies on a side stream, pinned bounded staging
 
 Built by builder.py; imports the core's layouts and master weights, never the engine.
 """

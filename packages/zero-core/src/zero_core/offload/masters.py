@@ -38,6 +38,7 @@ from ..master_weights import (
     shard_pieces,
 )
 from ..memory.report import tensor_bytes
+from ..offload.copy_streams import CopyStream, CopyTicket
 from ..param_table import ParamSlot
 from ..reduced_gradient import GroupGradient, ShardGradient
 from .partial_blocks import PartialBlocks
@@ -67,6 +68,8 @@ class OffloadedMasters:
         self.plan = plan
         self.device = device
         self.swap = swap
+        # Gradients for host tiles come down on a side stream (inline on CPU).
+        self.copies = CopyStream(device, pin=pin)
         self.tiles: list[list[Tile]] = []
         self.disk_tiles: list[nn.Parameter] = []  # the optimizer's tensor of each disk tile
         self._starts = [[spec.start for spec in specs] for specs in plan]
@@ -167,10 +170,12 @@ class OffloadedMasters:
             (spec, tile) for specs, tiles in zip(self.plan, self.tiles, strict=True)
             for spec, (tile, _) in zip(specs, tiles, strict=True) if spec.tier is not Tier.DISK
         ]  # fmt: skip
+        landing = []
         for spec, tile in resident:
-            tile.grad = gradients[spec.group][spec.where].to(tile.device, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # host grads have landed
+            tile.grad, ticket = self._to_tile(gradients[spec.group][spec.where], tile.device)
+            landing.append(ticket)
+        for ticket in landing:  # each copy's own event: no device-wide synchronize
+            ticket.wait_host()
         if resident:
             with profiler_range("optimizer_step"):
                 optimizer.step()
@@ -211,6 +216,18 @@ class OffloadedMasters:
             updated(spec.group, spec.start, resident_tile.master)
 
         swap.stream(step_one, write=True, states=True, gradients=True)
+
+    def _to_tile(
+        self, gradient: torch.Tensor, where: torch.device
+    ) -> tuple[torch.Tensor, CopyTicket]:
+        """``gradient`` on the tile's device ``where``, with the ticket to wait on before
+        reading it: a device gradient for a host tile goes down on the side stream
+        (copy_streams); anything else is moved as it was, its ticket already done."""
+        if gradient.device.type != "cpu" and where.type == "cpu":
+            # pinned (as .to(non_blocking=True) made it): the copy goes straight in
+            host = host_empty(gradient.numel(), gradient.dtype, self.device, self.copies.pin)
+            return host.view(gradient.shape), self.copies.to_host(gradient, host)
+        return gradient.to(where), CopyTicket()
 
     def visit(self, updated: TileVisitor) -> None:
         """Hand every tile's values to ``updated``, in tier order."""
@@ -381,12 +398,14 @@ def _disk_tile_gradient(
     """A disk tile's float32 gradient on the host: read with its master and states when
     it was offloaded (gradient_tier; scaled as the step scaled the rest), else its part
     of the device gradient, copied."""
-    if isinstance(gradient, ShardGradient) and gradient.away_at(spec.where) is not None:
+    k = gradient.away_at(spec.where) if isinstance(gradient, ShardGradient) else None
+    if k is not None:
+        assert isinstance(gradient, ShardGradient)
         if resident.gradient is None:
             raise RuntimeError(
                 f"disk tile {resident.index} (group {spec.group}, elements {spec.start}:"
                 f"{spec.stop}) has no gradient block of this step: a bug in the engine's "
                 "gradient bookkeeping; nothing was stepped on it"
             )
-        return gradient.finished(resident.gradient)
+        return gradient.finished(resident.gradient, k)
     return gradient[spec.where].to(host_device())

@@ -116,6 +116,10 @@ class SwappedTiles:
         self._file(index, key, out.dtype).read(0, out, key)
         self.bytes_read += out.numel() * out.element_size()
 
+    def submit(self, work: Callable[..., None], *args: Any) -> Future[None]:
+        """Run ``work(*args)`` on the I/O threads (gradient_tier's writes behind backward)."""
+        return self._pool.submit(work, *args)
+
     @property
     def disk_bytes(self) -> int:
         return sum(f.nbytes for files in self._files for f in files.values())

@@ -14,7 +14,9 @@ Per group, this rank's shard is its bucket slices end to end (compute dtype):
 
 Writes (initial values, then the updated masters after each step) arrive piece by piece;
 a swapped bucket slice is written out when all of its elements have arrived
-(partial_blocks), so at most the slices being filled are held, not the shard.
+(partial_blocks), so at most the slices being filled are held, not the shard. On the
+device tier, an update from a host master tile goes up on a side stream (copy_streams);
+``finish_writes`` and ``take`` make the current stream wait for it, through an event.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from zero_comm.profiler_ranges import profiler_range
 
 from ..buckets import build_buckets
 from ..group_layout import GroupLayout
+from .copy_streams import CopyStream, CopyTicket
 from .partial_blocks import PartialBlocks
 from .swap_file import SwapFile, aligned_empty
 from .tiers import Tier, host_empty
@@ -63,6 +66,9 @@ class ParameterShards:
         self.bytes_read = 0
         self._pending: dict[tuple[int, int], tuple[Future[None], torch.Tensor]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self.pin = pin
+        self._copies: CopyStream | None = None  # host masters' updates up (device tier)
+        self._last_upload: CopyTicket | None = None
         if tier is Tier.DISK:
             self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="zero-params")
             assert folder is not None and labels is not None
@@ -109,12 +115,27 @@ class ParameterShards:
             self._route(self._updates, group, start, values)
             return
         target = self.shards[group][start : start + values.numel()]
-        if target.data_ptr() != values.data_ptr():
+        if target.data_ptr() == values.data_ptr():
+            return  # the master is this shard (aliased)
+        if self.tier is Tier.DEVICE and values.device.type == "cpu":
+            # A host master tile: up on the side stream while the next tile is stepped
+            # (inline where all is on CPU); a gather's take waits for it on the device.
+            if self._copies is None:
+                self._copies = CopyStream(self.comm.device, pin=self.pin)
+            self._last_upload = self._copies.to_device(values, target)
+        else:
             target.copy_(values)
 
     def finish_writes(self) -> None:
         if self.tier is Tier.DISK:
             self._updates.finish()
+        self._uploaded()
+
+    def _uploaded(self) -> None:
+        """The current stream waits for the uploads so far (an event, no host wait)."""
+        if self._last_upload is not None:
+            self._last_upload.wait_stream()
+            self._last_upload = None
 
     def _route(self, blocks: PartialBlocks, group: int, start: int, values: torch.Tensor) -> None:
         """Split [start, start + n) of the group's shard over its bucket slices."""
@@ -143,6 +164,7 @@ class ParameterShards:
         from; hand it back with :meth:`give_back` once the gather is waited for."""
         local = self.buckets.at(group, bucket).local_range
         if self.tier is Tier.DEVICE:
+            self._uploaded()
             return self.shards[group][local.start : local.stop]
         if self.tier is Tier.HOST:
             staged = self.comm.buffers.take(local.size, self.dtype)

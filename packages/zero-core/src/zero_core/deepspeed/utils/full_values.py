@@ -119,9 +119,12 @@ def full_gradient(engine: Engine, slot: ParamSlot) -> torch.Tensor | None:
             "read the gradient after engine.step() applied it",
         )
     bucket = gradients.buckets.of(slot)
+    away = None if gradients.tier is None else gradients.tier.homes.get(bucket.position)
 
     def read(local: Range) -> torch.Tensor:
         in_bucket = local.shift(bucket.local_offset)
+        if away is not None:  # offloaded (offload_gradients): its host or disk copy
+            return away.read(in_bucket.start, in_bucket.stop)
         if not has_storage(bucket.target):  # nothing reduced into it yet: zeros
             return torch.zeros(in_bucket.stop - in_bucket.start)
         return bucket.target[in_bucket.start : in_bucket.stop]
