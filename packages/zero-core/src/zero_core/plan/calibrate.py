@@ -12,6 +12,10 @@ one that never sleeps), then the mean over the processes:
                       (n x 4C)(4C x C), forward and the two of backward each
     op_overhead       s per operator: forward and backward of a pre-LayerNorm block at
                       width 8 on 4 tokens / terms.OPS_PER_BLOCK
+    block_residual_s  s of a block's forward and backward at each width on 8 x 128 tokens
+                      beyond its matmuls at matmul_flops: its elementwise work (LayerNorm,
+                      GELU, attention's kernel, residuals); a plan turns it into the rate
+                      of terms.activation_time
     memory_bandwidth  bytes/s of out = b + s c on 2^23 float32 elements (12 bytes each)
     optimizer_rate    float32 elements/s of torch.optim.AdamW's step (its default
                       implementation, as zero-train builds it) on 2^20 elements
@@ -124,6 +128,23 @@ class _Block(torch.nn.Module):
         return out
 
 
+def measure_block_residual(
+    width: int, matmul_flops: float, seconds: float = 1.0, timer: Timer | None = None
+) -> float:
+    """Seconds of a block's forward and backward at ``width`` on 8 x 128 tokens that its
+    matmuls at ``matmul_flops`` do not explain: LayerNorm, GELU, attention's kernel,
+    residuals, gradient accumulation (its elementwise work)."""
+    heads = max(1, width // 32)
+    block = _Block(width, heads)
+    x = torch.randn(8, 128, width, requires_grad=True)
+
+    def run() -> None:
+        block(x).sum().backward()
+
+    flops = 6 * 12 * width * width * 1024 + 12 * 128 * width * 1024
+    return max(0.0, (timer or _mean_time)(run, seconds) - flops / matmul_flops)
+
+
 def measure_op_overhead(seconds: float = 0.5, timer: Timer | None = None) -> float:
     """Seconds per operator (module docstring)."""
     blocks = torch.nn.Sequential(*[_Block(8, 2) for _ in range(4)])
@@ -162,11 +183,35 @@ def _worker() -> None:
 
     torch.set_num_threads(1)
     comm = zero_comm.init("gloo", check_consistency=False)
-    comm.barrier()
     widths = [int(w) for w in os.environ.get("ZERO_PLAN_WIDTHS", "").split(",") if w] or WIDTHS
-    rates = [measure_matmul(w) for w in widths]
-    comm.barrier()
-    rates += [1 / measure_op_overhead(), measure_memory_bandwidth(), measure_optimizer()]
+
+    def timer(fn: Callable[[], object], seconds: float) -> float:
+        """Mean time of ``fn`` alone, called after a barrier each time, as a training
+        step computes between collectives (a process that waits in them is scheduled
+        differently from one that never sleeps); the calls counted alike on every rank."""
+        for _ in range(2):
+            fn()
+        start = time.perf_counter()
+        fn()
+        probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        comm.all_reduce(probe, zero_comm.ReduceOp.MAX)
+        calls, total = max(3, math.ceil(seconds / max(float(probe), 1e-6))), 0.0
+        for _ in range(calls):
+            comm.barrier()
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        return total / calls
+
+    rates = [measure_matmul(w, timer=timer) for w in widths]
+    residuals = [
+        measure_block_residual(w, rate, timer=timer) for w, rate in zip(widths, rates, strict=True)
+    ]
+    rates += [
+        1 / measure_op_overhead(timer=timer),
+        measure_memory_bandwidth(timer=timer),
+        measure_optimizer(timer=timer),
+    ]
     collective = {}
     for label, numel in (("small", 1024), ("large", 2**22)):
         shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
@@ -180,7 +225,7 @@ def _worker() -> None:
             gather()
         collective[label] = (time.perf_counter() - start) / calls
     collective["sync"] = _sync_cost(comm)
-    mean = torch.tensor(rates, dtype=torch.float64)
+    mean = torch.tensor(rates + residuals, dtype=torch.float64)
     comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
     slowest = torch.tensor(
         [collective["small"], collective["large"], collective["sync"]], dtype=torch.float64
@@ -195,6 +240,9 @@ def _worker() -> None:
             "op_overhead": 1 / values[len(widths)],
             "memory_bandwidth": values[len(widths) + 1],
             "optimizer_rate": values[len(widths) + 2],
+            "block_residual_s": {
+                str(w): r for w, r in zip(widths, values[len(widths) + 3 :], strict=True)
+            },
             "gloo": {"latency_s": latency,
                      "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9),
                      "sync_s": float(slowest[2])},

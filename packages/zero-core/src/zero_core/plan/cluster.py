@@ -55,6 +55,9 @@ class Cluster:
     disk_bandwidth: float  # bytes/s per node, read or write, through the swap pipeline
     disk_bytes: float = math.inf  # bytes of swap space per node
     optimizer_rate: float = 0.0  # float32 elements/s the device's optimizer steps (0: bandwidth/28)
+    activation_bandwidth: float = (
+        0.0  # bytes/s of elementwise work on activations (0: memory_bandwidth)
+    )
     op_overhead: float = 10e-6  # s per operator
     overlap: float = 1.0  # fraction of communication that can hide behind compute
     codec_rate: float = 0.0  # elements/s qwZ/qgZ code or decode per device (0: memory bound)

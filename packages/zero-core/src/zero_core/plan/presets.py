@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..estimate.activations import TransformerShape, block_saved_bytes
 from .calibrate import load_calibration, matmul_rate
 from .cluster import Cluster
+from .terms import ACTIVATION_PASSES
 
 # The swap pipeline's measured bandwidth on this machine (docs/benchmarks/swap.md: 2110 MB/s
 # write, 2421 MB/s read, 4 threads): their mean.
@@ -63,6 +65,16 @@ def this_machine(
     # A collective inside a step costs what it costs between stretches of compute.
     latency = max(float(gloo["latency_s"]), float(gloo.get("sync_s", 0.0)))
     memory = _memory_total() or 16e9
+    activation = 0.0
+    residuals = calibration.get("block_residual_s") or {}
+    if residuals:  # a calibrated block's elementwise work, as a rate over its saved bytes
+        rates = {
+            w: ACTIVATION_PASSES
+            * block_saved_bytes(TransformerShape(1, int(w), max(1, int(w) // 32), 1, 1024))
+            / max(float(r), 1e-9)
+            for w, r in residuals.items()
+        }
+        activation = matmul_rate({"matmul_flops": rates}, width) * share
     bandwidth = float(calibration["memory_bandwidth"]) * share
     return Cluster(
         name="this-machine", nodes=nodes, devices_per_node=ranks,
@@ -72,6 +84,7 @@ def this_machine(
         inter_latency=latency, host_memory=memory / nodes,
         host_bandwidth=bandwidth, host_optimizer_rate=float(calibration["optimizer_rate"]) * share,
         optimizer_rate=float(calibration["optimizer_rate"]) * share,
+        activation_bandwidth=activation,
         disk_bandwidth=THIS_MACHINE_DISK_BANDWIDTH,
         op_overhead=float(calibration["op_overhead"]) / share, overlap=overlap,
         source=f"calibrated {calibration.get('measured_at', '?')} (zero-plan --calibrate; "

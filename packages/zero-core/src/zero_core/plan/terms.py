@@ -66,8 +66,10 @@ def operator_time(layers: int, cluster: Cluster, recompute: bool = False) -> flo
 
 def activation_time(block_saved_bytes: float, layers: int, cluster: Cluster) -> float:
     """Elementwise work (LayerNorm, GELU, softmax, residuals) as memory traffic:
-    ACTIVATION_PASSES x L x the block's saved bytes / memory_bandwidth."""
-    return ACTIVATION_PASSES * layers * block_saved_bytes / cluster.memory_bandwidth
+    ACTIVATION_PASSES x L x the block's saved bytes / activation_bandwidth (calibrated:
+    what a real block's work beyond its matmuls takes; else memory_bandwidth)."""
+    rate = cluster.activation_bandwidth or cluster.memory_bandwidth
+    return ACTIVATION_PASSES * layers * block_saved_bytes / rate
 
 
 def unit_time(layers: int, cluster: Cluster) -> float:
