@@ -3,9 +3,8 @@
 What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
 --nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
 cores as ranks, so that the machine's other load weighs on the measure as on a run; each
-the mean time of calls over a window of 0.5-2 s, each call after a barrier (a step's
-compute runs between collectives, and a process that waits in them is scheduled unlike
-one that never sleeps), then the mean over the processes:
+the mean time of calls over a window of 0.5-2 s (a step's length: a shared machine's load
+comes and goes in time slices), then the mean over the processes:
 
     matmul_flops      FLOP/s of a transformer block's matmuls, n = 1024 tokens at widths
                       64 ... 1024: (n x C)(C x 3C), (n x C)(C x C), (n x C)(C x 4C),
@@ -185,33 +184,13 @@ def _worker() -> None:
     comm = zero_comm.init("gloo", check_consistency=False)
     widths = [int(w) for w in os.environ.get("ZERO_PLAN_WIDTHS", "").split(",") if w] or WIDTHS
 
-    def timer(fn: Callable[[], object], seconds: float) -> float:
-        """Mean time of ``fn`` alone, called after a barrier each time, as a training
-        step computes between collectives (a process that waits in them is scheduled
-        differently from one that never sleeps); the calls counted alike on every rank."""
-        for _ in range(2):
-            fn()
-        start = time.perf_counter()
-        fn()
-        probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        comm.all_reduce(probe, zero_comm.ReduceOp.MAX)
-        calls, total = max(3, math.ceil(seconds / max(float(probe), 1e-6))), 0.0
-        for _ in range(calls):
-            comm.barrier()
-            start = time.perf_counter()
-            fn()
-            total += time.perf_counter() - start
-        return total / calls
-
-    rates = [measure_matmul(w, timer=timer) for w in widths]
-    residuals = [
-        measure_block_residual(w, rate, timer=timer) for w, rate in zip(widths, rates, strict=True)
-    ]
-    rates += [
-        1 / measure_op_overhead(timer=timer),
-        measure_memory_bandwidth(timer=timer),
-        measure_optimizer(timer=timer),
-    ]
+    # Each measure is a mean over a window as long as a step, every rank at once (a timer
+    # calling after a barrier each time measured rates about 1.5x those zero-train's steps
+    # then achieved on this shared machine, and was dropped).
+    comm.barrier()
+    rates = [measure_matmul(w) for w in widths]
+    residuals = [measure_block_residual(w, rate) for w, rate in zip(widths, rates, strict=True)]
+    rates += [1 / measure_op_overhead(), measure_memory_bandwidth(), measure_optimizer()]
     collective = {}
     for label, numel in (("small", 1024), ("large", 2**22)):
         shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
