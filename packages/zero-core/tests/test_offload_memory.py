@@ -462,7 +462,7 @@ def test_the_gradient_buckets_working_memory_bounds_the_pool(
 
 @pytest.mark.parametrize(
     ("case", "accumulation"),
-    [(Case(2, "cpu", "none"), 2), (Case(3, "disk", "disk", "fp32"), 1)],
+    [(Case(2, "cpu", "none"), 1), (Case(3, "disk", "disk", "fp32"), 2)],
     ids=str,
 )  # fmt: skip
 def test_zero_estimate_predicts_the_gradients_device_to_host_bytes(
@@ -471,15 +471,17 @@ def test_zero_estimate_predicts_the_gradients_device_to_host_bytes(
     """The gradients' device -> host bytes per step (offload_traffic: each micro-step's
     reduced slices, g bytes per element of the rank's shard) against what the gradient
     tier hands to its one device-to-host call site (gradient_tier.to_host), within 10%:
-    two steps of both ranks, the same every step."""
+    two steps of both ranks, the same every step. (On a CPU device the host tier adds
+    later micro-steps' slices where they are, with no copy to count, so its case runs
+    one micro-step; the disk tier copies every micro-step's out for its write.)"""
     from zero_core.offload import gradient_tier
 
     copied: list[int] = []
     original = gradient_tier.to_host
 
-    def counted(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def counted(copies: Any, values: torch.Tensor, out: torch.Tensor) -> Any:
         copied.append(values.numel() * values.element_size())
-        return original(values, out)
+        return original(copies, values, out)
 
     monkeypatch.setattr(gradient_tier, "to_host", counted)
     measure_disk_traffic(case, tmp_path, accumulation)
