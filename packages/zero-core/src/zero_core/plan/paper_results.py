@@ -26,7 +26,7 @@ Sources (short names used in the rows):
   microsoft/DeepSpeed), the same authors' recipe and training log for the 10B model.
 - ZeRO++: Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
   Training", arXiv 2306.10209; its blog post (microsoft/DeepSpeed blogs/zeropp, figures
-  eval1-3.png, the paper's throughput figures with their bar labels) and DeepSpeed's ZeRO++
+  eval1-3.png: its throughput figures, read from their bar labels) and DeepSpeed's ZeRO++
   tutorial (docs/_tutorials/zeropp.md).
 - MiCS: Zhang et al., "MiCS: Near-linear Scaling for Training Gigantic Model on Public
   Cloud", arXiv 2205.00119 (VLDB 2023), abstract.
@@ -103,7 +103,7 @@ class PublishedResult(NamedTuple):
 # ZeRO Table 4: Figure 2 uses 80B-170B at width 8192 (100, 125, 150 layers), Figures 3 and
 # 4 60B at 75 x 8192 and 10B-13B at width 4096 (50, 54, 58, 62 layers). Heads: not in
 # Table 4; 64 and 32 assumed (they change the attention memory only). Sequence 1024:
-# Megatron-LM's GPT-2 default, the paper's stated base.
+# Megatron-LM's GPT-2 default (the paper states none; assumed).
 ZERO_100B = PaperModel("ZeRO 100B", layers=125, width=8192, heads=64, seq_len=1024)
 ZERO_60B = PaperModel("ZeRO 60B", layers=75, width=8192, heads=64, seq_len=1024)
 ZERO_13B = PaperModel("ZeRO 13B", layers=62, width=4096, heads=32, seq_len=1024)
