@@ -1,0 +1,247 @@
+"""``zero-plan --calibrate``: measure this machine's rates, store them, load them.
+
+What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
+--nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
+cores as ranks, so that the machine's other load weighs on the measure as on a run; the
+mean over the processes of the medians of repeats:
+
+    matmul_flops      FLOP/s of a transformer block's matmuls, n = 1024 tokens at widths
+                      64 ... 1024: (n x C)(C x 3C), (n x C)(C x C), (n x C)(C x 4C),
+                      (n x 4C)(4C x C), forward and the two of backward each
+    op_overhead       s per operator: forward and backward of a pre-LayerNorm block at
+                      width 8 on 4 tokens / terms.OPS_PER_BLOCK
+    memory_bandwidth  bytes/s of out = b + s c on 2^23 float32 elements (12 bytes each)
+    optimizer_rate    float32 elements/s of torch.optim.AdamW's step (its default
+                      implementation, as zero-train builds it) on 2^20 elements
+    gloo              the processes on zero_comm (gloo, loopback): all_gather of 4 KiB and
+                      16 MiB (the slowest rank's); latency = the small one's time per ring
+                      hop, bandwidth = the bytes one rank sends ((R-1)/R of the output) /
+                      (large time - small time)
+
+Stored as JSON at $ZERO_PLAN_CALIBRATION, else $XDG_CACHE_HOME/zero/calibration.json
+(~/.cache/zero/calibration.json), with the machine's CPU count and when it was measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .terms import OPS_PER_BLOCK
+
+ENV_VAR = "ZERO_PLAN_CALIBRATION"
+WIDTHS = (64, 128, 256, 512, 1024)
+TOKENS = 1024
+
+
+def calibration_path() -> Path:
+    """Where the calibration is stored (module docstring)."""
+    given = os.environ.get(ENV_VAR)
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "zero" / "calibration.json"
+
+
+def load_calibration(path: Path | None = None) -> dict[str, Any] | None:
+    """The stored calibration, or None if there is none (or it is unreadable)."""
+    path = path or calibration_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and "matmul_flops" in data else None
+
+
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(width: int, tokens: int = TOKENS, repeats: int = 3) -> float:
+    """FLOP/s of one block's matmul shapes at ``width`` (module docstring)."""
+    c, n = width, tokens
+    shapes = [(n, c, 3 * c), (n, c, c), (n, c, 4 * c), (n, 4 * c, c)]
+    mats = [(torch.randn(m, k), torch.randn(k, o), torch.randn(m, o)) for m, k, o in shapes]
+
+    def run() -> None:
+        for x, w, dy in mats:
+            x @ w  # forward
+            dy @ w.t()  # gradient of the input
+            x.t() @ dy  # gradient of the weight
+
+    flops = sum(3 * 2 * m * k * o for m, k, o in shapes)
+    return flops / _median_time(run, repeats)
+
+
+class _Block(torch.nn.Module):
+    """zero_models.gpt.Block's operators (pre-LayerNorm attention and 4C GELU MLP)."""
+
+    def __init__(self, c: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.qkv, self.proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+        self.fc, self.out = torch.nn.Linear(c, 4 * c), torch.nn.Linear(4 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)  # 3 x (B, T, C)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))  # (B, T, C)
+        out: torch.Tensor = x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+        return out
+
+
+def measure_op_overhead(repeats: int = 15) -> float:
+    """Seconds per operator (module docstring)."""
+    blocks = torch.nn.Sequential(*[_Block(8, 2) for _ in range(4)])
+    x = torch.randn(1, 4, 8, requires_grad=True)
+
+    def run() -> None:
+        blocks(x).sum().backward()
+
+    return _median_time(run, repeats) / (4 * OPS_PER_BLOCK)
+
+
+def measure_memory_bandwidth(numel: int = 2**23, repeats: int = 7) -> float:
+    """Bytes/s of out = b + s c (12 bytes per float32 element)."""
+    b, c, out = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    return 12 * numel / _median_time(lambda: torch.add(b, c, alpha=0.5, out=out), repeats)
+
+
+def measure_optimizer(numel: int = 2**20, repeats: int = 7) -> float:
+    """float32 elements/s of torch.optim.AdamW's step (its default implementation)."""
+    param = torch.nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel)
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    return numel / _median_time(optimizer.step, repeats)
+
+
+def _worker() -> None:
+    """One of the processes of :func:`calibrate` (this module run with --worker): every
+    rank measures at once, as zero-train's ranks compute at once; rank 0 prints the mean
+    rate over ranks and the slowest collective time."""
+    import zero_comm
+
+    torch.set_num_threads(1)
+    comm = zero_comm.init("gloo", check_consistency=False)
+    comm.barrier()
+    widths = [int(w) for w in os.environ.get("ZERO_PLAN_WIDTHS", "").split(",") if w] or WIDTHS
+    rates = [measure_matmul(w) for w in widths]
+    comm.barrier()
+    rates += [1 / measure_op_overhead(), measure_memory_bandwidth(), measure_optimizer()]
+    collective = {}
+    for label, numel in (("small", 1024), ("large", 2**22)):
+        shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
+        comm.barrier()
+        repeats = 9 if label == "large" else 30
+        gather = functools.partial(comm.all_gather, full, shard)
+        collective[label] = _median_time(gather, repeats, 3)
+    mean = torch.tensor(rates, dtype=torch.float64)
+    comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+    slowest = torch.tensor([collective["small"], collective["large"]], dtype=torch.float64)
+    comm.all_reduce(slowest, zero_comm.ReduceOp.MAX)
+    if comm.rank == 0:
+        values = mean.tolist()
+        sent = 2**22 * 4 * (comm.world_size - 1) / comm.world_size  # ring: bytes a rank sends
+        latency = float(slowest[0]) / (comm.world_size - 1)  # per hop
+        print(json.dumps({
+            "matmul_flops": {str(w): r for w, r in zip(widths, values, strict=False)},
+            "op_overhead": 1 / values[len(widths)],
+            "memory_bandwidth": values[len(widths) + 1],
+            "optimizer_rate": values[len(widths) + 2],
+            "gloo": {"latency_s": latency,
+                     "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9)},
+        }), flush=True)  # fmt: skip
+    comm.close()
+
+
+def calibrate(
+    path: Path | None = None,
+    *,
+    ranks: int = 2,
+    widths: Sequence[int] = WIDTHS,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Measure everything (module docstring) in ``ranks`` local processes at once (one
+    intra-op thread each), the matmuls at ``widths`` (fewer: quicker), store it at ``path``
+    (default calibration_path()) and return it."""
+    from zero_comm.launch import free_port, rank_environment
+
+    if ranks < 2:
+        raise ValueError(f"ranks={ranks}: the loopback collectives need at least 2 processes")
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS="1", ZERO_PLAN_WIDTHS=",".join(map(str, widths)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "zero_core.plan.calibrate", "--worker"],
+            env=rank_environment(base, rank, ranks, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any(proc.returncode for proc in procs):
+        errors = " | ".join(err.strip().splitlines()[-1] for _, err in outputs if err.strip())
+        raise RuntimeError(f"zero-plan --calibrate: a measuring process failed: {errors}")
+    data: dict[str, Any] = {
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count() or 1,
+        "ranks": ranks,
+        "threads": 1,
+        "torch": torch.__version__,
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }
+    data.update(json.loads(outputs[0][0].strip().splitlines()[-1]))
+    path = path or calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def matmul_rate(calibration: dict[str, Any], width: int) -> float:
+    """The calibrated matmul FLOP/s at ``width``, interpolated in log(width) between the
+    measured widths (the nearest end outside them)."""
+    points = sorted((int(w), float(r)) for w, r in calibration["matmul_flops"].items())
+    if width <= points[0][0]:
+        return points[0][1]
+    for (w0, r0), (w1, r1) in itertools.pairwise(points):
+        if width <= w1:
+            f = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
+            return r0 + f * (r1 - r0)
+    return points[-1][1]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        _worker()
+    else:
+        print(json.dumps(calibrate(), indent=1))
