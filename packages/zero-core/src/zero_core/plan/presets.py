@@ -19,6 +19,7 @@ from typing import Any
 
 from .calibrate import load_calibration, matmul_rate
 from .cluster import Cluster
+from .paper_presets import PAPER_PRESETS
 
 # The swap pipeline's measured bandwidth on this machine (docs/benchmarks/swap.md: 2110 MB/s
 # write, 2421 MB/s read, 4 threads): their mean.
@@ -27,7 +28,9 @@ THIS_MACHINE_DISK_BANDWIDTH = 2.27e9
 EMULATED_LINK_MBIT = {"100mbit": 95.3, "1gbit": 647.9, "40gbit": 4123.2}
 EMULATED_NODES, EMULATED_RANKS_PER_NODE = 2, 2
 
-HARDWARE: dict[str, Cluster] = {}
+# The papers' clusters and today's GPU nodes (plan/paper_presets.py: every number's source,
+# the V100's fitted efficiency).
+HARDWARE: dict[str, Cluster] = dict(PAPER_PRESETS)
 
 
 def _memory_total() -> float:
