@@ -2,8 +2,10 @@
 
 What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
 --nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
-cores as ranks, so that the machine's other load weighs on the measure as on a run; the
-mean over the processes of the medians of repeats:
+cores as ranks, so that the machine's other load weighs on the measure as on a run; each
+the mean time of calls over a window of 0.5-1 s, each call after a barrier (a step's
+compute runs between collectives, and a process that waits in them is scheduled unlike
+one that never sleeps), then the mean over the processes:
 
     matmul_flops      FLOP/s of a transformer block's matmuls, n = 1024 tokens at widths
                       64 ... 1024: (n x C)(C x 3C), (n x C)(C x C), (n x C)(C x 4C),
@@ -29,7 +31,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -66,18 +67,27 @@ def load_calibration(path: Path | None = None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and "matmul_flops" in data else None
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+def _mean_time(fn: Callable[[], object], seconds: float, warmup: int = 2) -> float:
+    """Mean time of ``fn`` over calls repeated for at least ``seconds``: a mean over a
+    window as long as a training step, since a shared machine's load comes and goes in
+    time slices of milliseconds, which a median of short calls would step between."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    calls, start = 0, time.perf_counter()
+    while True:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / calls
 
 
-def measure_matmul(width: int, tokens: int = TOKENS, repeats: int = 3) -> float:
+Timer = Callable[[Callable[[], object], float], float]
+
+
+def measure_matmul(
+    width: int, tokens: int = TOKENS, seconds: float = 1.0, timer: Timer | None = None
+) -> float:
     """FLOP/s of one block's matmul shapes at ``width`` (module docstring)."""
     c, n = width, tokens
     shapes = [(n, c, 3 * c), (n, c, c), (n, c, 4 * c), (n, 4 * c, c)]
@@ -90,7 +100,7 @@ def measure_matmul(width: int, tokens: int = TOKENS, repeats: int = 3) -> float:
             x.t() @ dy  # gradient of the weight
 
     flops = sum(3 * 2 * m * k * o for m, k, o in shapes)
-    return flops / _median_time(run, repeats)
+    return flops / (timer or _mean_time)(run, seconds)
 
 
 class _Block(torch.nn.Module):
@@ -113,7 +123,7 @@ class _Block(torch.nn.Module):
         return out
 
 
-def measure_op_overhead(repeats: int = 15) -> float:
+def measure_op_overhead(seconds: float = 0.5, timer: Timer | None = None) -> float:
     """Seconds per operator (module docstring)."""
     blocks = torch.nn.Sequential(*[_Block(8, 2) for _ in range(4)])
     x = torch.randn(1, 4, 8, requires_grad=True)
@@ -121,21 +131,26 @@ def measure_op_overhead(repeats: int = 15) -> float:
     def run() -> None:
         blocks(x).sum().backward()
 
-    return _median_time(run, repeats) / (4 * OPS_PER_BLOCK)
+    return (timer or _mean_time)(run, seconds) / (4 * OPS_PER_BLOCK)
 
 
-def measure_memory_bandwidth(numel: int = 2**23, repeats: int = 7) -> float:
+def measure_memory_bandwidth(
+    numel: int = 2**23, seconds: float = 0.5, timer: Timer | None = None
+) -> float:
     """Bytes/s of out = b + s c (12 bytes per float32 element)."""
     b, c, out = torch.randn(numel), torch.randn(numel), torch.empty(numel)
-    return 12 * numel / _median_time(lambda: torch.add(b, c, alpha=0.5, out=out), repeats)
+    add = functools.partial(torch.add, b, c, alpha=0.5, out=out)
+    return 12 * numel / (timer or _mean_time)(add, seconds)
 
 
-def measure_optimizer(numel: int = 2**20, repeats: int = 7) -> float:
+def measure_optimizer(
+    numel: int = 2**20, seconds: float = 0.5, timer: Timer | None = None
+) -> float:
     """float32 elements/s of torch.optim.AdamW's step (its default implementation)."""
     param = torch.nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     optimizer = torch.optim.AdamW([param], lr=1e-3)
-    return numel / _median_time(optimizer.step, repeats)
+    return numel / (timer or _mean_time)(optimizer.step, seconds)
 
 
 def _worker() -> None:
@@ -155,9 +170,14 @@ def _worker() -> None:
     for label, numel in (("small", 1024), ("large", 2**22)):
         shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
         comm.barrier()
-        repeats = 9 if label == "large" else 30
         gather = functools.partial(comm.all_gather, full, shard)
-        collective[label] = _median_time(gather, repeats, 3)
+        for _ in range(3):  # warm-up; then a count every rank agrees on (a collective)
+            gather()
+        calls = 8 if label == "large" else 100
+        start = time.perf_counter()
+        for _ in range(calls):
+            gather()
+        collective[label] = (time.perf_counter() - start) / calls
     mean = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
     slowest = torch.tensor([collective["small"], collective["large"]], dtype=torch.float64)

@@ -58,12 +58,15 @@ def candidates(cluster: Cluster, base: PlanConfig | None = None) -> list[PlanCon
                     continue
                 if stage == 0 and hierarchy:
                     continue
+                fields = {
+                    "shard_group": None, "hpz": 1, "quantize_weights": False,
+                    "quantize_gradients": None, **hierarchy, **size,
+                }  # fmt: skip
                 try:
                     out.append(base.with_(
                         stage=stage, offload_optimizer=optimizer_tier,
                         offload_params=params_tier, delayed_parameter_update=dpu,
-                        shard_group=None, hpz=1, quantize_weights=False,
-                        quantize_gradients=None, checkpoint=checkpoint, **size, **hierarchy,
+                        checkpoint=checkpoint, **fields,
                     ))  # fmt: skip
                 except ValueError:
                     continue  # a combination the engine refuses

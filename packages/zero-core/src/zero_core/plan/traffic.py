@@ -16,7 +16,8 @@ up to step_link_bytes itself:
     backward gathers   = T(kept: the head) - T(kept: every bucket)
     reduction          = (T2(A + 1) - T2(A)) x A        (one micro-step's gradients, A times;
                                                         T2: stage 2's, or stage 1's at 1)
-    forward            = T(kept: every bucket) - reduction           (stage 3)
+    forward            = T(kept: every bucket) - reduction - flag    (stage 3; flag: T of
+                                                                     no bucket)
     after step         = T - reduction - backward gathers - forward
 
 (with a native communicator and hybrid sharding, the replicas' all-reduce runs once per
@@ -105,9 +106,9 @@ def _phase_bytes(
     if stage == 3 and config.keep_backward_head:
         head = backward_head_buckets(buckets, config.backward_head_numel)
 
-    def total(kept: list[int], micro: int, stage: int = stage) -> Bytes:
+    def total(kept: list[int], micro: int, stage: int = stage, held: list[int] = buckets) -> Bytes:
         traffic = step_link_bytes(
-            buckets, world_size=n, ranks_per_node=per_node, stage=stage, dtype_bytes=width,
+            held, world_size=n, ranks_per_node=per_node, stage=stage, dtype_bytes=width,
             reduce_bytes=grad_width, shard_group_size=group,
             hpz_partition_size=config.hpz if stage == 3 else 1,
             quantize_weights=config.quantize_weights and stage == 3,
@@ -129,6 +130,6 @@ def _phase_bytes(
     if stage == 3:
         all_kept = total(buckets, a)
         gathers = whole - all_kept
-        forward = all_kept - reduction
+        forward = all_kept - reduction - total([], a, held=[])  # the flag is after the step
     after = whole - reduction - gathers - forward
     return PhaseBytes(forward, gathers, reduction, after)

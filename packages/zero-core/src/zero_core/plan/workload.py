@@ -150,8 +150,10 @@ _HF_KEYS = {
 
 def workload_from_hf_config(path: Path, **rest: Any) -> Workload:
     """A Hugging Face ``config.json``: its layers, width, heads, vocabulary and context;
-    Ψ counted as a dense transformer: V C (+ V C untied) + L (4 C^2 + 2 C F + 9 C) with
-    F = intermediate_size (4 C if absent), + T C learned positions for GPT-2-style models.
+    Ψ counted as a dense GPT-2-style transformer: V C (+ V C untied) + L (4 C^2 + 2 C F +
+    13 C) + 2 C, with F = intermediate_size (4 C if absent; 3 C F for gated MLPs) and T C
+    learned positions where the config has n_positions (biases and LayerNorms as GPT-2's:
+    within a fraction of a percent for models without them).
     ``context`` in ``rest`` (the sequence length trained) overrides the config's."""
     try:
         data = json.loads(Path(path).read_text())
@@ -171,7 +173,7 @@ def workload_from_hf_config(path: Path, **rest: Any) -> Workload:
     mlp = (3 if gated else 2) * c * ffn
     untied = not data.get("tie_word_embeddings", True)
     positions = found["context"] * c if "n_positions" in data else 0
-    params = v * c * (2 if untied else 1) + positions + layers * (4 * c * c + mlp + 9 * c)
+    params = v * c * (2 if untied else 1) + positions + layers * (4 * c * c + mlp + 13 * c) + 2 * c
     context = rest.pop("context", None) or found["context"]
     return Workload(
         params=float(params), layers=layers, width=c, heads=found["heads"], vocab_size=v,
