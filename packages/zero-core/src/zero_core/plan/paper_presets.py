@@ -60,6 +60,24 @@ MEASURED_EFFICIENCY = 0.384  # docs/benchmarks/gpu.md, ours-0 GPT-2 XL on an H20
 GBIT = 1e9 / 8  # bytes/s per Gbit/s
 
 
+def nccl_ring_step_latency(nodes: int, devices_per_node: int) -> float:
+    """One step's latency of a ring over ``nodes`` x ``devices_per_node`` ranks, averaged
+    over its steps as NCCL's tuning model charges them (all-gather, reduce-scatter: N - 1
+    steps, of which nodes - 1 cross the network)::
+
+        (base + (N - nodes) NVLINK_STEP + (nodes - 1) NET_STEP) / (N - 1)
+
+    zero-plan's latency term (plan/terms.latency_time) charges every step of a group that
+    spans nodes at ``inter_latency``; giving it this average makes its (N - 1) steps cost
+    what NCCL's model says. (A model change that counts the two kinds of step apart would
+    make this unnecessary; issue 51's report asks for it.) The presets hold it at their
+    own scale; ``papers`` recomputes it at each row's."""
+    n = nodes * devices_per_node
+    if nodes < 2 or n < 2:
+        return NET_STEP
+    return (RING_BASE + (n - nodes) * NVLINK_STEP + (nodes - 1) * NET_STEP) / (n - 1)
+
+
 def _v100_dgx2(name: str, nodes: int, inter_gbit: float, source: str) -> Cluster:
     """``nodes`` DGX-2s (16 x V100 32 GB on NVSwitch) with ``inter_gbit`` per node."""
     return Cluster(
@@ -73,7 +91,7 @@ def _v100_dgx2(name: str, nodes: int, inter_gbit: float, source: str) -> Cluster
         intra_bandwidth=150 * GB,  # [ZeRO] NVSwitch 300 GB/s per link, both ways
         intra_latency=NVLINK_STEP,  # NCCL tuning.cc (module docstring)
         inter_bandwidth=inter_gbit * GBIT,  # per node: the source named in `source`
-        inter_latency=NET_STEP,  # NCCL tuning.cc
+        inter_latency=nccl_ring_step_latency(nodes, 16),  # NCCL tuning.cc, at this scale
         host_memory=1.5e12,  # [DGX-2] 1.5 TB
         host_bandwidth=15.75 * GB,  # [DGX-2] PCIe 3.0 x16, one direction
         host_optimizer_rate=1.59e9 / 16,  # [Offload-log] 48 cores shared by 16 GPUs
@@ -104,7 +122,7 @@ MICS_P3DN = Cluster(
     intra_bandwidth=150 * GB,  # [AWS] NVLink 300 GB/s per GPU both ways
     intra_latency=NVLINK_STEP,
     inter_bandwidth=100 * GBIT,  # [AWS] 100 Gbps per instance
-    inter_latency=NET_STEP,
+    inter_latency=nccl_ring_step_latency(16, 8),
     host_memory=768 * GIB,  # [AWS] p3dn.24xlarge: 768 GiB
     host_bandwidth=15.75 * GB,  # PCIe 3.0 x16
     host_optimizer_rate=1e8,  # not used by any row (96 vCPUs for 8 GPUs; assumed)
@@ -154,23 +172,6 @@ def h100_node(gbit: int, nodes: int = 1) -> Cluster:
         codec_rate=3350 * GB / CODEC_BYTES,
         source=f"[H100] 8 x H100 SXM5 per node, {gbit} Gbit/s per node; no paper row",
     )
-
-
-def nccl_ring_step_latency(nodes: int, devices_per_node: int) -> float:
-    """One step's latency of a ring over ``nodes`` x ``devices_per_node`` ranks, averaged
-    over its steps as NCCL's tuning model charges them (all-gather, reduce-scatter: N - 1
-    steps, of which nodes - 1 cross the network)::
-
-        (base + (N - nodes) NVLINK_STEP + (nodes - 1) NET_STEP) / (N - 1)
-
-    zero-plan's latency term (plan/terms.latency_time) charges every step of a group that
-    spans nodes at ``inter_latency``; giving it this average makes its (N - 1) steps cost
-    what NCCL's model says. (A model change that counts the two kinds of step apart would
-    make this unnecessary; issue 51's report asks for it.)"""
-    n = nodes * devices_per_node
-    if nodes < 2 or n < 2:
-        return NET_STEP
-    return (RING_BASE + (n - nodes) * NVLINK_STEP + (nodes - 1) * NET_STEP) / (n - 1)
 
 
 PAPER_PRESETS: dict[str, Cluster] = {
