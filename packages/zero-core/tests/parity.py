@@ -53,6 +53,7 @@ class ParityCase:
     offload_params: str = "none"  # stage 3 only
     offload_fraction: float = 1.0
     sub_group_numel: int = 1 << 22
+    offload_gradients: bool = True  # stages 2-3 with offload_optimizer: gradients follow it
     coalesce_numel: int | None = None  # None: ZeroConfig's default
     gather_coalesce_numel: int | None = None  # stage 3; None: ZeroConfig's default
     reduce_dtype: str | None = None  # ZeroConfig.reduce_dtype; None: the compute dtype
@@ -157,6 +158,7 @@ def offload_settings(case: ParityCase, stage: int) -> dict[str, Any]:
         out["offload_optimizer"] = case.offload_optimizer
         out["offload_fraction"] = case.offload_fraction
         out["offload_sub_group_numel"] = case.sub_group_numel
+        out["offload_gradients"] = case.offload_gradients
     if stage == 3 and case.offload_params != "none":
         out["offload_params"] = case.offload_params
     if "disk" in out.values():
@@ -265,7 +267,9 @@ def tiers_equal_stage0(comm: Communicator, case: ParityCase) -> None:
 
 def offloaded_parity_cases() -> Any:
     """ParityCase with offload tiers drawn too: optimizer states and masters on host or
-    disk, parameters (stage 3) on host or disk, a fraction and a sub-group size."""
+    disk, parameters (stage 3) on host or disk, a fraction and a sub-group size, and
+    whether the gradients follow the optimizer's tier (accumulation, clipping and the
+    reduce dtype are drawn by parity_cases)."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -282,6 +286,7 @@ def offloaded_parity_cases() -> Any:
             "offload_params": params,
             "offload_fraction": draw(st.sampled_from([1.0, 1.0, 0.5, 0.0])),
             "sub_group_numel": draw(st.sampled_from([64, 1000, 1 << 22])),
+            "offload_gradients": draw(st.sampled_from([True, True, False])),
         }
         return normalised(ParityCase(**{**case.__dict__, **tiers}))
 

@@ -5,6 +5,7 @@ test_offload_memory.py)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from typing import Any
@@ -91,8 +92,10 @@ def test_zero_estimate_adds_activations_to_every_stage(capsys: pytest.CaptureFix
     main(["--params", "124e6", "--world-size", "4", "--layers", "12", "--width", "768",
           "--heads", "12", "--vocab-size", "50257", "--tokens", "1024", "--json"])  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
-    for row in rows.values():
-        assert row["step_peak"] == row["total"] + row["activations_peak"] > row["total"]
+    for stage, row in rows.items():  # + the bounded buffers: none at stages 0 and 1
+        assert row["device_peak"] == row["total"] + row["working"]
+        assert row["step_peak"] == row["device_peak"] + row["activations_peak"] > row["total"]
+        assert (row["working"] > 0) == (stage in "23")
     with pytest.raises(SystemExit):
         main(["--params", "1e6", "--world-size", "2", "--layers", "3"])
     assert "give all of --layers" in capsys.readouterr().err
@@ -117,6 +120,7 @@ def tier_cases(draw: st.DrawFn) -> dict[str, Any]:
         "buffer_count": draw(st.integers(3, 8)),
         "bucket_numel": draw(st.sampled_from([128, 2**20, 2**22])),
         "prefetch_numel": draw(st.sampled_from([0, 2**16, 2**24])),
+        "offload_gradients": draw(st.booleans()),
     }
 
 
@@ -149,7 +153,9 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
     """device + host + disk is the paper's total, plus 4 S where float32 parameters lose
     their aliased master to a separate one (any tier); a fraction f of the masters and
     states (S elements of 4 + s bytes) leaves the device for the tier; host and disk hold
-    nothing of a tier not asked for."""
+    nothing of a tier not asked for. At stages 2 and 3 with ``offload_gradients`` the
+    gradient slice of those elements (g bytes each) goes with them, and the device keeps
+    one reduction's landed slice of them (a bucket slice at most) for its copy out."""
     tiered = tiered_state_bytes(**case)
     sizes = ("optimizer_state_bytes", "param_bytes", "grad_bytes")
     plain = model_state_bytes(
@@ -158,12 +164,23 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
     shard = case["params"] / case["world_size"]
     offloads = case["offload_optimizer"] != "none" or case["offload_params"] != "none"
     separate = 4 * shard if case["param_bytes"] == 4 and offloads else 0
-    assert tiered.model_states == pytest.approx(plain.total + separate, rel=1e-9)
-    assert tiered.gradients == plain.gradients  # gradients never leave the device
+    follow = case["offload_gradients"] and case["offload_optimizer"] != "none"
+    follow = follow and case["stage"] >= 2
+    elements = shard * case["offload_fraction"] if case["offload_optimizer"] != "none" else 0
+    bucket_slice = math.ceil(case["bucket_numel"] / (case["world_size"] * SLICE_ALIGNMENT))
+    landed = case["grad_bytes"] * min(elements, bucket_slice * SLICE_ALIGNMENT) if follow else 0
+    assert tiered.model_states == pytest.approx(plain.total + separate + landed, rel=1e-9)
+    assert tiered.gradients == pytest.approx(
+        plain.gradients - (case["grad_bytes"] * elements if follow else 0) + landed,
+        rel=1e-9,
+        abs=1e-6,
+    )
+    g = case["grad_bytes"]
+    assert tiered.tier_gradients == (pytest.approx(g * elements) if follow else 0)
     moved = 0.0
     if case["offload_optimizer"] != "none":
         states = case["optimizer_state_bytes"] - (0 if case["param_bytes"] == 4 else 4)
-        moved = (4 + states) * shard * case["offload_fraction"]
+        moved = (4 + states + (g if follow else 0)) * elements
     if case["offload_params"] != "none":
         assert tiered.parameters == 0
     for tier, held in (("cpu", tiered.host), ("disk", tiered.disk)):
@@ -172,7 +189,7 @@ def test_tiers_move_the_bytes_and_add_only_a_separate_master(case: dict[str, Any
         assert held == pytest.approx(expected, rel=1e-9, abs=1e-6)
     # Staging: the optimizer's pipeline (B tiles of 4 + s bytes per element, at most what
     # is on disk), the parameters' read buffers (at most the shard, at least one slice).
-    pipeline = case["buffer_count"] * case["sub_group_numel"] * (4 + 8)
+    pipeline = case["buffer_count"] * case["sub_group_numel"] * (4 + 8 + 4)
     reads = plain.parameters if case["offload_params"] == "disk" else 0.0
     assert tiered.staging <= pipeline + 1e-6 * tiered.staging
     assert tiered.read_ahead <= reads + 1e-6 * tiered.read_ahead
@@ -194,17 +211,25 @@ def test_fraction_zero_leaves_the_device_as_without_offload(case: dict[str, Any]
     assert tiered.device == pytest.approx(plain.device + extra, rel=1e-12)
 
 
-def test_stage3_disk_everything_leaves_only_gradients_on_the_device() -> None:
-    """Stage 3, masters, states and parameter shards on disk: the device keeps the
-    gradient shard 2 Ψ / N; the disk (2 + 12) Ψ / N; host memory only staging buffers:
+def test_stage3_disk_everything_leaves_nothing_on_the_device() -> None:
+    """Stage 3, masters, states and parameter shards on disk: with the gradients kept
+    there (``offload_gradients=False``) the device keeps the gradient shard 2 Ψ / N and
+    the disk (2 + 12) Ψ / N; with them following the optimizer to disk (the default) the
+    device keeps no model state and the disk (2 + 12 + 2) Ψ / N, each pipeline buffer
+    holding a tile's gradient too. Host memory only staging buffers:
     the pipeline's, B x T x (4 + 8) with T = min(sub-group, bucket slice), and the
     parameters' reads (while forward and backward run), 2 bytes x 2 R / N for R =
     prefetch_numel (a slice at least)."""
     psi, n = 2**30, 8
-    tiered = tiered_state_bytes(
-        psi, n, 3, offload_optimizer="disk", offload_params="disk", sub_group_numel=2**20,
-        buffer_count=5, bucket_numel=2**22,
-    )  # fmt: skip
+    everything: dict[str, Any] = {
+        "offload_optimizer": "disk", "offload_params": "disk", "sub_group_numel": 2**20,
+        "buffer_count": 5, "bucket_numel": 2**22,
+    }  # fmt: skip
+    follow = tiered_state_bytes(psi, n, 3, offload_gradients=True, **everything)
+    assert follow.device == follow.gradients == 2 * 2**19  # one landed bucket slice
+    assert follow.disk == (2 + 12 + 2) * psi / n
+    assert follow.staging == 5 * 2**19 * (12 + 2)
+    tiered = tiered_state_bytes(psi, n, 3, offload_gradients=False, **everything)
     assert tiered.device == tiered.gradients == 2 * psi / n
     assert tiered.disk == (2 + 12) * psi / n
     assert tiered.host == 0
@@ -215,7 +240,7 @@ def test_stage3_disk_everything_leaves_only_gradients_on_the_device() -> None:
     assert no_prefetch.read_ahead == 2 * 2**19  # one bucket slice's read buffer
     small = tiered_state_bytes(2**16, n, 3, offload_params="disk")
     assert small.read_ahead == small.disk == 2 * 2**16 / n  # read ahead whole
-    bigger_tiles = tiered_state_bytes(psi, n, 3, offload_optimizer="disk",
+    bigger_tiles = tiered_state_bytes(psi, n, 3, offload_optimizer="disk", offload_gradients=False,
                                       sub_group_numel=2**20, largest_param_numel=2**26)  # fmt: skip
     assert bigger_tiles.staging == 4 * 2**20 * 12  # one parameter's slice, 2**23, is larger
     assert SLICE_ALIGNMENT == BLOCK  # what the engine pads bucket slices to
@@ -230,9 +255,15 @@ def test_float32_offload_keeps_the_parameter_and_moves_a_separate_master() -> No
     psi, n = 1000, 4
     fp32: dict[str, Any] = {"optimizer_state_bytes": 8, "param_bytes": 4, "grad_bytes": 4}
     plain = tiered_state_bytes(psi, n, 2, **fp32)
-    host = tiered_state_bytes(psi, n, 2, offload_optimizer="cpu", **fp32)
+    host = tiered_state_bytes(psi, n, 2, offload_optimizer="cpu", offload_gradients=False, **fp32)
     assert plain.device == 4 * psi + 4 * psi / n + 8 * psi / n and plain.master_weights == 0
     assert host.device == 4 * psi + 4 * psi / n
+    follow = tiered_state_bytes(psi, n, 2, offload_optimizer="cpu", offload_gradients=True, **fp32)
+    assert follow.host == (4 + 8 + 4) * psi / n
+    # The gradient shard is one bucket slice here: it lands whole on the device first.
+    assert follow.device == 4 * psi + 4 * psi / n
+    big = tiered_state_bytes(2**30, n, 2, offload_optimizer="cpu", offload_gradients=True, **fp32)
+    assert big.device == 4 * 2**30 + 4 * 2**20  # one landed slice: 2**22 / 4 elements
     assert host.host == (4 + 8) * psi / n
     assert host.model_states - plain.model_states == 4 * psi / n
 
@@ -270,9 +301,14 @@ def test_cli_prints_each_tier_and_what_a_stage_cannot_offload(
         assert row["device"] + row["host"] - row["staging"] + row["disk"] == pytest.approx(
             row["total"]
         )
-        assert row["disk"] == pytest.approx(12 * 7.5e9 / 64)
+        gradients = 2 if stage in "23" else 0  # fp16, with the optimizer (stages 2-3)
+        assert row["disk"] == pytest.approx((12 + gradients) * 7.5e9 / 64)
+        assert row["tier_gradients"] == pytest.approx(gradients * 7.5e9 / 64)
         assert row["staging"] > 0
-    assert rows["3"]["device"] == pytest.approx(2 * 7.5e9 / 64)  # the gradient shard
+    assert rows["1"]["device"] == pytest.approx(4 * 7.5e9)  # parameters, full gradients
+    landed = 2 * 2**22 / 64  # one bucket's reduced slice, waiting for its copy out
+    assert rows["2"]["device"] == pytest.approx(2 * 7.5e9 + landed)  # + the parameters
+    assert rows["3"]["device"] == landed
     assert rows["3"]["host"] == pytest.approx(2 * 7.5e9 / 64 + rows["3"]["staging"])
     main(argv)
     table = capsys.readouterr().out

@@ -22,6 +22,12 @@ counts them. A wrong tier moves a whole category (12 bytes of 16 per element for
 2 for the parameters), far past 10%: each case also checks that no other tier combination's
 estimate would pass.
 
+Gradients follow the optimizer's tier at stages 2 and 3 (``offload_gradients``, the
+default; the cases marked ``grads:device`` keep them on the device, with zero-estimate's
+``--no-offload-gradients``): each such case checks the gradient shard's bytes in the tier
+where the engine keeps them. The last test holds zero-estimate's host <-> disk bytes per
+step to the engine's own I/O counters the same way.
+
 On a CPU-only machine the device and the host are the same RAM; the engine still keeps the
 tiers apart (host tensors, swap files), and so does the report. The process's resident set
 (MemoryTracker) is no measure of one rank here: simulated ranks are threads of one process,
@@ -41,11 +47,13 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from parity import ParityCase, build_engine, loss_of, micro_batch
 from torch import nn
 
 import zero_core
 from zero_comm import Communicator, run_simulated
 from zero_core.estimate.command import main as zero_estimate
+from zero_core.estimate.working_set import working_bytes
 from zero_core.offload import swap_file
 
 WORLD_SIZE = 2
@@ -101,9 +109,11 @@ class Case(NamedTuple):
     params: str  # offload_params (stage 3)
     dtype: str = "bf16"
     fraction: float = 1.0
+    gradients: bool = True  # offload_gradients: they follow the optimizer's tier
 
     def __str__(self) -> str:
         tail = "" if self.fraction == 1 else f"-f{self.fraction:g}"
+        tail += "" if self.gradients else "-grads:device"
         return f"s{self.stage}-opt:{self.optimizer}-par:{self.params}-{self.dtype}{tail}"
 
 
@@ -113,8 +123,9 @@ class Tiers(NamedTuple):
     disk: float
 
 
-def measure(case: Case, offload_dir: Path) -> list[Tiers]:
-    """Each rank's device, host and disk bytes after two steps of ``case``."""
+def measure(case: Case, offload_dir: Path, in_flight: list[int] | None = None) -> list[Tiers]:
+    """Each rank's device, host and disk bytes after two steps of ``case`` (and into
+    ``in_flight``, where given, each rank's reported ``gradients_in_flight``)."""
 
     def body(comm: Communicator) -> Tiers:
         model = SmallTransformer()
@@ -125,6 +136,7 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
             offload_optimizer=case.optimizer,
             offload_params=case.params,
             offload_fraction=case.fraction,
+            offload_gradients=case.gradients,
             offload_dir=str(offload_dir),
             **SETTINGS,
         )
@@ -141,6 +153,8 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
             report = engine.memory_report()
         finally:
             engine.close()
+        if in_flight is not None:
+            in_flight.append(report.gradients_in_flight)
         return Tiers(report.model_states, report.host, report.disk)
 
     return run_simulated(WORLD_SIZE, body)
@@ -148,6 +162,14 @@ def measure(case: Case, offload_dir: Path) -> list[Tiers]:
 
 def estimate(case: Case, *, optimizer: str | None = None, params: str | None = None) -> Tiers:
     """zero-estimate's row for ``case.stage`` (with other tiers where given)."""
+    row = estimate_row(case, optimizer=optimizer, params=params)
+    return Tiers(row["device"], row["host"] or 0.0, row["disk"] or 0.0)
+
+
+def estimate_row(
+    case: Case, *, optimizer: str | None = None, params: str | None = None
+) -> dict[str, Any]:
+    """zero-estimate's --json row for ``case.stage``."""
     argv = [
         "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
         "--optimizer", "adam", "--offload-optimizer", optimizer or case.optimizer,
@@ -156,12 +178,13 @@ def estimate(case: Case, *, optimizer: str | None = None, params: str | None = N
         "--offload-buffer-count", str(SETTINGS["offload_buffer_count"]),
         "--bucket-numel", str(SETTINGS["bucket_numel"]),
         "--prefetch-numel", str(SETTINGS["prefetch_numel"]), "--json",
+        *([] if case.gradients else ["--no-offload-gradients"]),
     ]  # fmt: skip
     out = StringIO()
     with redirect_stdout(out):
         zero_estimate(argv)
-    row = json.loads(out.getvalue())[str(case.stage)]
-    return Tiers(row["device"], row["host"] or 0.0, row["disk"] or 0.0)
+    row: dict[str, Any] = json.loads(out.getvalue())[str(case.stage)]
+    return row
 
 
 def within(measured: Tiers, estimated: Tiers) -> bool:
@@ -182,10 +205,19 @@ def table(case: Case, measured: list[Tiers], estimated: Tiers) -> str:
 
 
 def check(case: Case, offload_dir: Path) -> None:
-    measured = measure(case, offload_dir)
+    in_flight: list[int] = []
+    measured = measure(case, offload_dir, in_flight)
     estimated = estimate(case)
     for tiers in measured:
         assert within(tiers, estimated), table(case, measured, estimated)
+    # The device bound the engine reports for offloaded gradients on their way out is
+    # within the estimate's working memory for gradient buckets (and 0 when none leave).
+    offloaded = case.gradients and case.optimizer != "none" and case.stage >= 2
+    bound = estimate_row(case)["working_parts"]["gradient_buckets"]
+    assert all((0 < held <= bound) if offloaded else held == 0 for held in in_flight), (
+        in_flight,
+        bound,
+    )
     # Only this case's tiers predict it: any other combination misses by more than 10%.
     params_tiers = TIERS if case.stage == 3 else ("none",)
     for optimizer, params in itertools.product(TIERS, params_tiers):
@@ -197,9 +229,12 @@ def check(case: Case, offload_dir: Path) -> None:
             )
 
 
-# Every tier of each kind, each kind of disk tier, both dtypes, a fraction (default run).
+# Every tier of each kind, each kind of disk tier, both dtypes, a fraction, gradients
+# following the optimizer's tier (the default) and kept on the device (default run).
 DEFAULT_CASES = [
     Case(3, "disk", "disk"),
+    Case(3, "disk", "disk", gradients=False),
+    Case(2, "cpu", "none", gradients=False),
     Case(3, "cpu", "disk"),
     Case(3, "disk", "cpu"),
     Case(3, "none", "cpu", "fp32"),
@@ -207,13 +242,22 @@ DEFAULT_CASES = [
     Case(1, "cpu", "none"),
     Case(2, "cpu", "none", "bf16", 0.5),
 ]
-ALL_CASES = [
-    Case(stage, optimizer, params, dtype)
-    for dtype in ("bf16", "fp32")
-    for stage in (1, 2, 3)
-    for optimizer in TIERS
-    for params in (TIERS if stage == 3 else ("none",))
-] + [Case(stage, "disk", "none", "bf16", 0.5) for stage in (1, 2, 3)]
+ALL_CASES = (
+    [
+        Case(stage, optimizer, params, dtype)
+        for dtype in ("bf16", "fp32")
+        for stage in (1, 2, 3)
+        for optimizer in TIERS
+        for params in (TIERS if stage == 3 else ("none",))
+    ]
+    + [Case(stage, "disk", "none", "bf16", 0.5) for stage in (1, 2, 3)]
+    + [
+        Case(stage, optimizer, "none", dtype, gradients=False)
+        for dtype in ("bf16", "fp32")
+        for stage in (2, 3)
+        for optimizer in ("cpu", "disk")
+    ]
+)
 SLOW_CASES = [case for case in ALL_CASES if case not in DEFAULT_CASES]
 
 
@@ -253,4 +297,199 @@ def test_the_report_counts_all_host_memory_of_the_disk_tiers(
         f"host memory of {WORLD_SIZE} ranks: the report counts {reported} bytes; the staging "
         f"buffers are estimated at {WORLD_SIZE * estimated.host:.0f} and the swap files "
         f"allocated {sum(allocated)} more ({len(allocated)} buffers)"
+    )
+
+
+class DiskTraffic(NamedTuple):
+    """Bytes one rank moved between host memory and disk in one step."""
+
+    states_read: float  # masters and optimizer states (and gradients on disk), read
+    states_written: float  # the same, written
+    params_read: float  # stage 3: parameter shards read for their gathers
+
+
+def measure_disk_traffic(
+    case: Case, offload_dir: Path, accumulation: int = 1, clip: float | None = None
+) -> list[DiskTraffic]:
+    """Each rank's swap-file traffic during its second step (the first records the
+    gather order that prefetching and the backward head follow), from the engine's own
+    counters: swapped_tiles' bytes read and written, parameter shards' bytes read."""
+
+    def body(comm: Communicator) -> DiskTraffic:
+        model = SmallTransformer()
+        config = zero_core.ZeroConfig(
+            stage=case.stage, param_dtype=CONFIG_DTYPES[case.dtype], persistence_threshold=0,
+            offload_optimizer=case.optimizer, offload_params=case.params,
+            offload_fraction=case.fraction, offload_gradients=case.gradients,
+            offload_dir=str(offload_dir), gradient_accumulation_steps=accumulation,
+            clip_grad_norm=clip, **SETTINGS,
+        )  # fmt: skip
+        engine = zero_core.initialize(model, torch.optim.Adam(model.parameters()), config, comm)
+        swap = getattr(engine.masters, "swap", None)
+        store = getattr(engine.compute_params, "store", None)
+        generator = torch.Generator().manual_seed(comm.rank)
+        try:
+            for step in range(2):
+                if step == 1:
+                    counted = [swap, getattr(store, "bytes_read", None) is not None and store]
+                    for counter in (c for c in counted if c):
+                        counter.bytes_read = 0
+                    if swap is not None:
+                        swap.bytes_written = 0
+                for _ in range(accumulation):
+                    tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)  # (B, T)
+                    logits = engine(tokens)  # (B, T, V)
+                    target = torch.roll(tokens, 1, dims=1).reshape(-1)
+                    loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), target)
+                    engine.backward(loss)
+                assert engine.step()
+        finally:
+            engine.close()
+        return DiskTraffic(
+            swap.bytes_read if swap is not None else 0,
+            swap.bytes_written if swap is not None else 0,
+            store.bytes_read if store is not None else 0,
+        )
+
+    return run_simulated(WORLD_SIZE, body)
+
+
+@pytest.mark.parametrize(
+    ("case", "accumulation", "clip"),
+    [
+        (Case(3, "disk", "disk"), 1, None),
+        (Case(3, "disk", "disk", gradients=False), 1, None),
+        (Case(2, "disk", "none", "fp32"), 3, None),
+        (Case(2, "disk", "none"), 2, 1.0),
+        (Case(3, "cpu", "disk"), 1, None),
+    ],
+    ids=str,
+)  # fmt: skip
+def test_zero_estimate_predicts_the_disk_links_bytes(
+    case: Case, accumulation: int, clip: float | None, tmp_path: Path
+) -> None:
+    """zero-estimate's host <-> disk bytes per step (zero_core.estimate.offload_traffic)
+    against the engine's counters, within 10% (the same padding as above): the optimizer
+    tier's tiles read once and written once per step (float32 master and Adam's two
+    moments: 12 bytes per element), the gradients where they follow the optimizer
+    (written every micro-step, read back by every later one, by the non-finite check,
+    by clipping's norm and by the step), and at stage 3 every parameter shard read for
+    its forward gather (backward's are the backward head here: the default
+    backward_head_numel covers this model, so forward keeps every unit gathered for it).
+    The parameter shards' writes after the step have no counter in the engine, so they
+    are not compared."""
+    measured = measure_disk_traffic(case, tmp_path, accumulation, clip)
+    argv = [
+        "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
+        "--offload-optimizer", case.optimizer, "--offload-params", case.params,
+        "--bucket-numel", str(SETTINGS["bucket_numel"]),
+        "--prefetch-numel", str(SETTINGS["prefetch_numel"]), "--json",
+        *([] if case.gradients else ["--no-offload-gradients"]),
+        "--accumulation", str(accumulation), *([] if clip is None else ["--clip"]),
+    ]  # fmt: skip
+    out = StringIO()
+    with redirect_stdout(out):
+        zero_estimate(argv)
+    links = json.loads(out.getvalue())[str(case.stage)]["links"]
+    read, written = links["disk_to_host"], links["host_to_disk"]
+    estimated = DiskTraffic(
+        read["optimizer_states"] + read["gradients"],
+        written["optimizer_states"] + written["gradients"],
+        read["parameters"],
+    )
+    assert estimated.states_read > 0 or case.optimizer != "disk"
+    assert estimated.params_read > 0 or case.params != "disk"
+    for rank, traffic in enumerate(measured):
+        assert within(Tiers(*traffic), Tiers(*estimated)), (
+            f"{case}, rank {rank}: measured {traffic}, estimated {estimated}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("stage", "n", "in_flight", "reduce_dtype", "tier"),
+    [(2, 2, 2, None, "cpu"), (3, 3, 1, None, "cpu"), (2, 3, 3, "float32", "disk"),
+     (3, 2, 2, "float32", "none")],
+)  # fmt: skip
+def test_the_gradient_buckets_working_memory_bounds_the_pool(
+    stage: int, n: int, in_flight: int, reduce_dtype: str | None, tier: str
+) -> None:
+    """zero-estimate's device working memory for gradient buckets (working_set: M + 1
+    buckets of staging, receive rows and reduced slice, each up to its pool size class)
+    bounds the most the communicator's pool held at any take over two steps, whatever
+    the tier the gradients go to. It is stage 2's documented worst case; these models (7
+    layers of 200 x 200, buckets of 2^16, so every bucket holds whole parameters) reach
+    45-57% of it, so the estimate is also held to at least 40%: one twice too loose fails."""
+    bucket = 2**16
+    case = ParityCase(
+        widths=(64, 200, 200, 200, 200, 200, 200, 64), dtype="bfloat16", bucket_numel=bucket,
+        reduce_dtype=reduce_dtype, offload_optimizer=tier, sub_group_numel=2**12,
+    )  # fmt: skip
+
+    def body(comm: Communicator) -> int:
+        engine = build_engine(case, comm, stage, {"max_buckets_in_flight": in_flight})
+        peak, take = [0], comm.buffers.take
+
+        def take_and_watch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            buffer = take(numel, dtype)
+            peak[0] = max(peak[0], comm.buffers.bytes_held)
+            return buffer
+
+        comm.buffers.take = take_and_watch  # type: ignore[method-assign]
+        try:
+            for _ in range(2):
+                x, t = micro_batch(case, comm.rank)
+                engine.backward(loss_of(case, engine(x.to(torch.bfloat16)), t))
+                engine.step()
+        finally:
+            engine.close()
+        return peak[0]
+
+    held = max(run_simulated(n, body))
+    estimated = working_bytes(
+        stage, n, param_bytes=2, grad_bytes=4 if reduce_dtype else 2, bucket_numel=bucket,
+        max_buckets_in_flight=in_flight,
+    ).gradient_buckets  # fmt: skip
+    assert 0.4 * estimated <= held <= estimated, (held, estimated)
+
+
+@pytest.mark.parametrize(
+    ("case", "accumulation"),
+    [(Case(2, "cpu", "none"), 2), (Case(3, "disk", "disk", "fp32"), 1)],
+    ids=str,
+)  # fmt: skip
+def test_zero_estimate_predicts_the_gradients_device_to_host_bytes(
+    case: Case, accumulation: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gradients' device -> host bytes per step (offload_traffic: each micro-step's
+    reduced slices, g bytes per element of the rank's shard) against what the gradient
+    tier hands to its one device-to-host call site (gradient_tier.to_host), within 10%:
+    two steps of both ranks, the same every step."""
+    from zero_core.offload import gradient_tier
+
+    copied: list[int] = []
+    original = gradient_tier.to_host
+
+    def counted(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        copied.append(values.numel() * values.element_size())
+        return original(values, out)
+
+    monkeypatch.setattr(gradient_tier, "to_host", counted)
+    measure_disk_traffic(case, tmp_path, accumulation)
+    measured = sum(copied) / (2 * WORLD_SIZE)
+    argv = [
+        "--params", str(PSI), "--world-size", str(WORLD_SIZE), "--dtype", case.dtype,
+        "--offload-optimizer", case.optimizer, "--offload-params", case.params,
+        "--bucket-numel", str(SETTINGS["bucket_numel"]), "--accumulation", str(accumulation),
+        "--json",
+    ]  # fmt: skip
+    out = StringIO()
+    with redirect_stdout(out):
+        zero_estimate(argv)
+    estimated = json.loads(out.getvalue())[str(case.stage)]["links"]["device_to_host"]
+    assert estimated["gradients"] == pytest.approx(
+        accumulation * (2 if case.dtype == "bf16" else 4) * PSI / WORLD_SIZE
+    )
+    assert abs(measured - estimated["gradients"]) <= TOLERANCE * estimated["gradients"], (
+        measured,
+        estimated,
     )

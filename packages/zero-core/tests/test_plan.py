@@ -30,10 +30,10 @@ from zero_core.plan import (
     parse_quantity,
     plan,
     predict,
+    terms,
     workload_from_gpt,
     workload_from_hf_config,
 )
-from zero_core.plan import terms
 from zero_core.plan.command import main as plan_main
 from zero_core.plan.presets import emulated_cluster, preset, this_machine
 from zero_core.plan.traffic import phase_bytes, step_buckets
@@ -143,8 +143,15 @@ def test_memory_is_estimates_plus_working_set(stage: int) -> None:
     w = gpt()
     config = PlanConfig(stage=stage)
     m = memory_bytes(w, config, 32)
-    states = tiered_state_bytes(w.params, 32, stage, optimizer_state_bytes=12, param_bytes=2,
-                                grad_bytes=2, largest_param_numel=w.vocab_size * w.width)  # fmt: skip
+    states = tiered_state_bytes(
+        w.params,
+        32,
+        stage,
+        optimizer_state_bytes=12,
+        param_bytes=2,
+        grad_bytes=2,
+        largest_param_numel=w.vocab_size * w.width,
+    )
     acts = activation_bytes(w.shape(32), dtype_bytes=2)
     assert m.model_states_device == states.device
     assert m.activations == acts.peak
@@ -153,12 +160,16 @@ def test_memory_is_estimates_plus_working_set(stage: int) -> None:
 
 
 def test_gradient_offload_moves_the_gradient_shard() -> None:
-    """With the optimizer's tier and offload_gradients, stage 2 keeps no gradient shard on
-    the device; without offload_gradients it does."""
+    """With the optimizer's tier and offload_gradients, stage 2 keeps at most one landed
+    bucket slice of its gradient shard g Ψ/N on the device (estimate's rule); without
+    offload_gradients all of it."""
     w = gpt()
     on = memory_bytes(w, PlanConfig(stage=2, offload_optimizer="cpu"), 8)
-    off = memory_bytes(w, PlanConfig(stage=2, offload_optimizer="cpu", offload_gradients=False), 8)
-    assert off.model_states_device - on.model_states_device == pytest.approx(2 * w.params / 8)
+    kept = PlanConfig(stage=2, offload_optimizer="cpu", offload_gradients=False)
+    off = memory_bytes(w, kept, 8)
+    moved = off.model_states_device - on.model_states_device
+    largest_slice = max(2**22, w.vocab_size * w.width) / 8  # the embedding's bucket
+    assert 2 * (w.params / 8 - largest_slice) <= moved <= 2 * w.params / 8
     assert on.host > off.host
 
 
@@ -263,8 +274,18 @@ def test_quantities_and_cluster_json(tmp_path: Path) -> None:
 def test_hugging_face_config(tmp_path: Path) -> None:
     """GPT-2's config.json gives zero-train's gpt2 parameter count."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12, "n_embd": 768,
-                                "n_head": 12, "vocab_size": 50257, "n_positions": 1024}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 12,
+                "n_embd": 768,
+                "n_head": 12,
+                "vocab_size": 50257,
+                "n_positions": 1024,
+            }
+        )
+    )
     assert workload_from_hf_config(path).params == workload_from_gpt("gpt2").params
 
 

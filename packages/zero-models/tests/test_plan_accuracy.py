@@ -67,8 +67,20 @@ def zero_train_flags(config: PlanConfig, swap: Path) -> list[str]:
 def measured_step(flags: list[str], out: Path) -> float:
     """zero-train's median step_s after two warm-up steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "zero_models.train", *flags, "--steps", str(STEPS),
-               "--out", str(out), "--overwrite", "--no-final-save", "--sample-tokens", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "zero_models.train",
+        *flags,
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--no-final-save",
+        "--sample-tokens",
+        "0",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -172,6 +172,16 @@ def test_reduce_dtype_reaches_the_engines_config(tmp_path: Path) -> None:
     assert run_zero_config(parse_options([*out, "--dtype", "bf16"])).reduce_dtype is None
 
 
+def test_no_offload_gradients_keeps_them_on_the_device(tmp_path: Path) -> None:
+    """Gradients follow --offload-optimizer by default; --no-offload-gradients keeps them."""
+    from zero_models.train_options import parse_options, run_zero_config
+
+    run = ["--out", str(tmp_path / "o"), "--stage", "2", "--offload-optimizer", "cpu"]
+    assert run_zero_config(parse_options(run)).gradients_offloaded
+    kept = run_zero_config(parse_options([*run, "--no-offload-gradients"]))
+    assert kept.offload_gradients is False and not kept.gradients_offloaded
+
+
 def test_tensor_parallel_times_data_parallel_run(tmp_path: Path) -> None:
     """TP 2 x DP 2 with P_a: the per-phase memory table reports each rank's checkpoints,
     half of a whole block input per layer (2 layers x 2 sequences x 32 tokens x 32 wide /

@@ -206,6 +206,12 @@ class AllReducedGradients:
         """Bytes the gradients take (held all the time: p.grad views into them)."""
         return tensor_bytes(self.tensors())
 
+    # Stage 0 never offloads: its whole gradients are all-reduced on the device.
+    host_bytes = 0
+
+    def in_flight_bytes(self) -> int:
+        return 0
+
 
 def restore_grad_view(slot: ParamSlot) -> None:
     """Make ``slot.param.grad`` the engine's flat-buffer view again (stages 0 and 1 keep

@@ -18,7 +18,8 @@ slots --plan_units (sharded parameters)--> fetch unit per slot
 parameters (replicated | sharded; shards in a tier)
 masters (separate | aliased to parameters | offloaded tile by tile: offload_build)
       <-- take_initial_state: rank 0's values, one parameter at a time -->
-gradients (all-reduced | reduce-scattered from buffers | from hooks)
+gradients (all-reduced | reduce-scattered from buffers | from hooks; slices following
+      the offloaded masters' tiers: offload.gradient_tier)
 module hooks (stage 3)
 """
 
@@ -261,6 +262,7 @@ def build_components(
             reduce_order=parameters.reduce_order(),
             reduction=reduction if reduction is not None else per_micro_step,
             across_replicas=None if reduction is not None else at_boundary,
+            offloaded_masters=masters if isinstance(masters, OffloadedMasters) else None,
         )
         scattered.gradient_listeners.append(parameters.gradient_arrived)
         gradients = scattered

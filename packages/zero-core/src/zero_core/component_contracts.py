@@ -223,7 +223,16 @@ class GradientComponent(Protocol):
         ...
 
     def step_bytes(self) -> int:
-        """The gradient bytes held at the step."""
+        """The gradient bytes held on the device at the step."""
+        ...
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of gradients offloaded to host memory (offload_gradients)."""
+        ...
+
+    def in_flight_bytes(self) -> int:
+        """The device bound of offloaded gradients on their way out; 0 when none are."""
         ...
 
 

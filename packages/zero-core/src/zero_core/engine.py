@@ -71,7 +71,7 @@ from .gradient_checks import (
 from .initial_state import whole_tensors
 from .memory.host_heap import StepHeapRelease, release_free_heap
 from .memory.report import MemoryReport, tensor_bytes
-from .reduced_gradient import GroupGradient, pieces_of
+from .reduced_gradient import GroupGradient, divide_away, pieces_of
 from .stage_policy import ParameterPlacement
 from .state_dict_reads import engine_reads
 
@@ -300,6 +300,7 @@ class Engine:
                 denominator,
                 self.config.bucket_numel,
             )
+            finite = divide_away(gradients, denominator) and finite  # offloaded slices
             overflow = self.gradients.any_rank(not finite)
             if self.model_parallel is not None:
                 overflow = any_model_parallel_rank(self.model_parallel, overflow)
@@ -571,9 +572,13 @@ class Engine:
         under ``parameters``; at stage 3 ``parameters`` counts the compute shards, the
         persistent unit, the units gathered now and the frozen parameters. ``gradients``
         counts what the step holds: at stages 2 and 3 (and 1 with accumulation) the
-        gradient shard has storage only from backward to the step (shard_gradient.py)."""
+        gradient shard has storage only from backward to the step (shard_gradient.py).
+        Offloaded gradient slices (``offload_gradients``) count under ``host`` (their
+        accumulators) or ``disk`` (their blocks in the swap files); ``gradients`` then
+        counts only the most of them landed on the device at once, and
+        ``gradients_in_flight`` the device bound of their way out (offload.gradient_tier)."""
         device_states, host, disk = self.masters.tier_bytes(self.optimizer)
-        host += self.compute_params.host_bytes
+        host += self.compute_params.host_bytes + self.gradients.host_bytes
         disk += self.compute_params.disk_bytes
         return MemoryReport(
             parameters=tensor_bytes(self.compute_params.report_tensors(self.module)),
@@ -586,6 +591,7 @@ class Engine:
             comm_buffers=self.comm.buffers.bytes_held,
             host=host,
             disk=disk,
+            gradients_in_flight=self.gradients.in_flight_bytes(),
         )
 
     def close(self) -> None:

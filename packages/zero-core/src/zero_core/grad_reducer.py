@@ -72,6 +72,9 @@ class GradBucket(Bucket):
     # with the first reduced slice of a step: reduced_gradient.materialize)
     target: torch.Tensor
     full_buffer: torch.Tensor | None = None  # stage 1: the full-gradient bucket (p.grad views)
+    # Offloaded (offload.gradient_tier): on_reduced copies the slice out and frees the
+    # target after every micro-step, so every landing materializes and copies, never adds.
+    drained: bool = False
     # The elements no parameter slot covers (alignment padding, and any parameter the
     # table does not hold): zeroed when the staging is taken. A slot's own region is
     # written by its gradient's copy, or zeroed if it has none, so the staging is never
@@ -380,11 +383,12 @@ class BucketReducer:
         for index, within, piece in launched.members:
             bucket = self.buckets[index]
             if launched.out is not None:
-                if self._first:  # a ShardGradient piece has storage from its first slice
+                fresh = self._first or bucket.drained  # drained: emptied after each landing
+                if fresh:  # a ShardGradient piece has storage from its first slice
                     materialize(bucket.target)
                 target = bucket.target[piece.start : piece.stop]
                 source = launched.out[within.start : within.stop]
-                if self._first:
+                if fresh:
                     target.copy_(source)
                 else:
                     target.add_(source)

@@ -27,6 +27,14 @@ shard is held between steps.
 Hybrid sharding with a native communicator and accumulation: buckets are reduced inside
 the shard group only, and ``float32_gradients`` (the boundary) first all-reduces each
 accumulated shard across the replicas, in pieces of at most ``bucket_numel``.
+
+Gradient offload (``config.gradients_offloaded``, sharded placement): the slices of the
+buckets whose master tiles are all in host memory or on disk leave the device as they
+land (offload.gradient_tier) and are *away* pieces of the shard. Not for full buffers
+(stage 1): its full gradient buckets stay on the device whatever happens to the reduced
+slice, so moving the slice would save at most 1/N of what the device holds for
+gradients; nor with hybrid sharding's boundary sum across replicas (it all-reduces the
+accumulated shard on the device).
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ from .grad_norm import row_sums_of_squares
 from .grad_reducer import BucketReducer, GradBucket, ScatterReduction
 from .group_layout import GroupLayout
 from .memory.report import tensor_bytes
+from .offload.gradient_tier import GradientTier
+from .offload.masters import OffloadedMasters
 from .param_table import ParamSlot, ParamTable
-from .reduced_gradient import GroupGradient, ShardGradient, pieces_of, unallocated
+from .reduced_gradient import GroupGradient, ShardGradient, unallocated
 
 
 class ReduceScatteredGradients:
@@ -66,7 +76,10 @@ class ReduceScatteredGradients:
         reduce_order: tuple[list[int], list[str]] | None = None,
         reduction: ScatterReduction | None = None,
         across_replicas: Communicator | None = None,
+        offloaded_masters: OffloadedMasters | None = None,
     ) -> None:
+        """``offloaded_masters``: the masters' tiers, which the gradients follow where
+        ``config.gradients_offloaded`` (module docstring)."""
         self.slots = slots
         self.layouts = layouts
         self.dtype = dtype
@@ -86,9 +99,24 @@ class ReduceScatteredGradients:
         self.grad_shards: list[ShardGradient] = []
         if not full_buffers or self.accumulating:
             self.grad_shards = [
-                ShardGradient([b.target for b in group], [b.local_offset for b in group])
+                ShardGradient(
+                    [b.target for b in group],
+                    [b.local_offset for b in group],
+                    device_type=comm.device.type,
+                )
                 for group in self.buckets.groups
             ]
+        self.tier: GradientTier | None = None
+        if (
+            config.gradients_offloaded
+            and offloaded_masters is not None
+            and not full_buffers
+            and across_replicas is None
+        ):
+            self.tier = GradientTier(
+                list(self.buckets), self.grad_shards, offloaded_masters, dtype, comm.device,
+                config.offload_pin_memory,
+            )  # fmt: skip
         launch_order, labels = reduce_order or (None, None)
         # Full buffers can wait for the end of backward (a reentrant checkpoint's second
         # gradient then adds in place); sharded gradients cannot, they are freed as they come.
@@ -103,6 +131,9 @@ class ReduceScatteredGradients:
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
             reduction=reduction, coalesce_numel=config.coalesce_limit,
         )  # fmt: skip
+        if self.tier is not None:
+            self.tier.reduced_together(self.reducer.groups)
+            self.reducer.on_reduced = self.tier.landed  # each bucket, as it lands
         # Called with each slot whose gradient a hook handed over (stage 3 frees units).
         self.gradient_listeners: list[Callable[[ParamSlot], None]] = []
         self._accepting = False  # inside engine.backward: hooks hand gradients over
@@ -148,6 +179,8 @@ class ReduceScatteredGradients:
 
     # -------------------------------------------------------------- the step
     def before_backward(self, first_micro_step: bool, label: str) -> None:
+        if self.tier is not None:
+            self.tier.first = first_micro_step
         self.reducer.begin(first_micro_step, label)
         self._accepting = self._hooked
 
@@ -215,13 +248,29 @@ class ReduceScatteredGradients:
     def row_sums(self, gradients: list[GroupGradient]) -> torch.Tensor:
         """Every rank's BLOCK rows, gathered, then listed in parameter order (the order
         stage 0 uses) whatever the bucketing (a bucket slice is whole BLOCK rows)."""
-        local = [row_sums_of_squares(p) for g in gradients for p in pieces_of(g) if p.numel()]
+        local = [row_sums_of_squares(p) for p in self._row_pieces(gradients) if p.numel()]
         if not local:
             return torch.zeros(0, device=self.comm.device)
         local_rows = torch.cat(local)
         everyone = local_rows.new_empty(self.comm.world_size * local_rows.numel())
         self.comm.all_gather(everyone, local_rows)
         return everyone[self._canonical_row_order()]
+
+    def _row_pieces(self, gradients: list[GroupGradient]) -> list[torch.Tensor]:
+        """Every bucket slice of ``gradients`` on the device, in order: an away slice is
+        read back and copied to the device, one at a time, so its rows are summed by the
+        device's kernel as its resident twin's would be."""
+        out: list[torch.Tensor] = []
+        for g in gradients:
+            if not isinstance(g, ShardGradient):
+                out.append(g)
+                continue
+            for k, piece in enumerate(g.pieces):
+                if k in g.away:
+                    out.append(g.away_values(k).to(self.comm.device))
+                else:
+                    out.append(piece)
+        return out
 
     def _canonical_row_order(self) -> torch.Tensor:
         order = getattr(self, "_row_order", None)
@@ -249,6 +298,8 @@ class ReduceScatteredGradients:
             drop_grad_views(self.slots)
         for shard in self.grad_shards:
             shard.release()
+        if self.tier is not None:
+            self.tier.release()
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradient tensors (a shard's pieces have storage only from backward to step)."""
@@ -258,7 +309,21 @@ class ReduceScatteredGradients:
         return held
 
     def step_bytes(self) -> int:
-        """Bytes the gradients take from backward to the step (the paper's gradient term:
-        the shards count whole, held or not now)."""
+        """Device bytes the gradients take from backward to the step (the paper's gradient
+        term: the shards count whole, held or not now; offloaded slices only by the most
+        of them landed at once, ``GradientTier.landed_bytes``)."""
         full = tensor_bytes(b.full_buffer for b in self.buckets if b.full_buffer is not None)
-        return full + sum(shard.nbytes() for shard in self.grad_shards)
+        landed = 0 if self.tier is None else self.tier.landed_bytes
+        return full + sum(shard.nbytes() for shard in self.grad_shards) + landed
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of offloaded gradient slices (disk tiles' blocks are swap files)."""
+        return 0 if self.tier is None else self.tier.host_bytes
+
+    def in_flight_bytes(self) -> int:
+        """The device bound of the offloaded gradients (``GradientTier.in_flight_bytes``
+        over ``max_buckets_in_flight``); 0 when none are offloaded."""
+        if self.tier is None or not self.tier.homes:
+            return 0
+        return self.tier.in_flight_bytes(self.config.max_buckets_in_flight)

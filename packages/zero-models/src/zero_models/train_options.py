@@ -116,6 +116,11 @@ def parser() -> argparse.ArgumentParser:
         help="stage 3: where each rank's parameter shards live between uses",
     )  # fmt: skip
     p.add_argument(
+        "--no-offload-gradients", dest="offload_gradients", action="store_false",
+        help="keep reduced gradients on the device when --offload-optimizer moves the "
+        "optimizer (by default they follow its tier, at stages 2 and 3)",
+    )  # fmt: skip
+    p.add_argument(
         "--offload-dir", type=Path, metavar="DIR",
         help="folder of the swap files of the disk tiers (checked for space before training)",
     )  # fmt: skip
@@ -313,6 +318,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "clip_grad_norm": args.clip or None,
         "offload_optimizer": args.offload_optimizer,
         "offload_params": args.offload_params,
+        "offload_gradients": args.offload_gradients,
         "offload_dir": None if args.offload_dir is None else str(args.offload_dir),
         **hierarchy_settings(args),
         **(fused if args.optimizer_in_backward else {}),

@@ -197,6 +197,15 @@ class ZeroConfig:
     offload_io_threads: threads reading and writing swap files.
     offload_pin_memory: pin host buffers when the device is a GPU (falls back, with one
         warning, where pinning fails).
+    offload_gradients: at stages 2 and 3 with ``offload_optimizer`` "cpu" or "disk", each
+        bucket's reduced gradient slice leaves the device as soon as it lands, for the
+        tier of the tiles it belongs to (host memory, or the disk pipeline beside the
+        master and states), in ``gradient_dtype`` and accumulated there: the device then
+        holds only the reductions in flight (``max_buckets_in_flight``), with the same
+        bits (docs/offload.md, "The gradient tier"). False keeps them on the device, as
+        before (for comparisons). No effect without ``offload_optimizer``, nor at stage 1
+        (its full gradient buffers stay on the device anyway). zero-train:
+        ``--no-offload-gradients``.
     shard_group_size: stages 1-3: hybrid sharding (MiCS, FSDP's HSDP): model states are
         partitioned over shard groups of this many consecutive ranks and replicated over
         the N / size groups; gradients are reduced within the group, then across the
@@ -270,6 +279,7 @@ class ZeroConfig:
     offload_buffer_count: int = 4
     offload_io_threads: int = 4
     offload_pin_memory: bool = True
+    offload_gradients: bool = True
     shard_group_size: int | None = None
     hierarchical_gather: bool = False
     hpz_partition_size: int = 1
@@ -360,10 +370,9 @@ class ZeroConfig:
             or not (0.0 <= fraction <= 1.0)
         ):
             raise ValueError(f"offload_fraction={fraction!r} must be a number in [0, 1]")
-        if not isinstance(self.offload_pin_memory, bool):
-            raise ValueError(
-                f"offload_pin_memory={self.offload_pin_memory!r} must be True or False"
-            )
+        for name in ("offload_pin_memory", "offload_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         wrong_stage = offload_stage_error(self.stage, self.offload_optimizer, self.offload_params)
         if wrong_stage:
             raise ValueError(wrong_stage)
@@ -389,6 +398,12 @@ class ZeroConfig:
         """The dtype gradients are reduced and accumulated in: ``reduce_dtype``, or the
         compute dtype where that is None."""
         return self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
+
+    @property
+    def gradients_offloaded(self) -> bool:
+        """Whether reduced gradient slices leave the device (``offload_gradients`` with an
+        offloaded optimizer at stage 2 or 3)."""
+        return self.offload_gradients and self.offload_optimizer != "none" and self.stage >= 2
 
     @property
     def offloads(self) -> bool:

@@ -9,6 +9,14 @@ zero-estimate --params 124e6 --world-size 4 --dtype fp32 --layers 12 --width 768
 zero-estimate --params 7.5e9 --world-size 64 --ranks-per-node 8 --hpz 8 --quantize-weights \
     --quantize-gradients int4
 zero-estimate --params 1.3e9 --world-size 8 --dtype bf16 --reduce-dtype fp32 --ranks-per-node 8
+zero-estimate --params 13e9 --world-size 1 --dtype fp16 --offload-optimizer cpu
+
+With offload tiers, gradients follow the optimizer's tier at stages 2 and 3 (as
+ZeroConfig.offload_gradients does; --no-offload-gradients keeps them on the device), and
+every stage's row also gives the device's working memory (zero_core.estimate.working_set:
+the gradient buckets in flight and stage 3's gathered units; with a model shape, its
+largest parameter and unit) and the bytes one step moves per rank between device and host
+and between host and disk (zero_core.estimate.offload_traffic).
 
 With --ranks-per-node, every stage's row also gives the bytes one step sends per rank over
 intra-node and inter-node links (zero_core.estimate.link_traffic; zero_comm's ring convention). At
@@ -29,6 +37,7 @@ from typing import Any
 from ..command_line import CommandLineParser
 from ..config.zero_config import (
     DEFAULT_BACKWARD_HEAD_NUMEL,
+    DEFAULT_GATHER_COALESCE_NUMEL,
     DEFAULT_PREFETCH_NUMEL,
     SHORT_DTYPE_NAMES,
     ZeroConfig,
@@ -49,8 +58,10 @@ from .model_states import (
     state_bytes_per_param,
     tiered_state_bytes,
 )
+from .offload_traffic import offload_traffic
+from .table import print_table
+from .working_set import transformer_largest, working_bytes
 
-STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
@@ -118,6 +129,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--prefetch-numel", type=int, default=DEFAULT_PREFETCH_NUMEL,
         help="stage 3: elements gathered ahead; disk-tier parameters are read as many more "
         "ahead, into host buffers (default 2**22)",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--clip", action="store_true",
+        help="clip_grad_norm is set: the norm reads offloaded gradients once more per step",
+    )  # fmt: skip
+    tiers.add_argument(
+        "--no-offload-gradients", action="store_true",
+        help="stages 2-3: keep the gradient shard on the device, not in the optimizer's tier "
+        "(ZeroConfig.offload_gradients=False)",
+    )  # fmt: skip
+    working = parser.add_argument_group("device working memory (bounded buffers)")
+    working.add_argument(
+        "--max-buckets-in-flight", type=int, default=ZeroConfig.max_buckets_in_flight,
+        help="gradient reduce-scatters outstanding at once (default %(default)s)",
+    )  # fmt: skip
+    working.add_argument(
+        "--max-live-numel", type=int, default=ZeroConfig.max_live_numel,
+        help="stage 3: most elements gathered at once by prefetching (default 2**28)",
+    )  # fmt: skip
+    working.add_argument(
+        "--gather-coalesce-numel", type=int, default=DEFAULT_GATHER_COALESCE_NUMEL,
+        help="stage 3: elements of one coalesced all-gather (default 2**18)",
     )  # fmt: skip
     parser.add_argument(
         "--optimizer-in-backward", action="store_true",
@@ -194,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--offload-sub-group-numel, --offload-buffer-count, --bucket-numel: >= 1")
     if args.prefetch_numel < 0:
         parser.error(f"--prefetch-numel must be >= 0, got {args.prefetch_numel}")
+    if args.max_buckets_in_flight < 1:
+        parser.error(f"--max-buckets-in-flight must be >= 1, got {args.max_buckets_in_flight}")
+    if min(args.max_live_numel, args.gather_coalesce_numel) < 0:
+        parser.error("--max-live-numel and --gather-coalesce-numel must be >= 0")
     if args.backward_head_numel < 0:
         parser.error(f"--backward-head-numel must be >= 0, got {args.backward_head_numel}")
     sizes = [args.layers, args.width, args.heads, args.vocab_size, args.tokens]
@@ -218,14 +255,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     width = DTYPE_BYTES[args.dtype]
     if width != 4 and k < 4 and args.offload_optimizer != "none":
         parser.error(f"-K {k:g} has no room for the 4-byte float32 master of {args.dtype}")
-    # The largest parameter of a transformer is its (vocab-parallel) embedding.
-    largest = args.vocab_size * args.width / args.tp if activations is not None else 0
+    # A transformer's largest parameter and fetch unit: its embedding or its MLP's linear.
+    largest, unit = (0.0, 0.0)
+    if activations is not None:
+        largest, unit = transformer_largest(args.vocab_size, args.width, args.tp)
     if args.ranks_per_node is not None:
         problem = _link_options_error(args)
         if problem:
             parser.error(problem)
     _check_hierarchy(parser, args)
     rows = {stage: _row(args, stage, k, width, grad_width, largest) for stage in STAGES}
+    for stage, row in rows.items():
+        row.update(_offload_row(args, stage, k, width, grad_width, largest, unit))
+        row["device_peak"] = row["device"] + row["working"]
     if args.ranks_per_node is not None:
         for stage, row in rows.items():
             row.update(_link_row(args, stage, width, grad_width))
@@ -234,10 +276,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if activations is not None:
             for entry in table.values():
                 entry.update(activations_kept=activations.kept, activations_peak=activations.peak,
-                             step_peak=entry["device"] + activations.peak)  # fmt: skip
+                             step_peak=entry["device_peak"] + activations.peak)  # fmt: skip
         print(json.dumps(table))
         return
-    _print_table(args, k, rows, activations)
+    print_table(args, k, rows, activations)
 
 
 def _row(
@@ -259,13 +301,15 @@ def _row(
         buffer_count=args.offload_buffer_count, bucket_numel=args.bucket_numel,
         largest_param_numel=largest, prefetch_numel=args.prefetch_numel,
         optimizer_in_backward=args.optimizer_in_backward,
+        offload_gradients=not args.no_offload_gradients,
     )  # fmt: skip
     plain = model_state_bytes(
         args.params, shards, stage, optimizer_state_bytes=k, param_bytes=width,
         grad_bytes=grad_width,
     )  # fmt: skip
     parameters = plain.parameters  # in whichever tier
-    gradients = tiered.gradients  # one bucket slice with optimizer_in_backward at stage 3
+    # One bucket slice with optimizer_in_backward at stage 3; float32 where offloaded.
+    gradients = tiered.gradients + tiered.tier_gradients
     optimizer_states = tiered.model_states - parameters - gradients  # + separate masters
     asked = args.offload_optimizer != "none" or args.offload_params != "none"
     applies = optimizer != "none" or params != "none"
@@ -283,7 +327,39 @@ def _row(
         "read_ahead": None if na else tiered.read_ahead,
         "offload_optimizer": optimizer,
         "offload_params": params,
+        "tier_gradients": tiered.tier_gradients,
+        "gradients_tier": optimizer if tiered.tier_gradients else "none",
     }
+
+
+def _offload_row(
+    args: argparse.Namespace, stage: int, k: float, width: int, grad_width: int,
+    largest: float, unit: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One stage's device working memory (``working``; ``device_peak`` adds it to the
+    device's model states) and its bytes per step over the offload links (``links``)."""
+    shards = args.shard_group if stage >= 1 and args.shard_group else args.world_size
+    head = 0 if args.no_backward_head else args.backward_head_numel
+    held = working_bytes(
+        stage, shards, param_bytes=width, grad_bytes=grad_width, bucket_numel=args.bucket_numel,
+        max_buckets_in_flight=args.max_buckets_in_flight, largest_param_numel=largest,
+        largest_unit_numel=unit, prefetch_numel=args.prefetch_numel,
+        max_live_numel=args.max_live_numel, backward_head_numel=head,
+        gather_coalesce_numel=args.gather_coalesce_numel,
+    )  # fmt: skip
+    kept = 0
+    if stage == 3 and not args.no_backward_head:
+        buckets = even_buckets(args.params, args.bucket_numel, shards)
+        kept = sum(backward_head_buckets(buckets, args.backward_head_numel))
+    states = k - (0 if width == 4 else 4)  # s: the optimizer's own, the master apart
+    traffic = offload_traffic(
+        args.params, shards, stage, param_bytes=width, grad_bytes=grad_width,
+        state_bytes=max(states, 0), offload_optimizer=args.offload_optimizer if stage else "none",
+        offload_params=args.offload_params if stage == 3 else "none",
+        offload_fraction=args.offload_fraction, offload_gradients=not args.no_offload_gradients,
+        accumulation_steps=args.accumulation, backward_head_numel=kept, clipping=args.clip,
+    )  # fmt: skip
+    return {"working": held.total, "working_parts": held._asdict(), "links": traffic.as_dict()}
 
 
 def _link_options_error(args: argparse.Namespace) -> str:
@@ -338,59 +414,6 @@ def _link_row(args: argparse.Namespace, stage: int, width: int, grad_width: int)
     )  # fmt: skip
     intra, inter = traffic.per_rank()
     return {"intra_node_bytes": intra, "inter_node_bytes": inter, "backward_head_numel": sum(kept)}
-
-
-def _gb(value: float | None, digits: int) -> str:
-    return "n/a" if value is None else f"{value / 1e9:.{digits}f} GB"
-
-
-def _print_table(
-    args: argparse.Namespace, k: float, rows: dict[int, dict[str, Any]],
-    activations: ActivationBytes | None,
-) -> None:  # fmt: skip
-    print(
-        f"model states per rank, Ψ={args.params:.4g}, N={args.world_size}, "
-        f"{args.dtype} parameters and "
-        + (f"{args.reduce_dtype} " if args.reduce_dtype else "")
-        + f"gradients, K={k:g}"
-        + ("; stage 3 steps the optimizer in backward" if args.optimizer_in_backward else "")
-    )
-    asked = args.offload_optimizer != "none" or args.offload_params != "none"
-    if asked:
-        print(
-            f"tiers: masters and optimizer states {args.offload_optimizer} (fraction "
-            f"{args.offload_fraction:g}, stages 1-3), parameters {args.offload_params} (stage 3)"
-        )
-    digits = 1 if activations is None and not asked else 3
-    extra = activations.peak if activations is not None else 0.0
-    staging = "disk" in (args.offload_optimizer, args.offload_params)
-    header = f"  {'stage':17s} {'device':>13s} {'host':>13s} {'disk':>13s}"
-    print(header + (f" {'(host: staging)':>16s} {'(+ read ahead)':>15s}" if staging else ""))
-    for stage, row in rows.items():
-        line = f"  stage {stage} {STAGE_NAMES[stage]:9s}"
-        line += "".join(f" {_gb(row[t], digits):>13s}" for t in ("device", "host", "disk"))
-        if staging:
-            line += f" {_gb(row['staging'], digits):>16s} {_gb(row['read_ahead'], digits):>15s}"
-        if activations is not None:
-            line += (
-                f"  + activations {extra / 1e9:.3f} GB = {(row['device'] + extra) / 1e9:.3f} GB "
-                "on the device"
-            )
-        if "inter_node_bytes" in row:
-            line += (
-                f"  | per step: {row['intra_node_bytes'] / 1e9:.3f} GB intra-node, "
-                f"{row['inter_node_bytes'] / 1e9:.3f} GB inter-node"
-            )
-        print(line)
-    head = rows[3].get("backward_head_numel", 0)
-    if head:
-        print(f"stage 3's link bytes: backward does not gather again the {head:,} elements of "
-              "the buckets forward keeps for it (--backward-head-numel; --no-backward-head "
-              "for the paper's 3Ψ(N-1)/N)")  # fmt: skip
-    if activations is not None:
-        print(f"activations ({args.checkpoint} checkpointing, TP {args.tp}): "
-              f"{activations.kept / 1e9:.3f} GB kept through forward, "
-              f"{activations.peak / 1e9:.3f} GB at the step's peak")  # fmt: skip
 
 
 if __name__ == "__main__":

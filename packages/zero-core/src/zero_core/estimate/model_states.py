@@ -19,12 +19,24 @@ master without offload) and p, g the parameter and gradient bytes, one rank hold
 
                      device                         host / disk (the tier)
     parameters       p Ψ  (p Ψ / N at stage 3)      stage 3: p Ψ / N with offload_params
-    gradients        g Ψ  (g Ψ / N at stages 2, 3)  -
+    gradients        g Ψ  (g Ψ / N at stages 2, 3)  stages 2, 3, offload_gradients:
+                     (stages 2, 3, offload_grad-      g f S
+                     ients: g (1 - f) S + g T')
     masters + states (4 + s)(1 - f) S               (4 + s) f S
                      (s S: float32, no tier at all)
-    staging          -                              host: B T (4 + s) (optimizer on disk)
+    staging          -                              host: B T (4 + s [+ g]) (optimizer on
+                                                    disk [with its gradients])
     read ahead       -                              host, during forward and backward:
                                                     p min(S, max(T', 2 R / N)) (params)
+
+Gradients follow the optimizer's tier (``offload_gradients``, ZeroConfig's field, True by
+default, as in ZeRO-Offload and DeepSpeed): at stages 2 and 3 each reduced slice of the
+offloaded fraction leaves the device as it lands and is held (accumulated) in its own
+dtype (``gradient_dtype``: g bytes) in host memory or in the swap files, beside its tile's
+master and states; the device then keeps one reduction's landed slices, at most the
+largest bucket slice T' (waiting for their copy out), and the bounded working buffers of
+zero_core.estimate.working_set. Stage 1 keeps its full gradient buffers (that is stage 1)
+whatever the tier.
 
 Offloaded masters are never the parameters' storage: with float32 parameters and any
 tier, the engine keeps a separate float32 master (4 S bytes more than without offload),
@@ -117,6 +129,7 @@ class TieredStateBytes(NamedTuple):
     disk: float
     staging: float
     read_ahead: float = 0.0  # host, while forward and backward run (disk parameters)
+    tier_gradients: float = 0.0  # offloaded gradients, in ``host`` or ``disk``
 
     @property
     def device(self) -> float:
@@ -151,6 +164,7 @@ def tiered_state_bytes(
     largest_param_numel: float = 0,
     prefetch_numel: int = DEFAULT_PREFETCH_NUMEL,
     optimizer_in_backward: bool = False,
+    offload_gradients: bool = False,
 ) -> TieredStateBytes:
     """Per-rank bytes of ``params`` parameters at ``stage`` on ``world_size`` ranks, placed
     in the tiers of ``offload_optimizer`` and ``offload_params`` (ZeroConfig's fields of
@@ -164,6 +178,8 @@ def tiered_state_bytes(
     slices and tiles).
     ``optimizer_in_backward`` (ZeroConfig's field; stage 3 only, no offload tiers): the
     gradients are one bucket slice, :func:`in_backward_gradient_bytes`, not g Psi / N.
+    ``offload_gradients``: ZeroConfig's field (True there; pass the config's): at stages 2
+    and 3 the gradient shard of the offloaded fraction follows ``offload_optimizer``.
     Without offload this is :func:`model_state_bytes` with the master apart."""
     plain = model_state_bytes(
         params, world_size, stage, optimizer_state_bytes=optimizer_state_bytes,
@@ -207,17 +223,26 @@ def tiered_state_bytes(
     if offload_params != "none":
         moved[offload_params] += parameters
         parameters = 0.0
-    staging = 0.0
     slice_numel = _largest_slice(stage, world_size, bucket_numel, largest_param_numel)
+    gradients = plain.gradients
+    tier_gradients = 0.0
+    grads_follow = offload_gradients and offload_optimizer != "none" and stage >= 2
+    if grads_follow:  # the gradient shard's offloaded fraction: the masters' elements
+        tier_gradients = grad_bytes * tiered
+        moved[offload_optimizer] += tier_gradients
+        # On the device: the resident part, and the slices of one reduction landed there
+        # before their copy out (offload.gradient_tier: landed_bytes).
+        gradients = grad_bytes * (resident + min(tiered, slice_numel))
+    staging = 0.0
     if offload_optimizer == "disk" and tiered > 0:
         tile = min(sub_group_numel, slice_numel, tiered)  # the largest tile
         buffers = min(buffer_count, math.ceil(tiered / tile))
-        staging += buffers * tile * (MASTER_BYTES + states)
+        per_element = MASTER_BYTES + states + (grad_bytes if grads_follow else 0)
+        staging += buffers * tile * per_element
     read_ahead = 0.0
     if offload_params == "disk":
         ahead = max(slice_numel, 2 * prefetch_numel / world_size)
         read_ahead = param_bytes * min(shard, ahead)
-    gradients = plain.gradients
     if optimizer_in_backward and stage == 3:
         gradients = in_backward_gradient_bytes(
             params, world_size, grad_bytes, bucket_numel, largest_param_numel
@@ -231,6 +256,7 @@ def tiered_state_bytes(
         disk=moved["disk"],
         staging=staging,
         read_ahead=read_ahead,
+        tier_gradients=tier_gradients,
     )
 
 

@@ -22,6 +22,12 @@ class MemoryReport(NamedTuple):
     comm_buffers: int
     host: int = 0  # offloaded model states and their staging buffers in host memory
     disk: int = 0  # offloaded model states in swap files
+    # Offloaded gradients (ZeroConfig.offload_gradients): the most device bytes they take
+    # on their way to host or disk, (max_buckets_in_flight + 1) x the largest reduction's
+    # slice in the gradient dtype: the reductions in flight (their outputs are pooled, in
+    # comm_buffers) and the landed slices awaiting their copy (in gradients). 0 when the
+    # gradients stay on the device.
+    gradients_in_flight: int = 0
 
     @property
     def model_states(self) -> int:

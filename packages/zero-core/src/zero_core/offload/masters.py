@@ -39,7 +39,7 @@ from ..master_weights import (
 )
 from ..memory.report import tensor_bytes
 from ..param_table import ParamSlot
-from ..reduced_gradient import GroupGradient
+from ..reduced_gradient import GroupGradient, ShardGradient
 from .partial_blocks import PartialBlocks
 from .swapped_tiles import MASTER, ResidentTile, SwappedTiles
 from .tiers import Tier, TileSpec, host_device, host_empty
@@ -118,6 +118,10 @@ class OffloadedMasters:
                 yield spec, a, b
             position += 1
 
+    def disk_index(self, spec: TileSpec) -> int:
+        """The index of disk tile ``spec`` in the swap pipeline."""
+        return self._disk_index[(spec.group, spec.start)]
+
     def _tile(self, spec: TileSpec) -> torch.Tensor:
         return self._tile_of[(spec.group, spec.start)]
 
@@ -184,7 +188,7 @@ class OffloadedMasters:
             state: dict[str, Any] = {**resident_tile.states, **swap.scalars[index]}
             if state:
                 optimizer.state[tile] = state
-            tile.grad = gradients[spec.group][spec.where].to(host_device())
+            tile.grad = _disk_tile_gradient(gradients[spec.group], spec, resident_tile)
             try:
                 with profiler_range("optimizer_step"):
                     optimizer.step()
@@ -206,7 +210,7 @@ class OffloadedMasters:
             swap.scalars[index] = scalars
             updated(spec.group, spec.start, resident_tile.master)
 
-        swap.stream(step_one, write=True, states=True)
+        swap.stream(step_one, write=True, states=True, gradients=True)
 
     def visit(self, updated: TileVisitor) -> None:
         """Hand every tile's values to ``updated``, in tier order."""
@@ -369,3 +373,20 @@ class OffloadedMasters:
     def close(self) -> None:
         if self.swap is not None:
             self.swap.close()
+
+
+def _disk_tile_gradient(
+    gradient: GroupGradient, spec: TileSpec, resident: ResidentTile
+) -> torch.Tensor:
+    """A disk tile's float32 gradient on the host: read with its master and states when
+    it was offloaded (gradient_tier; scaled as the step scaled the rest), else its part
+    of the device gradient, copied."""
+    if isinstance(gradient, ShardGradient) and gradient.away_at(spec.where) is not None:
+        if resident.gradient is None:
+            raise RuntimeError(
+                f"disk tile {resident.index} (group {spec.group}, elements {spec.start}:"
+                f"{spec.stop}) has no gradient block of this step: a bug in the engine's "
+                "gradient bookkeeping; nothing was stepped on it"
+            )
+        return gradient.finished(resident.gradient)
+    return gradient[spec.where].to(host_device())

@@ -2,7 +2,9 @@
 state, streamed through a fixed set of buffers (ZeRO-Infinity's sub-group pipeline).
 
     offload_dir/zero-swap-rank{r}/g{group}.t{tile}.{first parameter}.{key}.swap
-        key "master" (float32) and each optimizer state as large as the tile (exp_avg, ...)
+        key "master" (float32), each optimizer state as large as the tile (exp_avg, ...),
+        and "gradient" (the gradient dtype) when gradients are offloaded: written as the
+        tile's reduced slice lands (gradient_tier), read with the master and states
 
 The step visits the tiles in order through ``offload_buffer_count`` (B) buffers:
 
@@ -33,6 +35,7 @@ from .swap_file import SwapFile, aligned_empty
 from .tiers import TileSpec
 
 MASTER = "master"
+GRAD = "gradient"
 
 
 class ResidentTile:
@@ -40,8 +43,9 @@ class ResidentTile:
     (views of the buffer, ``numel`` elements each)."""
 
     def __init__(
-        self, owner: SwappedTiles, index: int, buffer: dict[str, torch.Tensor], states: bool
-    ) -> None:
+        self, owner: SwappedTiles, index: int, buffer: dict[str, torch.Tensor], states: bool,
+        gradient: bool = False,
+    ) -> None:  # fmt: skip
         self._owner = owner
         self._buffer = buffer
         self.index = index
@@ -49,6 +53,9 @@ class ResidentTile:
         self.master = buffer[MASTER][: self.numel]
         keys = owner.keys[index] if states else []
         self.states = {key: buffer[key][: self.numel] for key in keys}
+        # This step's gradient of the tile, in the gradient dtype, as it was accumulated
+        # (read-only: it is not written back); None when not read.
+        self.gradient = buffer[GRAD][: self.numel] if gradient else None
 
     def keep(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """Make ``value`` (a state as large as the tile) part of what is written back;
@@ -85,6 +92,8 @@ class SwappedTiles:
         self._max_numel = max((spec.numel for spec in specs), default=0)
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in range(buffer_count)]
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="zero-swap")
+        # Per tile: whether this step's gradient is in its GRAD block (gradient_tier).
+        self.gradient_landed = [False] * len(specs)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -123,10 +132,15 @@ class SwappedTiles:
         return buffer[key][:numel]
 
     # -------------------------------------------------------------- pipeline
-    def stream(self, visit: Callable[[ResidentTile], None], *, write: bool, states: bool) -> None:
+    def stream(
+        self, visit: Callable[[ResidentTile], None], *, write: bool, states: bool,
+        gradients: bool = False,
+    ) -> None:  # fmt: skip
         """Call ``visit`` on every tile in order, each resident in a buffer (its master,
-        and its states when ``states``), reading ahead and, with ``write``, writing
-        back behind; see the module docstring. Returns when every write has landed."""
+        and its states when ``states``, and with ``gradients`` its gradient block where
+        this step's gradient landed in one), reading ahead and, with ``write``, writing
+        back behind (masters and states; never the gradient); see the module docstring.
+        Returns when every write has landed."""
         count, slots = len(self.specs), len(self._buffers)
         reads: dict[int, list[Future[None]]] = {}
         writes: dict[int, list[Future[None]]] = {}
@@ -138,6 +152,8 @@ class SwappedTiles:
             buffer = self._buffers[index % slots]
             numel = self.specs[index].numel
             keys = [MASTER, *(self.keys[index] if states else [])]
+            if gradients and self.gradient_landed[index]:
+                keys.append(GRAD)
             reads[index] = [
                 self._pool.submit(
                     self.read,
@@ -163,7 +179,10 @@ class SwappedTiles:
                 with profiler_range("swap.read.wait"):
                     for future in reads.pop(index):
                         future.result()
-                tile = ResidentTile(self, index, self._buffers[index % slots], states)
+                tile = ResidentTile(
+                    self, index, self._buffers[index % slots], states,
+                    gradients and self.gradient_landed[index],
+                )  # fmt: skip
                 visit(tile)
                 if write:
                     writes[index] = [self._pool.submit(self.write, index, MASTER, tile.master)]

@@ -36,11 +36,13 @@ from typing import Any, NamedTuple
 
 from ..config.zero_config import DEFAULT_COALESCE_NUMEL, QGZ_COALESCE_NUMEL
 from ..estimate.activations import block_saved_bytes
+from ..estimate.link_traffic import backward_head_buckets
+from ..estimate.offload_traffic import offload_traffic
 from . import terms
 from .cluster import Cluster
 from .configuration import PlanConfig
 from .memory import MemoryBytes, memory_bytes, shard_ranks
-from .traffic import Bytes, PhaseBytes, phase_bytes
+from .traffic import Bytes, PhaseBytes, phase_bytes, step_buckets
 from .workload import Workload
 
 
@@ -75,9 +77,12 @@ class Prediction(NamedTuple):
         }  # fmt: skip
 
 
-def predict(workload: Workload, cluster: Cluster, config: PlanConfig) -> Prediction:
+def predict(
+    workload: Workload, cluster: Cluster, config: PlanConfig, *, clipping: bool = True
+) -> Prediction:
     """The step of ``workload`` under ``config`` on every device of ``cluster`` (data
-    parallelism over all of them)."""
+    parallelism over all of them); ``clipping``: a gradient-norm clip is set (zero-train's
+    default --clip 1.0), which reads offloaded gradients once more."""
     n, per_node = cluster.world_size, cluster.devices_per_node
     a = workload.accumulation
     tokens = workload.tokens_per_rank(n)
@@ -129,7 +134,7 @@ def predict(workload: Workload, cluster: Cluster, config: PlanConfig) -> Predict
     t["codec_forward"], t["codec_backward"] = codec_f, codec_b
     # Offload traffic (per rank, per step).
     shard = workload.params / group if config.stage >= 1 else workload.params
-    traffic = _offload_bytes(workload, config, shard)
+    traffic = _offload_bytes(workload, config, group, clipping)
     to_host = terms.copy_time(traffic["device_to_host"], cluster)
     to_device = terms.copy_time(traffic["host_to_device"], cluster)
     t["copy_to_host"], t["copy_to_device"] = to_host, to_device
@@ -187,34 +192,31 @@ def _head_fraction(params: float, config: PlanConfig) -> float:
     return min(1.0, (config.backward_head_numel + config.bucket_numel) / params)
 
 
-def _offload_bytes(workload: Workload, config: PlanConfig, shard: float) -> dict[str, float]:
-    """Bytes one rank moves per step between device, host and disk (see memory.py for
-    where each lives): gradients g S per micro-step to the host tier, the updated
-    parameters p S back; on disk the masters and states (4 + s) S read and written, the
-    float32 gradients written per micro-step and read once, parameters p S written after
-    the step and read per gather."""
-    p, g, a = workload.dtype_bytes, workload.grad_bytes, workload.accumulation
-    s = workload.optimizer_state_bytes
-    out = dict.fromkeys(("device_to_host", "host_to_device", "disk_read", "disk_written",
-                         "disk_params_read"), 0.0)  # fmt: skip
-    if config.offload_optimizer == "none":
-        return out
-    out["device_to_host"] = a * g * shard
-    out["host_to_device"] = p * shard
-    if config.offload_params != "none":
-        head = _head_fraction(workload.params, config)
-        gathers = a * (2 - head)
-        out["host_to_device"] += p * shard * gathers
-    if config.offload_optimizer == "disk":
-        out["disk_read"] += (4 + s) * shard
-        out["disk_written"] += (4 + s) * shard
-        if config.offload_gradients and config.stage >= 2:
-            out["disk_written"] += a * 4 * shard
-            out["disk_read"] += (2 * a - 1) * 4 * shard
-    if config.offload_params == "disk":
-        out["disk_written"] += p * shard
-        out["disk_params_read"] = p * shard * a * (2 - _head_fraction(workload.params, config))
-    return out
+def _offload_bytes(
+    workload: Workload, config: PlanConfig, group: int, clipping: bool
+) -> dict[str, float]:
+    """Bytes one rank moves per step between device, host and disk:
+    zero_core.estimate.offload_traffic's (its docstring has every term), by link."""
+    buckets = step_buckets(workload.params, config, group)
+    head = sum(backward_head_buckets(buckets, config.backward_head_numel)) if (
+        config.stage == 3 and config.keep_backward_head) else 0  # fmt: skip
+    traffic = offload_traffic(
+        workload.params, group, config.stage, param_bytes=workload.dtype_bytes,
+        grad_bytes=workload.grad_bytes, state_bytes=workload.optimizer_state_bytes,
+        offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
+        offload_gradients=config.offload_gradients, accumulation_steps=workload.accumulation,
+        backward_head_numel=head, clipping=clipping,
+    )  # fmt: skip
+    # Parameter reads from disk belong to the gathers in forward and backward; the rest
+    # of the disk traffic to the step's pipeline.
+    gathered = traffic.disk_to_host.parameters if config.offload_params == "disk" else 0.0
+    return {
+        "device_to_host": traffic.device_to_host.total,
+        "host_to_device": traffic.host_to_device.total,
+        "disk_read": traffic.disk_to_host.total - gathered,
+        "disk_written": traffic.host_to_disk.total,
+        "disk_params_read": gathered,
+    }
 
 
 def _why_not(memory: MemoryBytes, cluster: Cluster) -> str:
