@@ -20,6 +20,7 @@ from typing import Any
 from ..estimate.activations import TransformerShape, block_saved_bytes
 from .calibrate import load_calibration, matmul_rate
 from .cluster import Cluster
+from .paper_presets import PAPER_PRESETS
 from .terms import ACTIVATION_PASSES
 
 # The swap pipeline's measured bandwidth on this machine (docs/benchmarks/swap.md: 2110 MB/s
@@ -29,7 +30,9 @@ THIS_MACHINE_DISK_BANDWIDTH = 2.27e9
 EMULATED_LINK_MBIT = {"100mbit": 95.3, "1gbit": 647.9, "40gbit": 4123.2}
 EMULATED_NODES, EMULATED_RANKS_PER_NODE = 2, 2
 
-HARDWARE: dict[str, Cluster] = {}
+# The papers' clusters and today's GPU nodes (plan/paper_presets.py: every number's source,
+# the V100's fitted efficiency).
+HARDWARE: dict[str, Cluster] = dict(PAPER_PRESETS)
 
 
 def _memory_total() -> float:
