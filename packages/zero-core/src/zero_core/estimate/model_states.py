@@ -26,18 +26,19 @@ master without offload) and p, g the parameter and gradient bytes, one rank hold
                      (s S: float32, no tier at all)
     staging          -                              host: B T (4 + s [+ g]) (optimizer on
                                                     disk [with its gradients; + 2 W T g:
-                                                    W pairs of write-behind buffers])
+                                                    W = WRITES_IN_FLIGHT pairs of
+                                                    write-behind buffers, gradient_tier])
     read ahead       -                              host, during forward and backward:
                                                     p min(S, max(T', 2 R / N)) (params)
 
-Gradients follow the optimizer's tier (``offload_gradients``, ZeroConfig's field, True by
-default, as in ZeRO-Offload and DeepSpeed): at stages 2 and 3 each reduced slice of the
-offloaded fraction leaves the device as it lands and is held (accumulated) in its own
-dtype (``gradient_dtype``: g bytes) in host memory or in the swap files, beside its tile's
-master and states; the device then keeps one reduction's landed slices, at most the
-largest bucket slice T' (waiting for their copy out), and the bounded working buffers of
-zero_core.estimate.working_set. Stage 1 keeps its full gradient buffers (that is stage 1)
-whatever the tier.
+Gradients follow the optimizer's tier (``offload_gradients``: ZeroConfig's field, True
+there, as in ZeRO-Offload and DeepSpeed; False here unless given, so pass the run's):
+at stages 2 and 3 each reduced slice of the offloaded fraction leaves the device as it
+lands and is held (accumulated) in its own dtype (``gradient_dtype``: g bytes) in host
+memory or in the swap files, beside its tile's master and states. The device then keeps
+one reduction's landed slices, at most the largest bucket slice T' (waiting for their
+copy out), and the bounded working buffers of zero_core.estimate.working_set. Stage 1
+keeps its full gradient buffers (that is stage 1) whatever the tier.
 
 Offloaded masters are never the parameters' storage: with float32 parameters and any
 tier, the engine keeps a separate float32 master (4 S bytes more than without offload),
