@@ -1,0 +1,192 @@
+"""The papers' published results against zero-plan's predictions (issue 51, points 4-5).
+
+The bounds are what the model achieves, not goals: with the presets as sourced and one
+fitted V100 efficiency, every row but MiCS's is within 35% of its published value (the
+worst: ZeRO++'s speed-ups at 400 Gbps and 2K tokens, -32%, and ZeRO-3's bars there, +29%);
+MiCS's headline, whose setup the abstract does not give, is 70% under (docs/plan-papers.md
+says why). A change to the cost model that moves a row past its bound fails here, naming
+the row; regenerate the docs table then (``python -m zero_core.plan.papers``) and refit
+``paper_presets.V100_EFFICIENCY``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_core.plan.paper_presets import (
+    NET_STEP,
+    NVLINK_STEP,
+    PAPER_PRESETS,
+    RING_BASE,
+    V100_EFFICIENCY,
+    nccl_ring_step_latency,
+)
+from zero_core.plan.paper_results import OFFLOAD_10B, RESULTS, megatron_flops
+from zero_core.plan.papers import fit_efficiency, predict_row
+from zero_core.plan.presets import HARDWARE, emulated_cluster
+from zero_core.plan.zeropp_gain import (
+    MEASURED,
+    at_rates,
+    bandwidth_for_gain,
+    check_emulated,
+    cluster_workloads,
+    flops_for_gain,
+    gain,
+)
+
+BOUND = 0.35  # every row but MiCS's
+MICS_BOUND = 0.75
+
+# zero-plan --calibrate on this machine, 2026-12-07 19:23 UTC (load average 14): fixed here
+# so that the emulated-cluster check does not depend on today's load.
+CALIBRATION = {
+    "cpu_count": 2, "ranks": 2, "threads": 1,
+    "matmul_flops": {"64": 1.327e10, "128": 1.145e10, "256": 1.621e10, "512": 1.263e10,
+                     "1024": 1.201e10},
+    "op_overhead": 4.285e-06, "memory_bandwidth": 4.954e9, "optimizer_rate": 1.302e8,
+    "gloo": {"latency_s": 4.494e-4, "bandwidth": 1.196e9},
+}  # fmt: skip
+
+
+def test_every_row_names_its_source_and_a_preset() -> None:
+    keys = [r.key for r in RESULTS]
+    assert len(keys) == len(set(keys)), "row keys must be unique"
+    for r in RESULTS:
+        assert r.source, r.key
+        assert r.setup.preset in PAPER_PRESETS, r.key
+        if r.metric == "speedup":
+            assert r.baseline is not None, r.key
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [("ZeRO 100B", 100e9), ("ZeRO 60B", 60e9), ("ZeRO 13B", 13e9), ("ZeRO-Offload 10B", 10e9),
+     ("ZeRO++ 18B", 18e9), ("ZeRO++ 49B", 49e9), ("ZeRO++ 91B", 91e9), ("ZeRO++ 138B", 138e9)],
+)  # fmt: skip
+def test_model_shapes_have_the_papers_sizes(name: str, params: float) -> None:
+    model = next(r.model for r in RESULTS if r.model.name == name)
+    assert abs(model.params / params - 1) < 0.05, (name, model.params)
+
+
+def test_megatron_flops_of_the_offload_tutorial() -> None:
+    """96 B s L h^2 (1 + s/6h + V/16Lh): 10 x 1024 tokens, 50 x 4096, checkpointing; the
+    tutorial's log then reads 8.716e14 / 18.15 s (forward + backward) = 48 TFLOPS."""
+    flops = megatron_flops(OFFLOAD_10B, 10, checkpointing=True)
+    expected = 96 * 10 * 1024 * 50 * 4096**2 * (1 + 1024 / (6 * 4096) + 50257 / (16 * 50 * 4096))
+    assert flops == pytest.approx(expected)
+    assert flops == pytest.approx(8.716e14, rel=1e-3)
+
+
+def test_nccl_ring_latency() -> None:
+    """One node: every step over NVLink... but a one-node group never takes inter_latency,
+    so the function returns the network step; 24 DGX-2s: NCCL's sum over 383 steps."""
+    assert nccl_ring_step_latency(1, 16) == NET_STEP
+    n = 24 * 16
+    total = RING_BASE + (n - 24) * NVLINK_STEP + 23 * NET_STEP
+    assert nccl_ring_step_latency(24, 16) * (n - 1) == pytest.approx(total)
+    assert NVLINK_STEP < nccl_ring_step_latency(24, 16) < NET_STEP
+
+
+def test_papers_presets_are_zero_plan_presets() -> None:
+    for name, cluster in PAPER_PRESETS.items():
+        assert HARDWARE[name] == cluster
+
+
+def test_fitted_efficiency_is_the_stored_one() -> None:
+    """The presets' V100 efficiency is what fit_efficiency finds (refit after any model
+    change and store the new value; the docs table states it)."""
+    assert fit_efficiency() == pytest.approx(V100_EFFICIENCY, abs=0.005)
+
+
+def test_every_row_within_the_bound() -> None:
+    far = {}
+    for r in RESULTS:
+        p = predict_row(r, V100_EFFICIENCY)
+        bound = MICS_BOUND if r.paper == "MiCS" else BOUND
+        if not p.within_claim and abs(p.error) > bound:
+            far[r.key] = round(p.error, 3)
+    assert not far, f"rows past their bound ({BOUND:.0%}, MiCS {MICS_BOUND:.0%}): {far}"
+    # the lower-bound rows (ZeRO's "over 38 / 40 TFLOPS", super-linear) hold or nearly
+    for r in RESULTS:
+        if r.at_least:
+            assert predict_row(r, V100_EFFICIENCY).predicted >= r.value * (1 - 0.05), r.key
+
+
+def test_superlinear_scaling_is_predicted() -> None:
+    """ZeRO's 60B from 64 to 400 GPUs: more data parallelism frees memory for a larger
+    micro-batch, so the per-GPU throughput rises (the paper's Figure 3)."""
+    row = next(r for r in RESULTS if r.key == "zero-60b-superlinear")
+    p = predict_row(row, V100_EFFICIENCY)
+    assert p.predicted > 1.0
+    assert row.baseline is not None
+    assert (
+        p.micro_batch > predict_row(row._replace(setup=row.baseline), V100_EFFICIENCY).micro_batch
+    )
+
+
+# ----------------------------------------------------------------- point 5: ZeRO++'s gain
+def _small_on(rate: str = "1gbit"):  # type: ignore[no-untyped-def]
+    workload = cluster_workloads()["small"]
+    return workload, emulated_cluster(CALIBRATION, rate, workload.width)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(5, 10), st.floats(0.05, 2))
+def test_gain_falls_as_bandwidth_rises(log_bw: float, step: float) -> None:
+    workload, cluster = _small_on()
+    low = gain(workload, at_rates(cluster, bandwidth=10**log_bw))
+    high = gain(workload, at_rates(cluster, bandwidth=10 ** (log_bw + step)))
+    assert high <= low * (1 + 1e-9)
+
+
+def test_bandwidth_for_gain_is_the_threshold() -> None:
+    workload, cluster = _small_on()
+    b = bandwidth_for_gain(workload, cluster, 1.5)
+    assert b is not None
+    assert gain(workload, at_rates(cluster, bandwidth=b)) >= 1.5
+    assert gain(workload, at_rates(cluster, bandwidth=b * 1.01)) < 1.5
+
+
+def test_more_compute_needs_less_link_to_gain() -> None:
+    """A faster rank leaves the link a larger share of the step: the threshold bandwidth
+    rises with the compute rate."""
+    workload, cluster = _small_on()
+    slow = bandwidth_for_gain(workload, at_rates(cluster, flops=cluster.achieved_flops), 1.5)
+    fast = bandwidth_for_gain(workload, at_rates(cluster, flops=10 * cluster.achieved_flops), 1.5)
+    assert slow is not None and fast is not None and fast > slow
+
+
+def test_flops_for_gain_answers_the_question() -> None:
+    """Issue 16's 1.5x on the emulated links: at 100mbit this machine's rate suffices (the
+    measured 1.96x and 3.09x), at 1gbit a rank would need about 20 times it (measured about
+    1.0x), and at 40gbit no rate does (latencies and coding bound the gain)."""
+    for workload in cluster_workloads().values():
+        rates = {}
+        for rate in ("100mbit", "1gbit", "40gbit"):
+            cluster = emulated_cluster(CALIBRATION, rate, workload.width)
+            rates[rate] = flops_for_gain(workload, cluster, 1.5)
+            f = rates[rate]
+            if f is not None:
+                assert gain(workload, at_rates(cluster, flops=f)) >= 1.5
+                assert gain(workload, at_rates(cluster, flops=f / 1.01)) < 1.5
+        achieved = emulated_cluster(CALIBRATION, "1gbit", workload.width).achieved_flops
+        assert rates["100mbit"] is not None and rates["100mbit"] <= achieved
+        assert rates["1gbit"] is not None and rates["1gbit"] > 10 * achieved
+        assert rates["40gbit"] is None
+
+
+def test_emulated_cluster_gains_against_measured() -> None:
+    """docs/benchmarks/cluster.md's measured speed-ups: the model orders them as measured
+    (100mbit > 1gbit >= 40gbit) and is within 50% of each (its worst: large at 100mbit,
+    1.74x predicted, 3.09x measured)."""
+    checks = {(c.model, c.rate): c for c in check_emulated(CALIBRATION)}
+    assert set(checks) == set(MEASURED)
+    for model in ("small", "large"):
+        g = {rate: checks[model, rate].predicted_gain for rate in ("100mbit", "1gbit", "40gbit")}
+        assert g["100mbit"] > g["1gbit"] >= g["40gbit"] - 0.05, (model, g)
+    for key, c in checks.items():
+        assert abs(math.log(c.predicted_gain / c.measured_gain)) <= math.log(1 / 0.5), key
