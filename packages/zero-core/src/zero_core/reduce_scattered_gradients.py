@@ -39,7 +39,7 @@ accumulated shard on the device).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -262,20 +262,19 @@ class ReduceScatteredGradients:
         self.comm.all_gather(everyone, local_rows)
         return everyone[self._canonical_row_order()]
 
-    def _row_pieces(self, gradients: list[GroupGradient]) -> list[torch.Tensor]:
+    def _row_pieces(self, gradients: list[GroupGradient]) -> Iterator[torch.Tensor]:
         """Every bucket slice of ``gradients`` on the device, in order: an away slice is
         read back and copied to the device, one at a time, so its rows are summed by the
         device's kernel as its resident twin's would be (and so is a host piece of a
-        clone, model_parallel_rows')."""
-        out: list[torch.Tensor] = []
+        clone, model_parallel_rows'). A generator: the caller keeps only each slice's row
+        sums, so the device holds one away slice at a time, not the whole shard."""
         for g in gradients:
             if not isinstance(g, ShardGradient):
-                out.append(g.to(self.comm.device))
+                yield g.to(self.comm.device)
                 continue
             for k, piece in enumerate(g.pieces):
                 values = g.away_values(k) if k in g.away else piece
-                out.append(values.to(self.comm.device))
-        return out
+                yield values.to(self.comm.device)
 
     def _canonical_row_order(self) -> torch.Tensor:
         order = getattr(self, "_row_order", None)
