@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..config.choices import offload_stage_error
 from ..config.zero_config import (
     DEFAULT_BACKWARD_HEAD_NUMEL,
     DEFAULT_GATHER_COALESCE_NUMEL,
     DEFAULT_PREFETCH_NUMEL,
-    offload_stage_error,
 )
 
 TIERS = ("none", "cpu", "disk")
