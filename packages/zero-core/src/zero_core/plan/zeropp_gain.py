@@ -1,8 +1,13 @@
 """Where ZeRO++ pays: the per-rank compute rate and link bandwidth at which it is a given
 factor faster than flat stage 3 (issue 51, point 5; the question issue 16 left open).
 
-    python -m zero_core.plan.zeropp_gain                   # the emulated cluster's answer
-    python -m zero_core.plan.zeropp_gain --target 1.5 --json
+    python -m zero_core.plan.zeropp_gain --calibration docs/benchmarks/plan-calibration.json
+    python -m zero_core.plan.zeropp_gain --target 1.5 --json   # the stored calibration
+
+The emulated cluster is zero_core.plan.validation's (:func:`emulated_fit`): its
+``fitted_cluster`` with the one compute factor ``fitted_factor`` finds on the measured
+table (--bench, docs/benchmarks/cluster.json), so docs/plan.md's cluster table and this
+answer (docs/plan-papers.md) come from one cluster.
 
 ZeRO++ (hpZ over a node, qwZ int8 forward gathers, qgZ int4 gradients) cuts a step's
 inter-node bytes to about a sixth of flat stage 3's in float32 (docs/benchmarks/cluster.md:
