@@ -11,7 +11,8 @@ the row; regenerate the docs table then (``python -m zero_core.plan.papers``) an
 
 from __future__ import annotations
 
-import math
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -27,29 +28,31 @@ from zero_core.plan.paper_presets import (
 )
 from zero_core.plan.paper_results import OFFLOAD_10B, RESULTS, megatron_flops
 from zero_core.plan.papers import fit_efficiency, predict_row
-from zero_core.plan.presets import HARDWARE, emulated_cluster
+from zero_core.plan.presets import HARDWARE
+from zero_core.plan.validation import fitted_factor, measured_rows
 from zero_core.plan.zeropp_gain import (
-    MEASURED,
+    Emulated,
     at_rates,
     bandwidth_for_gain,
     check_emulated,
     cluster_workloads,
+    emulated_fit,
     flops_for_gain,
     gain,
+    measured_gains,
 )
 
 BOUND = 0.35  # every row but MiCS's
 MICS_BOUND = 0.75
 
-# zero-plan --calibrate on this machine, 2026-12-07 19:23 UTC (load average 14): fixed here
-# so that the emulated-cluster check does not depend on today's load.
-CALIBRATION = {
-    "cpu_count": 2, "ranks": 2, "threads": 1,
-    "matmul_flops": {"64": 1.327e10, "128": 1.145e10, "256": 1.621e10, "512": 1.263e10,
-                     "1024": 1.201e10},
-    "op_overhead": 4.285e-06, "memory_bandwidth": 4.954e9, "optimizer_rate": 1.302e8,
-    "gloo": {"latency_s": 4.494e-4, "bandwidth": 1.196e9},
-}  # fmt: skip
+# The emulated cluster's measured table and the calibration docs/plan.md's cluster table and
+# docs/plan-papers.md's point-5 answer are computed from (zero-plan --calibrate, 2026-12-07
+# 20:29 UTC, load average 1.5): files, so that the check does not depend on today's load and
+# the two documents and this test share one fitted factor.
+BENCHMARKS = Path(__file__).resolve().parents[3] / "docs" / "benchmarks"
+BENCH = json.loads((BENCHMARKS / "cluster.json").read_text())
+CALIBRATION = json.loads((BENCHMARKS / "plan-calibration.json").read_text())
+FIT: Emulated = emulated_fit(BENCH, CALIBRATION)
 
 
 def test_every_row_names_its_source_and_a_preset() -> None:
@@ -131,7 +134,13 @@ def test_superlinear_scaling_is_predicted() -> None:
 # ----------------------------------------------------------------- point 5: ZeRO++'s gain
 def _small_on(rate: str = "1gbit"):  # type: ignore[no-untyped-def]
     workload = cluster_workloads()["small"]
-    return workload, emulated_cluster(CALIBRATION, rate, workload.width)
+    return workload, FIT.cluster(rate, workload)
+
+
+def test_point_5_uses_validations_fit() -> None:
+    """One emulated cluster, one fitted factor: zeropp_gain's are zero_core.plan.validation's."""
+    assert FIT.factor == fitted_factor(measured_rows(BENCH), CALIBRATION)
+    assert 0.1 < FIT.factor < 1.0  # the benchmark ran under far more load than the calibration
 
 
 @settings(max_examples=25, deadline=None)
@@ -161,32 +170,39 @@ def test_more_compute_needs_less_link_to_gain() -> None:
 
 
 def test_flops_for_gain_answers_the_question() -> None:
-    """Issue 16's 1.5x on the emulated links: at 100mbit this machine's rate suffices (the
-    measured 1.96x and 3.09x), at 1gbit a rank would need about 20 times it (measured about
-    1.0x), and at 40gbit no rate does (latencies and coding bound the gain)."""
+    """Issue 16's 1.5x on the emulated links, on the cluster fitted as docs/plan.md's table
+    (about 17 GFLOP/s of matmuls per rank): at 100mbit this rate suffices (the model needs
+    7-8, measured 1.96x and 3.09x); at 1gbit a rank would need more than 3 times it (the
+    model: 4.3x small, 3.5x large; measured about 1.0x); at 40gbit no rate does (latencies
+    and coding bound the gain). The 1gbit bound was "more than 10 times" against the
+    earlier model and a load-14 calibration without the fitted factor; the model's overlap
+    of link waits with the other ranks' compute (more ranks than cores) and the fitted
+    factor, which makes the predicted steps the measured ones, moved it."""
     for workload in cluster_workloads().values():
         rates = {}
         for rate in ("100mbit", "1gbit", "40gbit"):
-            cluster = emulated_cluster(CALIBRATION, rate, workload.width)
+            cluster = FIT.cluster(rate, workload)
             rates[rate] = flops_for_gain(workload, cluster, 1.5)
             f = rates[rate]
             if f is not None:
                 assert gain(workload, at_rates(cluster, flops=f)) >= 1.5
                 assert gain(workload, at_rates(cluster, flops=f / 1.01)) < 1.5
-        achieved = emulated_cluster(CALIBRATION, "1gbit", workload.width).achieved_flops
+        achieved = FIT.cluster("1gbit", workload).achieved_flops
         assert rates["100mbit"] is not None and rates["100mbit"] <= achieved
-        assert rates["1gbit"] is not None and rates["1gbit"] > 10 * achieved
+        assert rates["1gbit"] is not None and rates["1gbit"] > 3 * achieved
         assert rates["40gbit"] is None
 
 
 def test_emulated_cluster_gains_against_measured() -> None:
     """docs/benchmarks/cluster.md's measured speed-ups: the model orders them as measured
-    (100mbit > 1gbit >= 40gbit) and is within 50% of each (its worst: large at 100mbit,
-    1.74x predicted, 3.09x measured)."""
-    checks = {(c.model, c.rate): c for c in check_emulated(CALIBRATION)}
-    assert set(checks) == set(MEASURED)
+    (100mbit > 1gbit >= 40gbit) and is within 30% of each (its worst: large at 100mbit,
+    2.40x predicted, 3.09x measured, -22%). Before the emulated cluster was validation's
+    fitted one the bound was a factor 2 (predicted 1.50x there)."""
+    checks = {(c.model, c.rate): c for c in check_emulated(FIT)}
+    assert set(checks) == set(measured_gains(BENCH))
+    assert len(checks) == 6
     for model in ("small", "large"):
         g = {rate: checks[model, rate].predicted_gain for rate in ("100mbit", "1gbit", "40gbit")}
         assert g["100mbit"] > g["1gbit"] >= g["40gbit"] - 0.05, (model, g)
     for key, c in checks.items():
-        assert abs(math.log(c.predicted_gain / c.measured_gain)) <= math.log(1 / 0.5), key
+        assert abs(c.predicted_gain / c.measured_gain - 1) <= 0.30, (key, c)

@@ -1,7 +1,8 @@
 """The emulated cluster's measured step times (nox -s cluster: docs/benchmarks/cluster.json)
 against zero-plan's predictions, as a markdown table for docs/plan.md:
 
-    python -m zero_core.plan.validation docs/benchmarks/cluster.json [--calibration FILE]
+    python -m zero_core.plan.validation docs/benchmarks/cluster.json \
+        --calibration docs/benchmarks/plan-calibration.json
 
 Each measured variant is stage 3 on 2 nodes x 2 ranks of this machine (fp32, global batch
 16; small = zero-train's default GPT, large = --layers 8 --width 256), at each link rate
@@ -9,10 +10,14 @@ Each measured variant is stage 3 on 2 nodes x 2 ranks of this machine (fp32, glo
 
     calibrated   the emulated-cluster preset from this machine's calibration (taken now,
                  under today's load, not the benchmark's)
-    fitted       the same with compute_efficiency fitted once: the one factor that makes
-                 the predicted flat stage 3 at 40gbit (the rate where the link does not
-                 limit) equal the measured one, geometric mean over the two models; every
-                 other row is predicted with it
+    fitted       the same with the rank's compute rates scaled by one fitted factor: the
+                 one that makes the predicted flat stage 3 at 40gbit (the rate where the
+                 link does not limit) equal the measured one, geometric mean over the two
+                 models; every other row is predicted with it (:func:`fitted_cluster`)
+
+docs/benchmarks/plan-calibration.json is the calibration docs/plan.md's table and
+docs/plan-papers.md's point-5 answer (zero_core.plan.zeropp_gain, which builds its clusters
+with :func:`fitted_cluster` and :func:`fitted_factor`) are computed from.
 """
 
 from __future__ import annotations
@@ -53,16 +58,35 @@ def workload(model: str, batch_size: int = 16) -> Workload:
 
 
 def measured_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
-    """(model, rate, variant, median step s) of our variants in a cluster.json."""
+    """(model, rate, variant, median step s, median speed-up over flat) of our variants in
+    a cluster.json; the speed-up is the median over rounds of the same round's ratio."""
     return [
         {"model": s["model"], "rate": s["rate"], "variant": s["variant"],
-         "step_s": s["step_s"]["median"]}
+         "step_s": s["step_s"]["median"], "speedup": s["speedup"]["median"]}
         for s in bench["summaries"] if s["variant"] in VARIANTS and s["model"] in MODELS
     ]  # fmt: skip
 
 
+def fitted_cluster(calibration: dict[str, Any], rate: str, width: int, factor: float) -> Cluster:
+    """The emulated cluster at link ``rate`` (presets.emulated_cluster, the model's
+    ``width``) with every rate a rank computes at scaled by ``factor``: matmuls
+    (compute_efficiency), elementwise and activation work, the optimizer and the codecs,
+    and the per-operator overhead by 1 / factor. The link is the measured one, not
+    scaled: the factor stands for the load the benchmark ran under, which slowed the
+    cores, not the shaped link."""
+    cluster = emulated_cluster(calibration, rate, width)
+    return cluster.with_(
+        compute_efficiency=cluster.compute_efficiency * factor,
+        op_overhead=cluster.op_overhead / factor,
+        memory_bandwidth=cluster.memory_bandwidth * factor,
+        activation_bandwidth=cluster.activation_bandwidth * factor,
+        optimizer_rate=cluster.optimizer_rate * factor,
+        codec_rate=cluster.codec_rate * factor,
+    )
+
+
 def fitted_factor(rows: list[dict[str, Any]], calibration: dict[str, Any]) -> float:
-    """The one compute factor (module docstring)."""
+    """The one compute factor (module docstring), from :func:`measured_rows`."""
     logs = []
     for row in rows:
         if row["variant"] == "flat" and row["rate"] == REFERENCE_RATE:
@@ -81,12 +105,9 @@ def compare(bench: dict[str, Any], calibration: dict[str, Any]) -> list[dict[str
         w = workload(row["model"])
         cluster: Cluster = emulated_cluster(calibration, row["rate"], w.width)
         calibrated = predict(w, cluster, VARIANTS[row["variant"]])
-        fitted_cluster = cluster.with_(
-            compute_efficiency=cluster.compute_efficiency * factor,
-            op_overhead=cluster.op_overhead / factor,
-            memory_bandwidth=cluster.memory_bandwidth * factor,
-        )  # fmt: skip
-        fitted = predict(w, fitted_cluster, VARIANTS[row["variant"]])
+        fitted = predict(
+            w, fitted_cluster(calibration, row["rate"], w.width, factor), VARIANTS[row["variant"]]
+        )
         out.append({**row, "calibrated": calibrated.step_s, "fitted": fitted.step_s,
                     "link_s": sum(v for k, v in fitted.terms.items() if k.startswith("link_")),
                     "factor": factor})  # fmt: skip

@@ -1,8 +1,13 @@
 """Where ZeRO++ pays: the per-rank compute rate and link bandwidth at which it is a given
 factor faster than flat stage 3 (issue 51, point 5; the question issue 16 left open).
 
-    python -m zero_core.plan.zeropp_gain                   # the emulated cluster's answer
-    python -m zero_core.plan.zeropp_gain --target 1.5 --json
+    python -m zero_core.plan.zeropp_gain --calibration docs/benchmarks/plan-calibration.json
+    python -m zero_core.plan.zeropp_gain --target 1.5 --json   # the stored calibration
+
+The emulated cluster is zero_core.plan.validation's (:func:`emulated_fit`): its
+``fitted_cluster`` with the one compute factor ``fitted_factor`` finds on the measured
+table (--bench, docs/benchmarks/cluster.json), so docs/plan.md's cluster table and this
+answer (docs/plan-papers.md) come from one cluster.
 
 ZeRO++ (hpZ over a node, qwZ int8 forward gathers, qgZ int4 gradients) cuts a step's
 inter-node bytes to about a sixth of flat stage 3's in float32 (docs/benchmarks/cluster.md:
@@ -31,8 +36,11 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
+from . import validation
+from .calibrate import load_calibration
 from .cluster import Cluster
 from .configuration import PlanConfig
 from .paper_presets import V100_EFFICIENCY
@@ -148,35 +156,30 @@ def gain_table(
     return rows
 
 
-# docs/benchmarks/cluster.md (commit de4a966): the emulated cluster's measured medians,
-# flat stage 3's and ZeRO++'s step seconds and the speed-up (median over rounds of the
-# same round's ratio) per model and link rate.
-MEASURED: dict[tuple[str, str], tuple[float, float, float]] = {
-    ("small", "100mbit"): (0.606, 0.296, 1.96),
-    ("small", "1gbit"): (0.338, 0.338, 1.05),
-    ("small", "40gbit"): (0.360, 0.344, 1.01),
-    ("large", "100mbit"): (4.285, 1.431, 3.09),
-    ("large", "1gbit"): (1.730, 1.622, 1.01),
-    ("large", "40gbit"): (1.238, 1.398, 0.87),
-}
-
-
 def cluster_workloads() -> dict[str, Workload]:
-    """The cluster benchmark's two models (tools/cluster/bench.py): zero-train's small GPT
-    and --layers 8 --width 256, float32, global batch 16."""
-    from .workload import workload_from_gpt
-
-    return {
-        "small": workload_from_gpt("small", batch_size=16),
-        "large": workload_from_gpt("small", batch_size=16, layers=8, width=256),
-    }
+    """The cluster benchmark's two models (tools/cluster/bench.py), as
+    zero_core.plan.validation builds them: zero-train's small GPT and --layers 8 --width
+    256, float32, global batch 16."""
+    return {name: validation.workload(name) for name in validation.MODELS}
 
 
-def emulated(rate: str, workload: Workload, calibration: dict[str, Any] | None = None) -> Cluster:
-    """zero-plan's emulated-cluster preset at ``rate``, its matmul rate at the model's width."""
-    from .presets import preset  # zero-plan's presets (this machine's calibration)
+class Emulated(NamedTuple):
+    """The emulated cluster as zero_core.plan.validation predicts it: this machine's
+    ``calibration`` and the one compute ``factor`` fitted on ``bench`` (a cluster.json)."""
 
-    return preset(f"emulated-cluster-{rate}", calibration, width=workload.width)
+    bench: dict[str, Any]
+    calibration: dict[str, Any]
+    factor: float
+
+    def cluster(self, rate: str, workload: Workload) -> Cluster:
+        """validation.fitted_cluster at link ``rate``, the model's width."""
+        return validation.fitted_cluster(self.calibration, rate, workload.width, self.factor)
+
+
+def emulated_fit(bench: dict[str, Any], calibration: dict[str, Any]) -> Emulated:
+    """:class:`Emulated` with validation's fitted factor for ``bench`` and ``calibration``."""
+    factor = validation.fitted_factor(validation.measured_rows(bench), calibration)
+    return Emulated(bench, calibration, factor)
 
 
 class Check(NamedTuple):
@@ -192,14 +195,26 @@ class Check(NamedTuple):
     predicted_gain: float
 
 
-def check_emulated(calibration: dict[str, Any] | None = None) -> list[Check]:
-    """Every :data:`MEASURED` row with the model's flat and ZeRO++ steps on the emulated
-    cluster at that rate."""
+def measured_gains(bench: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(model, rate) -> flat's and ZeRO++'s median step s and ZeRO++'s median speed-up
+    (over rounds, the same round's ratio), from validation.measured_rows of ``bench``."""
+    rows = {(r["model"], r["rate"], r["variant"]): r for r in validation.measured_rows(bench)}
+    return {
+        (model, rate): (flat["step_s"], rows[model, rate, "zero++"]["step_s"],
+                        rows[model, rate, "zero++"]["speedup"])
+        for (model, rate, variant), flat in rows.items()
+        if variant == "flat" and (model, rate, "zero++") in rows
+    }  # fmt: skip
+
+
+def check_emulated(fit: Emulated) -> list[Check]:
+    """Every measured flat / ZeRO++ pair of ``fit.bench`` with the model's flat and ZeRO++
+    steps on the fitted emulated cluster at that rate."""
     out = []
     models = cluster_workloads()
-    for (name, rate), (flat_s, zpp_s, measured) in MEASURED.items():
+    for (name, rate), (flat_s, zpp_s, measured) in measured_gains(fit.bench).items():
         workload = models[name]
-        cluster = emulated(rate, workload, calibration)
+        cluster = fit.cluster(rate, workload)
         flat = predict(workload, cluster, FLAT).step_s
         zpp = predict(workload, cluster, zeropp_config(cluster)).step_s
         out.append(Check(name, rate, flat_s, zpp_s, measured, flat, zpp, flat / zpp))
@@ -226,16 +241,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--target", type=float, default=1.5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--bench",
+        type=Path,
+        default=Path("docs/benchmarks/cluster.json"),
+        help="the emulated cluster's measured table (nox -s cluster)",
+    )
+    parser.add_argument("--calibration", type=Path,
+                        help="this machine's calibration (default: the stored one; the docs "
+                        "use docs/benchmarks/plan-calibration.json)")  # fmt: skip
     args = parser.parse_args(argv)
-    out: dict[str, Any] = {"target": args.target, "models": {}, "checks": []}
+    calibration = load_calibration(args.calibration)
+    if calibration is None:
+        parser.error("no calibration: run zero-plan --calibrate first, or pass --calibration")
+    fit = emulated_fit(json.loads(args.bench.read_text()), calibration)
+    out: dict[str, Any] = {"target": args.target, "factor": fit.factor, "models": {},
+                           "checks": []}  # fmt: skip
     for name, workload in cluster_workloads().items():
-        cluster = emulated("1gbit", workload)
+        cluster = fit.cluster("1gbit", workload)
         flops = [cluster.achieved_flops * 10 ** (k / 2) for k in range(-2, 9)]
         rows = gain_table(workload, cluster, flops, args.target)
         out["models"][name] = [r._asdict() for r in rows]
-    out["checks"] = [c._asdict() for c in check_emulated()]
+    out["checks"] = [c._asdict() for c in check_emulated(fit)]
     out["flops_needed"] = {
-        f"{name} at {rate}": flops_for_gain(w, emulated(rate, w), args.target)
+        f"{name} at {rate}": flops_for_gain(w, fit.cluster(rate, w), args.target)
         for name, w in cluster_workloads().items()
         for rate in ("100mbit", "1gbit", "40gbit")
     }
@@ -244,7 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print("The emulated cluster (docs/benchmarks/cluster.md), measured and predicted:")
+    print(
+        f"The emulated cluster ({args.bench}), measured and predicted (calibration "
+        f"{calibration.get('measured_at')}, fitted compute factor {fit.factor:.3f}):"
+    )
     print("  model | rate | flat s: measured, predicted | ZeRO++ s | gain: measured, predicted")
     for c in out["checks"]:
         print(f"  {c['model']} | {c['rate']} | {c['measured_flat_s']:.3f}, "
