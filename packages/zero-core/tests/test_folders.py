@@ -6,6 +6,8 @@ circle, and each folder imports only what its __init__ docstring says it may.
                                 receive plain data; zero-consolidate is a command)
     offload/                    never the engine, its builder or initialize
     estimate/                   imported by nothing of the core but the package's front door
+                                and plan/ (zero-plan's cost model uses its byte counts)
+    plan/                       imported by nothing of the core but the package's front door
 
 Imports inside functions count: a lazy import is an arrow all the same.
 """
@@ -108,7 +110,13 @@ def test_offload_never_imports_the_engine() -> None:
             assert not targets & {"engine", "builder", "initialize"}, module
 
 
-def test_only_the_front_door_imports_estimate() -> None:
+def test_only_the_front_door_and_the_planner_import_estimate() -> None:
     for module, targets in import_graph().items():
-        if folder_of(module) != "estimate" and module != "":
+        if folder_of(module) not in ("estimate", "plan") and module != "":
             assert not {t for t in targets if folder_of(t) == "estimate"}, module
+
+
+def test_only_the_front_door_imports_the_planner() -> None:
+    for module, targets in import_graph().items():
+        if folder_of(module) != "plan" and module not in ("", "plan"):  # "plan": its __init__
+            assert not {t for t in targets if folder_of(t) == "plan" or t == "plan"}, module

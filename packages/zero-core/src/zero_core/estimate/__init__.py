@@ -7,5 +7,6 @@
     offload_traffic.py  bytes a step moves between device and host, and host and disk
     command.py       zero-estimate, the command line over them (table.py prints it)
 
-Sits above the engine: nothing outside estimate/ imports it but the package's front door.
+Sits above the engine: nothing outside estimate/ imports it but the package's front door
+and zero_core.plan (zero-plan's cost model, which counts bytes with it).
 """
