@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import pickle
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from .errors import CommError
 from .handle import CompletedWork, Handle, Work
 from .heartbeat import Heartbeat
 from .node_groups import NodeGroups
+from .object_collectives import ObjectCollectives
 from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .profiler_ranges import ranged
@@ -65,7 +65,7 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 
-class Communicator(CallCheck, NodeGroups):
+class Communicator(CallCheck, NodeGroups, ObjectCollectives):
     """A group of ``world_size`` ranks and the collectives among them.
 
     Attributes:
@@ -659,52 +659,3 @@ class Communicator(CallCheck, NodeGroups):
         handle = Handle(self, "all_reduce", work, fold_then_gather)
         self._pending.append(handle)  # its gather phase must keep its place in the order
         return handle
-
-    # --------------------------------------------------------- object collectives
-    @ranged
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        """Pickle ``obj`` on ``src`` and return a copy on every rank (not counted in stats)."""
-        self._enter(
-            "broadcast_object", lambda: (-1, 0, -1, self._check_src("broadcast_object", src))
-        )
-        if self.world_size == 1:
-            return obj
-        payload = _to_bytes(obj, self.device) if self.rank == src else None
-        size = torch.tensor(
-            [payload.numel() if payload is not None else 0], dtype=torch.int64, device=self.device
-        )
-        self._wait(self._broadcast(size, src), "broadcast_object (size)")
-        if payload is None:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        if payload.numel() > 0:
-            self._wait(self._broadcast(payload, src), "broadcast_object")
-        return pickle.loads(payload.cpu().numpy().tobytes())
-
-    @ranged
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Pickle ``obj`` on every rank and return the list of all ranks' objects."""
-        self._enter("all_gather_object", lambda: (-1, 0, -1, -1))
-        if self.world_size == 1:
-            return [obj]
-        payload = _to_bytes(obj, self.device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        self._wait(self._all_gather(sizes, size), "all_gather_object (sizes)")
-        longest = int(sizes.max().item())
-        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        padded[: payload.numel()].copy_(payload)
-        everyone = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
-        self._wait(self._all_gather(everyone, padded), "all_gather_object")
-        rows = everyone.view(self.world_size, longest).cpu()
-        return [
-            pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)
-        ]
-
-
-def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
-    data = bytearray(pickle.dumps(obj))
-    return (
-        torch.frombuffer(data, dtype=torch.uint8).to(device)
-        if data
-        else torch.empty(0, dtype=torch.uint8, device=device)
-    )
