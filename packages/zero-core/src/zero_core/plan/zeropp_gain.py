@@ -35,7 +35,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -96,15 +96,11 @@ def bandwidth_for_gain(
         return None
     if gain(workload, at_rates(cluster, bandwidth=high), flat) >= target:
         return high
-    for _ in range(60):
-        mid = math.sqrt(low * high)
-        if gain(workload, at_rates(cluster, bandwidth=mid), flat) >= target:
-            low = mid
-        else:
-            high = mid
-        if high / low < 1.001:
-            break
-    return low
+    return _boundary(
+        lambda bandwidth: gain(workload, at_rates(cluster, bandwidth=bandwidth), flat) >= target,
+        inside=low,
+        outside=high,
+    )
 
 
 def flops_for_gain(
@@ -119,15 +115,26 @@ def flops_for_gain(
         return None
     if gain(workload, at_rates(cluster, flops=low), flat) >= target:
         return low
+    return _boundary(
+        lambda flops: gain(workload, at_rates(cluster, flops=flops), flat) >= target,
+        inside=high,
+        outside=low,
+    )
+
+
+def _boundary(holds: Callable[[float], bool], inside: float, outside: float) -> float:
+    """Where ``holds`` stops holding, from its side, within 0.1%: ``holds(inside)`` is
+    True and ``holds(outside)`` False (either may be the larger), and it changes once
+    between them; bisection on the log scale."""
     for _ in range(80):
-        mid = math.sqrt(low * high)
-        if gain(workload, at_rates(cluster, flops=mid), flat) >= target:
-            high = mid
+        mid = math.sqrt(inside * outside)
+        if holds(mid):
+            inside = mid
         else:
-            low = mid
-        if high / low < 1.001:
+            outside = mid
+        if max(inside, outside) / min(inside, outside) < 1.001:
             break
-    return high
+    return inside
 
 
 class GainRow(NamedTuple):
