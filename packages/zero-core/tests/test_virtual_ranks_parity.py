@@ -28,7 +28,7 @@ COUNTS = [(2, 1), (1, 2), (1, 1, 2), (3, 1)]
 @given(
     case=parity_cases(),
     counts=st.sampled_from(COUNTS),
-    stage=st.sampled_from([0, 1, 2]),
+    stage=st.sampled_from([0, 1, 2, 3]),
     accumulation=st.sampled_from([1, 2]),
     clip=st.sampled_from([None, 0.05]),
     dtype=st.sampled_from(["float32", "bfloat16", "float32", "bfloat16", "float16"]),
@@ -47,25 +47,27 @@ def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
     virtual_equals_homogeneous(case, stage, counts)
 
 
-@pytest.mark.parametrize("counts", [(2, 2), (1, 1)])
+@pytest.mark.parametrize("counts", [(2, 2), (1, 1), (2, 1), (1, 3)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stage_3_with_equal_counts_equals_the_homogeneous_run(
-    counts: tuple[int, ...], dtype: str
-) -> None:
+def test_stage_3_equals_the_homogeneous_run(counts: tuple[int, ...], dtype: str) -> None:
+    """Equal counts gather per pass as usual; uneven ones pin the micro-step's units
+    (param_gatherer), and both give the V-rank run's bits."""
     case = ParityCase(widths=(5, 33, 7), vocab=11, tie=True, dtype=dtype, accumulation=2,
                       clip=0.05, bucket_numel=64, persistence_threshold=20)  # fmt: skip
     virtual_equals_homogeneous(case, 3, counts)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_offloaded_optimizer_with_uneven_counts_equals_the_homogeneous_run(
     stage: int, tier: str
 ) -> None:
-    """The tiers' reference is the homogeneous V-rank run without offload (stage 0)."""
+    """The tiers' reference is the homogeneous V-rank run without offload (stage 0); at
+    stage 3 the parameters are offloaded to the same tier too."""
     case = ParityCase(widths=(5, 33, 7), dtype="bfloat16", accumulation=2, clip=0.05,
-                      bucket_numel=300, sub_group_numel=64, offload_optimizer=tier)  # fmt: skip
-    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none"})
+                      bucket_numel=300, sub_group_numel=64, offload_optimizer=tier,
+                      offload_params=tier if stage == 3 else "none")  # fmt: skip
+    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none", "offload_params": "none"})
     reference = run_simulated(3, lambda comm: train(plain, comm, 0))[0]
     got = run_simulated(2, lambda comm: train_virtual(case, comm, stage, (2, 1)))
     for rank, states in enumerate(got):
@@ -126,7 +128,6 @@ def test_uneven_counts_really_change_the_bits() -> None:
 @pytest.mark.parametrize(
     ("settings_", "named"),
     [
-        ({"stage": 3}, "stage 3 with micro_batches_per_rank"),
         ({"stage": 2, "shard_group_size": 1}, "shard_group_size=1"),
         ({"stage": 2, "quantize_gradients": True}, "quantize_gradients"),
         ({"stage": 3, "hpz_partition_size": 2, "micro_batches_per_rank": (2, 2)}, "hpz"),

@@ -108,11 +108,7 @@ def build_engine_parts(
     """Collective over ``comm`` (the data-parallel world): every part, in the order above."""
     # First, before any collective: every rank refuses a setting that does not fit alike.
     virtual = VirtualRanks.for_world(config.micro_batches_per_rank, comm.world_size, comm.rank)
-    refused = (
-        None
-        if virtual.homogeneous_run
-        else unsupported_with_slots(config, virtual.counts, comm.world_size)
-    )
+    refused = None if virtual.homogeneous_run else unsupported_with_slots(config, comm.world_size)
     if refused:
         raise ValueError(f"[rank {comm.rank}] {refused}")
     slot_rows = SlotRows(virtual, comm)
@@ -127,6 +123,10 @@ def build_engine_parts(
         slot_rows if slot_rows.active else None,
     )  # fmt: skip
     masters = components.masters
+    if isinstance(components.parameters, ShardedParameters) and len(set(virtual.counts)) > 1:
+        # Stage 3, ranks with different slot counts: each micro-step's units stay gathered
+        # from its first forward to this rank's last backward (param_gatherer: pinned).
+        components.parameters.gatherer.pin_slots = virtual.count
     optimizer = groups.build([[tile for tile, _ in tiles] for tiles in masters.tiles])
     refuse_eager_state_on_disk(masters, optimizer)
     stepper = None

@@ -178,19 +178,8 @@ class SlotRows:
         )
 
 
-def unsupported_with_slots(
-    config: ZeroConfig, counts: tuple[int, ...], world_size: int
-) -> str | None:
-    """Why ``config`` cannot run with micro_batches_per_rank=``counts``, or None."""
-    if config.stage == 3 and len(set(counts)) > 1:
-        # Stage 3 gathers parameters in every forward and backward, collectives that every
-        # rank must join: a rank running fewer slots would leave the others waiting.
-        return (
-            f"stage 3 with micro_batches_per_rank={list(counts)}: stage 3 gathers parameters "
-            "in every forward and backward, and every rank must take part in each gather, so "
-            "every rank must run the same number of micro-batches; use stage 2 (or 0, 1) "
-            "for uneven counts"
-        )
+def unsupported_with_slots(config: ZeroConfig, world_size: int) -> str | None:
+    """Why ``config`` cannot run with micro_batches_per_rank, or None when it can."""
     shard = config.shard_group_size
     if shard is not None and shard != world_size:
         return (
