@@ -225,3 +225,25 @@ def test_a_second_gradient_in_a_slot_added_in_place_is_refused() -> None:
                 engine.backward(twice(x).float().sum())
 
     run_simulated(2, body)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_to_one_moves_the_bytes_of_the_homogeneous_two_rank_run(stage: int) -> None:
+    """Counts (2, 1): rank 0 pre-adds its two slots, so each rank sends one row and the
+    gradient traffic equals two homogeneous ranks'; counts (1, 2) pad rank 0 to two rows
+    (zero_comm.row_collectives), twice the reduce-scatter bytes."""
+    case = ParityCase(widths=(5, 33, 7), bucket_numel=1 << 20, steps=1)
+
+    def volume(comm: Communicator, counts: tuple[int, ...] | None) -> dict[str, float]:
+        engine = build_engine(case, comm, stage, counts and {"micro_batches_per_rank": counts})
+        comm.stats.reset()
+        (run_steps if counts is None else run_virtual_steps)(engine, case, comm, range(1))
+        engine.close()
+        return {k: float(comm.stats[k].volume_bytes) for k in ("reduce_scatter", "all_gather")}
+
+    plain = run_simulated(2, lambda comm: volume(comm, None))
+    assert run_simulated(2, lambda comm: volume(comm, (2, 1))) == plain
+    padded = run_simulated(2, lambda comm: volume(comm, (1, 2)))
+    for mine, theirs in zip(padded, plain, strict=True):
+        assert mine["reduce_scatter"] == 2 * theirs["reduce_scatter"]
+        assert mine["all_gather"] == theirs["all_gather"]
