@@ -65,7 +65,7 @@ def shard_weights_error(config: Any) -> str:
     conflicts = [
         f"{name} ({why})"
         for name, why in _REFUSED
-        if getattr(config, name) not in (None, False, 1)
+        if _is_on(getattr(config, name))
     ]
     if conflicts:
         return (
@@ -74,6 +74,13 @@ def shard_weights_error(config: Any) -> str:
             "owner over plain collectives; turn those off, or leave shard_weights None"
         )
     return ""
+
+
+def _is_on(value: Any) -> bool:
+    """Whether a refused setting is on: set at all, or True, or a size above 1."""
+    if value is None or value is False:
+        return False
+    return value is True or isinstance(value, str) or value > 1
 
 
 def check_world(weights: tuple[float, ...] | str | None, world_size: int) -> None:
