@@ -199,11 +199,10 @@ def gather_counts(
     comm: Communicator | UnevenShardComm, local: torch.Tensor, counts: Sequence[int]
 ) -> torch.Tensor:
     """Every rank's ``local`` (``counts[r]`` elements on rank r), concatenated in rank
-    order: an equal all-gather when the counts are equal, else uneven."""
+    order: uneven through an UnevenShardComm, else an equal all-gather."""
     everyone = local.new_empty(sum(counts))
-    if len(set(counts)) == 1:
-        comm.all_gather(everyone, local)
-    else:
-        assert isinstance(comm, UnevenShardComm), "uneven counts come from uneven shards"
+    if isinstance(comm, UnevenShardComm):  # its all_gather splits a bucket by the weights
         comm.all_gather_v(everyone, local, counts)
+    else:
+        comm.all_gather(everyone, local)
     return everyone
