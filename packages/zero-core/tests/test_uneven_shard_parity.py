@@ -73,8 +73,16 @@ def test_uneven_shards_with_offload_tiers_equal_the_device_only_even_run(
 
 
 CASE = normalised(
-    ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, optimizer="adamw",
-               dtype="bfloat16", bucket_numel=300, persistence_threshold=0)  # fmt: skip
+    ParityCase(
+        widths=(5, 130, 7),
+        vocab=11,
+        tie=True,
+        two_groups=True,
+        optimizer="adamw",
+        dtype="bfloat16",
+        bucket_numel=300,
+        persistence_threshold=0,
+    )
 )
 # (world size, stage, shard_weights or None)
 RUN = st.sampled_from([

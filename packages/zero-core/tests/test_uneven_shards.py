@@ -157,8 +157,9 @@ def test_what_does_not_combine_is_refused_by_name(setting: dict[str, object]) ->
 
 
 CASE = normalised(
-    ParityCase(widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, dtype="bfloat16",
-               bucket_numel=300)  # fmt: skip
+    ParityCase(
+        widths=(5, 130, 7), vocab=11, tie=True, two_groups=True, dtype="bfloat16", bucket_numel=300
+    )
 )
 
 

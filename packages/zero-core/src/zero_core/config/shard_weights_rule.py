@@ -44,10 +44,7 @@ def normalise_shard_weights(value: Any) -> tuple[float, ...] | str | None:
     bad = [
         v
         for v in value
-        if isinstance(v, bool)
-        or not isinstance(v, int | float)
-        or not math.isfinite(v)
-        or v <= 0
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0
     ]
     if bad:
         raise ValueError(
@@ -62,11 +59,7 @@ def shard_weights_error(config: Any) -> str:
     ("" if it can, or sets none)."""
     if config.shard_weights is None:
         return ""
-    conflicts = [
-        f"{name} ({why})"
-        for name, why in _REFUSED
-        if _is_on(getattr(config, name))
-    ]
+    conflicts = [f"{name} ({why})" for name, why in _REFUSED if _is_on(getattr(config, name))]
     if conflicts:
         return (
             f"shard_weights={config.shard_weights!r} cannot be combined with "
