@@ -206,3 +206,26 @@ def test_each_ranks_sharded_states_follow_its_weight(stage: int) -> None:
         ratio = uneven[0][k] / uneven[1][k]
         assert 2.8 < ratio < 3.2, (k, uneven)
         assert abs(uneven[0][k] + uneven[1][k] - even[0][k] - even[1][k]) <= 4 * 4 * BLOCK * 8
+
+
+def test_zero_estimate_gives_each_rank_its_weighted_share(capsys: pytest.CaptureFixture) -> None:
+    """zero-estimate --shard-weights: rank r's sharded states are Ψ w_r / sum(w) of the
+    paper's terms; the ranks add up to N times the even rank's; stage 0 is unchanged."""
+    import json
+
+    from zero_core.estimate.command import main
+
+    main(["--params", "1.2e9", "--world-size", "3", "--shard-weights", "3,2,1", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    for stage in ("1", "2", "3"):
+        ranks = rows[stage]["ranks"]
+        total = sum(entry["device"] for entry in ranks)
+        assert total == pytest.approx(3 * rows[stage]["device"])
+        sharded = [entry["optimizer_states"] for entry in ranks]
+        assert sharded[0] == pytest.approx(3 * sharded[2]) and sharded[1] == pytest.approx(
+            2 * sharded[2]
+        )
+    assert rows["3"]["ranks"][0]["device"] == pytest.approx(16 * 1.2e9 / 2)  # (2+2+12)Ψ/2
+    assert all(e["device"] == rows["0"]["device"] for e in rows["0"]["ranks"])
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--world-size", "3", "--shard-weights", "2,1"])
