@@ -176,3 +176,29 @@ def test_the_index_describes_the_layout_and_a_mismatched_one_is_named(tmp_path: 
     wrong["shard_weights"] = [2, 1, 1]
     _rewrite(folder, wrong)
     assert "shard_weights" in load_error()
+
+
+@pytest.mark.parametrize(
+    ("stage", "setting"),
+    [
+        (3, {"optimizer_in_backward": True, "nonfinite": "raise"}),
+        (2, {"offload_optimizer": "cpu", "delayed_parameter_update": True}),
+        (3, {"reduce_dtype": "float32"}),
+    ],
+)
+def test_fused_and_delayed_steps_with_uneven_shards_equal_even_shards(
+    stage: int, setting: dict[str, Any]
+) -> None:
+    """The step in backward (each bucket's slice stepped as it lands), ZeRO-Offload's
+    delayed update and float32 reductions with clipping, with weights 2, 1, 1: the same
+    bits as the same settings with even shards."""
+
+    clip = None if "optimizer_in_backward" in setting else 0.05
+    case = ParityCase(**{**CASE.__dict__, "clip": clip})
+
+    def body(comm: Communicator) -> None:
+        even = train(case, comm, stage, settings=setting)
+        uneven = train(case, comm, stage, settings={**setting, "shard_weights": [2, 1, 1]})
+        assert_same_states(even, uneven, f"stage {stage}, {setting}")
+
+    run_simulated(3, body)
