@@ -28,10 +28,12 @@ outside these terms and is what keeps a measured ratio below 1.5.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +65,7 @@ def probe(args: argparse.Namespace) -> None:
     from zero_core.memory.host_heap import release_free_heap
     from zero_models.gpt import GPT, GPTConfig
 
+    faulthandler.register(signal.SIGUSR1)  # a hung probe: kill -USR1 prints its stacks
     torch.set_num_threads(1)
     comm = zero_comm.init("gloo", deterministic=True)
     weights = None if args.weights == "even" else parse_list(args.weights)
@@ -147,7 +150,23 @@ def launch(args: argparse.Namespace, weights: str, layers: int, out: Path) -> di
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
     started = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    for attempt in range(2):
+        # A rank whose allocation fails inside a communication thread can leave both
+        # waiting (seen once in ~20 probes near the cap): such a probe is stopped after
+        # --probe-timeout seconds and run again once; twice hung counts as not fitting.
+        child = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            _, stderr = child.communicate(timeout=args.probe_timeout)
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            stderr = "PROBE-OOM (hung twice near the cap)" if attempt else ""
+            print(f"[fit] {layers} layers: hung, stopped", file=sys.stderr, flush=True)
+    done = subprocess.CompletedProcess(command, child.returncode, "", stderr)
     ok = done.returncode == 0 and out.exists()
     oom = "PROBE-OOM" in done.stderr
     print(
@@ -201,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--bucket-numel", type=int, default=1 << 20)
     parser.add_argument("--probe-steps", type=int, default=2)
+    parser.add_argument("--probe-timeout", type=float, default=240, help="seconds per probe")
     parser.add_argument("--start-layers", type=int, default=0, help="0: from the formula")
     parser.add_argument("--out", default="fit_uneven.json", help="the search's JSON")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
