@@ -97,8 +97,9 @@ def test_even_layouts_are_unchanged_without_weights() -> None:
 
 @pytest.mark.parametrize("weights", [(2.0, 1.0), (1.0, 3.0, 1.5)])
 def test_padded_slice_collectives_equal_the_reference(weights: tuple[float, ...]) -> None:
-    """all_gather of uneven slices gives the concatenation; reduce_scatter gives each
-    rank the rank-ordered sum of its slice; the wire carries N x the largest slice."""
+    """all_gather of uneven slices gives the concatenation (N broadcasts, no padding);
+    reduce_scatter gives each rank the rank-ordered sum of its slice, its wire N x the
+    largest slice."""
     n = len(weights)
     numel = BLOCK * 9
     sizes = [u * BLOCK for u in weighted_units(9, weights)]
@@ -115,7 +116,8 @@ def test_padded_slice_collectives_equal_the_reference(weights: tuple[float, ...]
         handle.wait()
         expected = torch.cat([data[r][sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(n)])
         assert torch.equal(full, expected)
-        assert comm.stats["all_gather"].buffer_elements == n * max(sizes)  # the wire
+        assert comm.stats["broadcast"].buffer_elements == numel  # sum(s): no padding
+        assert comm.stats["broadcast"].calls == n
         out = torch.empty(sizes[comm.rank])
         uneven.reduce_scatter(out, data[comm.rank])
         assert comm.stats["reduce_scatter"].buffer_elements == n * max(sizes)

@@ -13,16 +13,19 @@ How they move (the "padded slices" design). The collectives of zero_comm move N 
 chunks; this module's :class:`UnevenShardComm` puts each rank's slice at the start of
 a chunk of S = the largest share, zero padding after it, on the wire:
 
-    all_gather     rank r sends [ slice_r | 0 .. ] (S elements); the N x S result is
-                   copied into the bucket, slice r at its place
     reduce_scatter the bucket is copied into N x S rows, row r = [ slice_r | 0 .. ];
                    rank r keeps the first s_r elements of its reduced row
+    all_gather     each rank copies its slice into its place in the bucket, then
+                   rank r's place is broadcast from rank r, r = 0 .. N-1 (N broadcasts,
+                   no buffer: stage 3 keeps several gathers in flight, and N x S
+                   buffers for each cost 10% of a rank's budget in fit_uneven)
 
 An element is reduced by the same collective in the same rank order as with even shards,
 and the optimizer step and the gradient norm are elementwise or row-wise, so every bit is
-unchanged. The cost: the wire carries N x S elements instead of sum(s) (the
+unchanged. The cost: a reduction's wire carries N x S elements instead of sum(s) (the
 communicator's stats count the wire, so they show it: 4/3 of the even volume for weights
-2, 1), and one copy of the bucket into or out of the wire buffer per collective. The
+2, 1) and copies the bucket into its wire buffer; a gather is N broadcasts instead of one
+all-gather (N latencies; the stats count broadcasts, sum(s) elements in all). The
 persistent states (masters, optimizer states, gradient shard, stage 3's parameter shard)
 hold only s_r elements.
 
@@ -47,8 +50,9 @@ from .grad_norm import BLOCK
 
 
 class FinishingHandle:
-    """An asynchronous uneven collective: the wire collective's handle, and the copy out
-    of the wire buffer that completes it (run once, at the first ``wait()``)."""
+    """An asynchronous uneven collective: the last collective's handle, and what
+    completes the whole (the copy out of a reduction's wire buffer, or the waits of a
+    gather's other broadcasts), run once, at the first ``wait()``."""
 
     def __init__(self, handle: Any, finish: Callable[[], None]) -> None:
         self._handle = handle
@@ -108,26 +112,27 @@ class UnevenShardComm:
         label: str = "",
     ) -> FinishingHandle | None:
         """``output`` = the concatenation of every rank's ``input``, of ``sizes[r]``
-        elements on rank r (``sum(sizes)`` in all), over an equal all-gather of chunks of
-        ``max(sizes)``."""
-        comm, n = self.comm, self.comm.world_size
+        elements on rank r (``sum(sizes)`` in all): this rank's slice is copied into its
+        place, then rank r's place is broadcast from rank r, for every r. No buffer
+        beyond ``output``: an equal all-gather of padded chunks would hold N x max(sizes)
+        more per gather in flight, and stage 3 keeps several in flight (its prefetch),
+        which cost 40 MiB of a 400 MiB budget in tools/hetero/fit_uneven.py."""
+        comm = self.comm
         self._check(output, input, sizes, "all_gather")
-        widest = max(sizes)
-        send = comm.buffers.take(widest, input.dtype)
-        send[: input.numel()].copy_(input.reshape(-1))
-        send[input.numel() :].zero_()
-        wire = comm.buffers.take(n * widest, input.dtype)
-        handle = comm.all_gather(wire, send, async_op=True, label=label)
+        out, at = output.view(-1), 0
+        handles = []
+        for r, size in enumerate(sizes):
+            place = out[at : at + size]
+            if r == comm.rank:
+                place.copy_(input.reshape(-1))
+            handles.append(comm.broadcast(place, r, async_op=True, label=label))
+            at += size
 
         def finish() -> None:
-            rows, out, at = wire.view(n, widest), output.view(-1), 0
-            for r, size in enumerate(sizes):
-                out[at : at + size].copy_(rows[r, :size])
-                at += size
-            comm.buffers.give_back(wire)
-            comm.buffers.give_back(send)
+            for handle in handles[:-1]:
+                handle.wait()
 
-        return _complete(handle, finish, async_op)
+        return _complete(handles[-1], finish, async_op)
 
     def reduce_scatter(
         self,
