@@ -31,6 +31,7 @@ layer counts bisected to one layer):
 
     stage  weights  bucket_numel  even: layers (params)  weighted: layers (params)  ratio
     3      2,1      2^20          57 (45.1M)             83 (65.6M)                 1.46x
+    3      2,1      2^18          59 (46.7M)             83 (65.6M)                 1.41x
     2      7,2      2^20          51 (40.4M)             66 (52.2M)                 1.29x
     2      7,2      2^18          51 (40.4M)             72 (56.9M)                 1.41x
 """
