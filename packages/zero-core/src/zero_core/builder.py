@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -62,6 +62,7 @@ from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters
 from .sharded_params import ShardedParameters
 from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
+from .uneven_shards import UnevenShardComm, uneven_weights
 from .zeropp import gradient_quantization, weight_quantizer
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def build_engine_parts(
         loss_scaler=loss_scaler(config),
         slots=slots,
         hybrid=hybrid,
-        shard_comm=comm if hybrid is None else hybrid.shard,
+        shard_comm=components.shard_comm,
         secondary=secondary,
         layouts=components.layouts,
         parameters=components.parameters,
@@ -171,6 +172,7 @@ class Components(NamedTuple):
     gradients: GradientComponent
     masters: MasterComponent
     module_hooks: list[Any]
+    shard_comm: Communicator  # the ranks the states are partitioned over (uneven: wrapped)
 
 
 def build_components(
@@ -198,6 +200,9 @@ def build_components(
     qgZ's zeropp.QuantizedGradientReduction); ``weight_codec``: qwZ's, or None."""
     world = comm
     comm = comm if hybrid is None else hybrid.shard
+    weights = uneven_weights(config, comm) if policy.shard_optimizer_states else None
+    if weights is not None:  # issue 52: uneven shards (zero_core.uneven_shards)
+        comm = cast(Communicator, UnevenShardComm(comm, weights))
     plan = None
     if policy.parameters is ParameterPlacement.SHARDED:
         plan = plan_units(module, slots, config.persistence_threshold)
@@ -209,6 +214,8 @@ def build_components(
             comm.world_size,
             config.bucket_numel,
             units=None if plan is None else [slot.unit or 0 for slot in group],
+            weights=weights,
+            rank=comm.rank,
         )
         for group in slots.by_group
     ]
@@ -267,7 +274,7 @@ def build_components(
         scattered.gradient_listeners.append(parameters.gradient_arrived)
         gradients = scattered
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)
-    return Components(layouts, parameters, gradients, masters, hooks)
+    return Components(layouts, parameters, gradients, masters, hooks, comm)
 
 
 def close_components(

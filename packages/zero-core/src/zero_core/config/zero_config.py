@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,6 +25,7 @@ from .choices import (
 from .deepspeed_translation import TRAINER_KEYS, translate_deepspeed
 from .delayed_update_rule import delayed_update_error
 from .fused_step_rule import optimizer_in_backward_error
+from .shard_weights_rule import normalise_shard_weights, shard_weights_error
 
 
 def _reduce_dtype(value: torch.dtype | str | None, param_dtype: torch.dtype) -> torch.dtype | None:
@@ -214,6 +215,12 @@ class ZeroConfig:
         t-1's gradients). Needs ``offload_optimizer`` "cpu" or "disk"; not with
         ``optimizer_in_backward``. ``save()`` waits for the update and publishes it, so a
         checkpoint holds every step taken (zero_core.delayed_update; docs/offload.md).
+    shard_weights: stages 1-3 (issue 52): one weight per data-parallel rank; each rank's
+        share of the sharded model states (float32 masters, optimizer states, gradient
+        shard, stage 3's parameter shard) is proportional to its weight, on 128-element
+        boundaries, with the same bits as even shards (zero_core.uneven_shards). The
+        collectives still move N equal chunks of the largest share. At stage 0 nothing is
+        sharded and the weights change nothing. None: even shards.
     """
 
     stage: int = DEFAULT_STAGE
@@ -257,8 +264,10 @@ class ZeroConfig:
     optimizer_in_backward: bool = False
     reduce_dtype: torch.dtype | None = None
     delayed_parameter_update: bool = False
+    shard_weights: tuple[float, ...] | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_weights", normalise_shard_weights(self.shard_weights))
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype, self.param_dtype))
         self._check_offload()
@@ -317,6 +326,9 @@ class ZeroConfig:
         fused = optimizer_in_backward_error(self)
         if fused:
             raise ValueError(fused)
+        uneven = shard_weights_error(self)
+        if uneven:
+            raise ValueError(uneven)
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):
