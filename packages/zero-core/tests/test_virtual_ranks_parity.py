@@ -32,6 +32,7 @@ COUNTS = [(2, 1), (1, 2), (1, 1, 2), (3, 1)]
     accumulation=st.sampled_from([1, 2]),
     clip=st.sampled_from([None, 0.05]),
     dtype=st.sampled_from(["float32", "bfloat16", "float32", "bfloat16", "float16"]),
+    weights=st.sampled_from([None, None, (3.0, 1.0, 2.0), (1.0, 2.5, 1.0)]),
 )
 def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
     case: ParityCase,
@@ -40,11 +41,15 @@ def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
     accumulation: int,
     clip: float | None,
     dtype: str,
+    weights: tuple[float, ...] | None,
 ) -> None:
+    """``weights``: memory-weighted shards too (shard_weights, first len(counts) of them),
+    which change no bit; the reference is the even V-rank run."""
     case = ParityCase(
         **{**case.__dict__, "accumulation": accumulation, "clip": clip, "dtype": dtype}
     )
-    virtual_equals_homogeneous(case, stage, counts)
+    more = None if weights is None else {"shard_weights": weights[: len(counts)]}
+    virtual_equals_homogeneous(case, stage, counts, more)
 
 
 @pytest.mark.parametrize("counts", [(2, 2), (1, 1), (2, 1), (1, 3)])
