@@ -9,20 +9,18 @@ reduce in the backend's own order:
     _all_reduce_native(t, op)    op in SUM, MAX, MIN; order chosen by the backend
     _reduce_scatter_native(out, inp, op)
 
-and this class builds the public collectives from them (the row collectives of virtual
-ranks, all_reduce_rows and reduce_scatter_rows, in its base row_collectives.RowCollectives):
-argument checks, the cross-rank consistency check (its base class, call_check.py), the
-statistics, the rank-ordered (deterministic) reductions, AVG, and the asynchronous handles.
-All tensors are flat and contiguous on ``self.device``.
+and this class builds the public collectives from them, with its bases:
 
-Which reduction is used:
+    collective_checks.CollectiveChecks   each rank's argument checks
+    call_check.CallCheck                 the cross-rank consistency check
+    node_groups.NodeGroups               topology, intra_node / inter_node / shard groups
+    object_collectives.ObjectCollectives broadcast_object, all_gather_object
+    reduction_order.ReductionOrder       which reductions are rank-ordered (deterministic:
+                                         float SUM and AVG), and the ordered all-reduce
+    row_collectives.RowCollectives       all_reduce_rows, reduce_scatter_rows (virtual ranks)
 
-    op / dtype                 deterministic=True     deterministic=False
-    MAX, MIN, integer SUM      native (exact anyway)  native
-    float SUM, AVG             rank-ordered           native
-
-unless the backend prefers the rank-ordered algorithm for that collective and dtype
-(``_prefers_ordered``: where it is faster, or where the backend has no native reduction).
+Here: the statistics, AVG, the asynchronous handles, and the collectives' order of
+operations. All tensors are flat and contiguous on ``self.device``.
 
 Every collective of every backend passes here, so this is where a profiler's timeline
 gets them: each public collective is the range ``zero::<its name>`` (``@ranged``) and
@@ -46,20 +44,21 @@ from .call_check import (
     COLLECTIVE_CODE,
     DTYPE_CODE,
     INVALID_CALL,
-    SUPPORTED_DTYPES,
     CallCheck,
     label_code,
 )
+from .collective_checks import CollectiveChecks
 from .comm_options import CommOptions
 from .errors import CommError
 from .handle import CompletedWork, Handle, Work
 from .heartbeat import Heartbeat
 from .node_groups import NodeGroups
 from .object_collectives import ObjectCollectives
-from .ordered import chunk_numel, fold_rows
+from .ordered import fold_rows
 from .peers import Peer
 from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
+from .reduction_order import ReductionOrder
 from .row_collectives import RowCollectives
 from .stats import CommStats
 from .topology import Topology
@@ -67,7 +66,9 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 
-class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
+class Communicator(
+    CollectiveChecks, CallCheck, NodeGroups, ObjectCollectives, ReductionOrder, RowCollectives
+):
     """A group of ``world_size`` ranks and the collectives among them.
 
     Attributes:
@@ -182,14 +183,6 @@ class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
     def _wait(self, work: Work, name: str) -> None:
         """Wait for ``work``, turning the backend's failures into :class:`CommError`."""
 
-    def _prefers_ordered(self, collective: str, dtype: torch.dtype) -> bool:
-        """Whether the rank-ordered algorithm is used even when not asked to be deterministic.
-
-        Backends override this where the ordered algorithm is the faster one, or the only
-        correct one (MPI has no bfloat16 type to reduce natively).
-        """
-        return False
-
     def meet(
         self, label: str, *, within: float | None = None, longer: str = "meet(within=...)"
     ) -> None:
@@ -230,9 +223,7 @@ class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
         self.buffers.clear()
 
     # ------------------------------------------------------------------ checks
-    def _err(self, message: str) -> str:
-        return f"[rank {self.rank}] {message}"
-
+    # (of the arguments: collective_checks.CollectiveChecks)
     def _check_open(self, name: str) -> None:
         if self.closed:
             raise CommError(self._err(f"{name}: this communicator was closed; create a new one"))
@@ -244,70 +235,6 @@ class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
                 )
             )
         self._check_not_diverged(name)
-
-    def _check_tensor(self, name: str, role: str, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(self._err(f"{name}: {role} must be a torch.Tensor, got {type(tensor)}"))
-        if tensor.dtype not in DTYPE_CODE:
-            supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-            raise TypeError(
-                self._err(f"{name}: {role} has dtype {tensor.dtype}; supported: {supported}")
-            )
-        if tensor.device.type != self.device.type:
-            raise ValueError(
-                self._err(
-                    f"{name}: {role} is on {tensor.device} but this {self.backend} communicator "
-                    f"works on {self.device}; move it with .to({str(self.device)!r})"
-                )
-            )
-        if not tensor.is_contiguous():
-            raise ValueError(
-                self._err(f"{name}: {role} must be contiguous; pass tensor.contiguous()")
-            )
-
-    def _check_src(self, name: str, src: int) -> int:
-        if not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ValueError(
-                self._err(
-                    f"{name}: src={src!r} is not a rank of this group (0..{self.world_size - 1})"
-                )
-            )
-        return src
-
-    def _check_op(self, name: str, op: ReduceOp, dtype: torch.dtype) -> None:
-        if not isinstance(op, ReduceOp):
-            raise TypeError(self._err(f"{name}: op must be a zero_comm.ReduceOp, got {op!r}"))
-        if op is ReduceOp.AVG and not dtype.is_floating_point:
-            raise TypeError(
-                self._err(f"{name}: AVG of {dtype} would truncate; use SUM and divide yourself")
-            )
-
-    def _check_pair(
-        self, name: str, out: torch.Tensor, inp: torch.Tensor, out_factor: int, in_factor: int
-    ) -> None:
-        self._check_tensor(name, "output", out)
-        self._check_tensor(name, "input", inp)
-        if out.dtype != inp.dtype:
-            raise TypeError(
-                self._err(
-                    f"{name}: output is {out.dtype} but input is {inp.dtype}; they must match"
-                )
-            )
-        if in_factor > 1 and inp.numel() % in_factor:
-            raise ValueError(
-                self._err(
-                    f"{name}: the input's {inp.numel()} elements do not split into "
-                    f"world_size={in_factor} equal chunks; pad it to a multiple of {in_factor}"
-                )
-            )
-        if out.numel() * in_factor != inp.numel() * out_factor:
-            raise ValueError(
-                self._err(
-                    f"{name}: with world_size={self.world_size} the output must hold "
-                    f"{inp.numel() * out_factor // in_factor} elements for an input of "
-                    f"{inp.numel()}, got {out.numel()}"
-                )
-            )
 
     def _run_pending(self, until: Handle | None = None) -> None:
         """Complete queued second phases in issue order (all, or up to ``until``)."""
@@ -349,12 +276,6 @@ class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
             tensor.div_(self.world_size)
 
         return divide
-
-    def _ordered(self, collective: str, op: ReduceOp, dtype: torch.dtype) -> bool:
-        exact_in_any_order = op in (ReduceOp.MAX, ReduceOp.MIN) or not dtype.is_floating_point
-        if self._prefers_ordered(collective, dtype):
-            return True
-        return self.deterministic and not exact_in_any_order
 
     # --------------------------------------------------------------- collectives
     # Each collective's overloads say what async_op gives: a Handle for True, None for
@@ -633,31 +554,3 @@ class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
         child.set_topology(self.topology.restrict(child.parent_ranks))
         self._children.append(weakref.ref(child))
         return child
-
-    # ---------------------------------------------------------- rank-ordered sums
-    def _ordered_all_reduce(self, flat: torch.Tensor, op: ReduceOp) -> Handle:
-        n, size = flat.numel(), self.world_size
-        chunk = chunk_numel(n, size)
-        padded = chunk * size
-        if padded == n:
-            send = flat
-        else:
-            send = self.buffers.take(padded, flat.dtype)
-            send[:n].copy_(flat)
-            send[n:].zero_()
-        rows = self.buffers.take(padded, flat.dtype)
-        work = self._all_to_all(rows, send)
-
-        def fold_then_gather() -> None:
-            mine = self.buffers.take(chunk, flat.dtype)
-            fold_rows(mine, rows.view(size, chunk), op)
-            self._wait(self._all_gather(send, mine), "all_reduce (gather phase)")
-            if send is not flat:
-                flat.copy_(send[:n])
-                self.buffers.give_back(send)
-            self.buffers.give_back(mine)
-            self.buffers.give_back(rows)
-
-        handle = Handle(self, "all_reduce", work, fold_then_gather)
-        self._pending.append(handle)  # its gather phase must keep its place in the order
-        return handle
