@@ -28,6 +28,8 @@ from zero_core.zero_r.activation_checkpoint import ActivationCheckpointing
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import UINT16_SUFFIXES, BatchSampler, load_tokens
 from .gpt import GPT, GPTConfig
+from .hetero_emulation import SlotPadding
+from .hetero_profile import AutoChoice, resolve_auto
 from .out_of_memory import (
     Footprint,
     Placement,
@@ -54,6 +56,8 @@ class Run(NamedTuple):
     tracker: zero_core.MemoryTracker
     checkpointing: ActivationCheckpointing | None
     footprint: Footprint  # what zero-estimate predicts, for a rank out of memory
+    padding: SlotPadding  # --emulate-micro-batch-seconds (a no-op without)
+    auto: AutoChoice | None  # what --micro-batches-per-rank/--shard-weights auto chose
 
     def close(self) -> None:
         """Close every communicator of this rank, the world last."""
@@ -83,6 +87,13 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     setup = getattr(args, "deepspeed_setup", None)
+    emulated = args.emulate_micro_batch_seconds
+    padding = SlotPadding(None if emulated is None else emulated[mesh.dp.rank])
+    auto = resolve_auto(args, config, tokens, mesh.dp, world.device, padding)
+    if auto is not None:  # the ranks' choice replaces 'auto' before the engine sees it
+        args.micro_batches_per_rank = auto.counts
+        if auto.shard_weights is not None:
+            args.shard_weights = auto.shard_weights
     zero_config = run_zero_config(args)
     footprint = run_footprint(
         args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
@@ -106,14 +117,21 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
             model_parallel=model_parallel,
             init_values=init_values,
         )
+    counts = args.micro_batches_per_rank
+    engine_counts = getattr(engine, "virtual_ranks", None)
+    if counts is not None and engine_counts is not None and engine_counts.counts != counts:
+        raise RuntimeError(
+            f"[rank {world.rank}] the engine runs micro-batches per rank "
+            f"{engine_counts.counts}, the sampler was given {counts}: a zero-train bug"
+        )
     sampler = BatchSampler(
         tokens, context=config.context, global_batch=args.batch_size,
-        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed,
+        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed, counts=counts,
     )  # fmt: skip
     tracker = zero_core.MemoryTracker(world.device)
     return Run(
         world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing,
-        footprint,
+        footprint, padding, auto,
     )  # fmt: skip
 
 
@@ -140,7 +158,8 @@ def footprint_of(
 ) -> Footprint:
     """:func:`run_footprint`'s figures, for a rank or, before the launch, for any."""
     dtype = {dtype: name for name, dtype in DTYPES.items()}[zero_config.param_dtype]
-    tokens = args.batch_size // dp_size * config.context  # one micro-step's
+    # One micro-batch slot's (B / V; V = dp_size without --micro-batches-per-rank).
+    tokens = args.batch_size // getattr(args, "virtual_total", dp_size) * config.context
     placement = Placement(
         zero_config.stage, args.checkpoint, zero_config.offload_optimizer,
         zero_config.offload_params,
