@@ -394,6 +394,19 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_hetero(session: nox.Session) -> None:
+    """Mixed hardware (issue 52) measured: a 2:1 speed mix on two ranks (micro-batches
+    padded to 0.2 s and 0.4 s), the default GPT with 12 micro-batches per step, counts 8,4
+    against the even split 6,6 and the ideal, and auto's predicted step time against the
+    measured one (docs/mixed-hardware.md). About 5 minutes.
+    Extra arguments go to tools/hetero/bench.py: nox -s bench_hetero -- --mode quota
+    """
+    _install(session)
+    session.run("python", "-m", "tools.hetero.bench", "--json",
+                "docs/benchmarks/mixed-hardware.json", *session.posargs)  # fmt: skip
+
+
+@nox.session
 def bench_offload(session: nox.Session) -> None:
     """Offload (ZeRO-Offload / ZeRO-Infinity) measured: the swap pipeline against dd on the
     same folder (docs/benchmarks/swap.md), the CPU optimizer step against memory bandwidth
