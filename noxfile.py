@@ -14,6 +14,7 @@
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~3 h)
     nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~50 min)
+    nox -s bench_hetero  mixed hardware: a 2:1 speed mix, counts 8,4 vs 6,6 vs auto (~5 min)
     nox -s deepspeed     DeepSpeed-shaped scripts under real DeepSpeed and zero_core.deepspeed
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).

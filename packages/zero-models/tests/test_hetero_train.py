@@ -1,0 +1,69 @@
+"""zero-train on mixed hardware, end to end (issue 52): two ranks running 2 and 1
+micro-batch slots print the losses of three homogeneous ranks bit for bit, padded slots
+included (the emulation changes times, never bits), and 'auto' chooses the speed-weighted
+counts and predicts the padded step time within 15%."""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_models.run_metrics import read_metrics
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "zero_models.train", "--model", "test", "--threads", "1",
+               "--sample-tokens", "0", "--no-final-save", *args]  # fmt: skip
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")[1]]
+
+
+def printed_losses(stdout: str) -> list[str]:
+    return re.findall(r"^step +\d+/\d+ +loss (\S+)", stdout, re.MULTILINE)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_virtual_ranks_print_the_losses_of_the_homogeneous_run(tmp_path: Path, stage: int) -> None:
+    """--nproc 2 --micro-batches-per-rank 2,1 --batch-size 18 against --nproc 3
+    --batch-size 18, with accumulation and clipping: every step's loss (metrics.jsonl's
+    float and the printed line) is equal, and the slots padded to 0.05 s and 0.1 s change
+    nothing."""
+    common = ["--batch-size", "18", "--steps", "3", "--grad-accum", "2", "--stage", str(stage)]
+    mixed = run("--nproc", "2", "--micro-batches-per-rank", "2,1", "--out", "mixed",
+                "--emulate-micro-batch-seconds", "0.05,0.1", *common, cwd=tmp_path)  # fmt: skip
+    assert mixed.returncode == 0, mixed.stdout + mixed.stderr
+    even = run("--nproc", "3", "--out", "even", *common, cwd=tmp_path)
+    assert even.returncode == 0, even.stdout + even.stderr
+    assert losses(tmp_path / "mixed") == losses(tmp_path / "even")
+    assert len(losses(tmp_path / "even")) == 3
+    assert printed_losses(mixed.stdout) == printed_losses(even.stdout) != []
+    record = read_metrics(tmp_path / "mixed" / "metrics.jsonl")[0][0]
+    assert record["micro_batches_per_rank"] == [2, 1]
+
+
+def test_auto_chooses_the_speed_weighted_counts_and_predicts_the_step(tmp_path: Path) -> None:
+    """Slots padded to 0.1 s and 0.2 s (a 2:1 mix), 6 virtual ranks: auto measures each
+    rank, chooses 4,2 (2 x 0.2 s = 0.4 s a micro-step against the even 3,3's 0.6 s) and
+    predicts the step time, which the measured median (the first step left out: start-up)
+    is within 15% of."""
+    result = run("--nproc", "2", "--micro-batches-per-rank", "auto", "--virtual-ranks", "6",
+                 "--batch-size", "6", "--emulate-micro-batch-seconds", "0.1,0.2", "--steps", "6",
+                 "--out", "auto", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "--micro-batches-per-rank 4,2; predicted step" in result.stdout, result.stdout
+    runs, steps = read_metrics(tmp_path / "auto" / "metrics.jsonl")
+    assert runs[0]["micro_batches_per_rank"] == [4, 2]
+    predicted = runs[0]["auto"]["predicted_step_s"]
+    measured = statistics.median(r["step_s"] for r in steps[1:])
+    assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+    assert runs[0]["auto"]["even_split_step_s"] > 1.3 * predicted
