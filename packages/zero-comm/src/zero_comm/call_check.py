@@ -43,6 +43,7 @@ DTYPE_CODE = {dtype: code for code, dtype in enumerate(SUPPORTED_DTYPES)}
 COLLECTIVE_CODE = {
     "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 5,
     "split": 6, "broadcast_object": 7, "all_gather_object": 8, "all_to_all": 9,
+    "all_reduce_rows": 10, "reduce_scatter_rows": 11,
 }  # fmt: skip
 INVALID_CALL = -1  # a rank whose own arguments were bad sends this as its collective code
 CODE_COLLECTIVE = {code: name for name, code in COLLECTIVE_CODE.items()}
@@ -85,7 +86,9 @@ def describe_call(row: list[int]) -> str:
         parts += [str(SUPPORTED_DTYPES[dtype_code]).removeprefix("torch."), f"numel={numel}"]
     if op in {o.value for o in ReduceOp}:
         parts.append(ReduceOp(op).name)
-    if root >= 0:
+    if root >= 0 and name.endswith("_rows"):
+        parts.append(f"row_counts#{root:x}")  # row_collectives.row_counts_code
+    elif root >= 0:
         parts.append(f"src={root}")
     if label:
         parts.append(repr(_LABELS.get(label, f"label#{label:x}")))

@@ -9,10 +9,11 @@ reduce in the backend's own order:
     _all_reduce_native(t, op)    op in SUM, MAX, MIN; order chosen by the backend
     _reduce_scatter_native(out, inp, op)
 
-and this class builds the public collectives from them: argument checks, the cross-rank
-consistency check (its base class, call_check.py), the statistics, the rank-ordered
-(deterministic) reductions, AVG, and the asynchronous handles. All tensors are flat and
-contiguous on ``self.device``.
+and this class builds the public collectives from them (the row collectives of virtual
+ranks, all_reduce_rows and reduce_scatter_rows, in its base row_collectives.RowCollectives):
+argument checks, the cross-rank consistency check (its base class, call_check.py), the
+statistics, the rank-ordered (deterministic) reductions, AVG, and the asynchronous handles.
+All tensors are flat and contiguous on ``self.device``.
 
 Which reduction is used:
 
@@ -59,13 +60,14 @@ from .ordered import chunk_numel, fold_rows
 from .peers import Peer
 from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
+from .row_collectives import RowCollectives
 from .stats import CommStats
 from .topology import Topology
 
 log = logging.getLogger(__name__)
 
 
-class Communicator(CallCheck, NodeGroups, ObjectCollectives):
+class Communicator(CallCheck, NodeGroups, ObjectCollectives, RowCollectives):
     """A group of ``world_size`` ranks and the collectives among them.
 
     Attributes:

@@ -189,3 +189,41 @@ def thread_count(comm: Communicator) -> dict[str, object]:
 def change_thread_count(comm: Communicator) -> None:
     """A body that computes with another thread count than the harness gave it."""
     torch.set_num_threads(torch.get_num_threads() + 1)
+
+
+def row_collectives_equal_the_fold(comm: Communicator, counts: list[int]) -> int:
+    """all_reduce_rows / reduce_scatter_rows (float32, bfloat16; sync and async) equal, bit
+    for bit, the left fold of the sum(counts) virtual ranks' rows done here in one process.
+    Returns how many cases were checked."""
+    import functools
+
+    from zero_comm import ReduceOp
+
+    size, chunk = comm.world_size, 5
+    n = size * chunk
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        every = []
+        for v in range(sum(counts)):
+            gen = torch.Generator().manual_seed(11 + v)
+            scale = 10.0 ** torch.randint(-3, 3, (n,), generator=gen).double()
+            every.append((torch.randn(n, generator=gen, dtype=torch.float64) * scale).to(dtype))
+        first = sum(counts[: comm.rank])
+        rows = torch.stack(every[first : first + counts[comm.rank]])
+        expected = functools.reduce(lambda a, b: a + b, every)
+        for async_op in (False, True):
+            whole, part = torch.empty(n, dtype=dtype), torch.empty(chunk, dtype=dtype)
+            h1 = comm.all_reduce_rows(whole, rows, counts, ReduceOp.SUM, async_op=async_op)
+            h2 = comm.reduce_scatter_rows(part, rows, counts, ReduceOp.SUM, async_op=async_op)
+            for handle in (h2, h1):  # waited out of order: the gather phase keeps its place
+                if handle is not None:
+                    handle.wait()
+            if comm.deterministic:
+                assert torch.equal(whole, expected), (dtype, whole, expected)
+                mine = expected[comm.rank * chunk : (comm.rank + 1) * chunk]
+                assert torch.equal(part, mine), (dtype, part, mine)
+            else:
+                tol = 0.1 if dtype is torch.bfloat16 else 1e-4
+                assert torch.allclose(whole.double(), expected.double(), rtol=tol, atol=tol * 1e3)
+            checked += 1
+    return checked

@@ -65,6 +65,20 @@ def test_collective_properties_on_real_ranks(
     ("backend", "launcher"),
     [pytest.param("gloo", "spawn", marks=GLOO), pytest.param("mpi", "mpiexec", marks=MPI)],
 )
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "native"])
+def test_row_collectives_on_real_ranks(backend: str, launcher: str, deterministic: bool) -> None:
+    """Virtual ranks (2, 1, 3) on three processes: the rows' fold, as one process does it."""
+    reports = run_on_ranks(
+        rank_bodies.row_collectives_equal_the_fold, 3, backend=backend, launcher=launcher,
+        deterministic=deterministic, kwargs={"counts": [2, 1, 3]},
+    )  # fmt: skip
+    assert [r["value"] for r in reports] == [4] * 3
+
+
+@pytest.mark.parametrize(
+    ("backend", "launcher"),
+    [pytest.param("gloo", "spawn", marks=GLOO), pytest.param("mpi", "mpiexec", marks=MPI)],
+)
 def test_mesh_subgroups(backend: str, launcher: str) -> None:
     reports = run_on_ranks(
         rank_bodies.mesh_subgroups, 4, backend=backend, launcher=launcher, kwargs={"tp": 2}

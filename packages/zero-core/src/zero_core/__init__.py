@@ -34,6 +34,7 @@ from .memory.tracker import MemoryTracker
 from .model_parallel import ModelParallel
 from .offload.swap_file import CorruptSwapError, SwapError, SwapSpaceError, check_offload_dir
 from .param_owner import is_partitioned
+from .virtual_ranks import VirtualRanks
 from .zero_r.activation_checkpoint import ActivationCheckpointing
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -55,6 +56,7 @@ __all__ = [
     "ShardedState",
     "SwapError",
     "SwapSpaceError",
+    "VirtualRanks",
     "ZeroConfig",
     "ZeroEngine",
     "__version__",

@@ -62,6 +62,7 @@ from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters
 from .sharded_params import ShardedParameters
 from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
+from .virtual_ranks import VirtualRanks
 from .zeropp import gradient_quantization, weight_quantizer
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class EngineParts:
     module_hooks: list[Any]
     optimizer: torch.optim.Optimizer
     backward_stepper: BackwardStepper | None
+    virtual_ranks: VirtualRanks
 
 
 def build_engine_parts(
@@ -102,6 +104,8 @@ def build_engine_parts(
     init_values: InitValues | None = None,
 ) -> EngineParts:
     """Collective over ``comm`` (the data-parallel world): every part, in the order above."""
+    # First, before any collective: every rank refuses a setting that does not fit alike.
+    virtual = VirtualRanks.for_world(config.micro_batches_per_rank, comm.world_size, comm.rank)
     dtype = config.param_dtype
     split = model_parallel.sharded if model_parallel is not None else ()
     slots = ParamTable(module, groups.params, split)
@@ -148,6 +152,7 @@ def build_engine_parts(
         module_hooks=components.module_hooks,
         optimizer=optimizer,
         backward_stepper=stepper,
+        virtual_ranks=virtual,
     )
 
 

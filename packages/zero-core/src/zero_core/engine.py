@@ -113,6 +113,7 @@ class Engine:
         # ZeroConfig.optimizer_in_backward: each bucket is stepped as backward reduces it.
         self.backward_stepper = parts.backward_stepper
         self._module_hooks = parts.module_hooks
+        self.virtual_ranks = parts.virtual_ranks  # micro-batch slots per rank (virtual_ranks)
         # ZeroConfig.delayed_parameter_update: step t's update runs while step t+1 computes.
         self.delayed_update = (
             DelayedUpdate(self.masters, self.dtype, self.comm.device, self.comm.rank,

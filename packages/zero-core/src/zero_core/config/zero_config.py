@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..virtual_ranks import CountsSetting, normalise_counts
 from .choices import (
     DEFAULT_STAGE,
     OFFLOAD_DEVICES,
@@ -214,6 +215,12 @@ class ZeroConfig:
         t-1's gradients). Needs ``offload_optimizer`` "cpu" or "disk"; not with
         ``optimizer_in_backward``. ``save()`` waits for the update and publishes it, so a
         checkpoint holds every step taken (zero_core.delayed_update; docs/offload.md).
+    micro_batches_per_rank: virtual ranks (zero_core.virtual_ranks): data-parallel rank i
+        runs c_i = micro_batches_per_rank[i] micro-batches (backward calls) per micro-step,
+        and the run equals the homogeneous one at sum(c) ranks bit for bit. A list becomes
+        a tuple; it must hold one int >= 1 per data-parallel rank. "auto" must be
+        resolved first (zero_core.hetero.choose_micro_batches, or zero-train's profiler).
+        None: one micro-batch per rank.
     """
 
     stage: int = DEFAULT_STAGE
@@ -257,8 +264,11 @@ class ZeroConfig:
     optimizer_in_backward: bool = False
     reduce_dtype: torch.dtype | None = None
     delayed_parameter_update: bool = False
+    micro_batches_per_rank: CountsSetting = None
 
     def __post_init__(self) -> None:
+        counts = normalise_counts("micro_batches_per_rank", self.micro_batches_per_rank)
+        object.__setattr__(self, "micro_batches_per_rank", counts)
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _reduce_dtype(self.reduce_dtype, self.param_dtype))
         self._check_offload()
