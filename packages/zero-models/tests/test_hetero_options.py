@@ -157,3 +157,42 @@ def test_auto_chooses_from_every_ranks_profile() -> None:
     assert "--micro-batches-per-rank 8,4 --shard-weights 0.6667,0.3333" in line
     assert "predicted step 3.300 s (even split: 4.900 s)" in line
     assert choose(profiles, 12, 1, want_weights=False).shard_weights is None
+
+
+def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
+    from zero_models.train_options import run_zero_config
+
+    args = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
+                          "--batch-size", "18"])  # fmt: skip
+    assert args.virtual_total == 3
+    assert run_zero_config(args).micro_batches_per_rank == (2, 1)
+    auto = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "auto"])
+    assert auto.virtual_total == 8  # --batch-size 16 over 2 ranks: up to 4 slots each
+    plain = parse_options(["--out", str(tmp_path / "out")])
+    assert plain.virtual_total == 2 and run_zero_config(plain).micro_batches_per_rank is None
+
+
+def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A zero_core whose ZeroConfig lacks the field (one from before issue 52) stops the
+    run naming the option, instead of training homogeneously without a word."""
+    import dataclasses
+
+    import zero_core
+    from zero_models.hetero_options import hetero_settings
+
+    @dataclasses.dataclass(frozen=True)
+    class OldConfig:
+        stage: int = 3
+
+    monkeypatch.setattr(zero_core, "ZeroConfig", OldConfig)
+    args = argparse.Namespace(micro_batches_per_rank=None, shard_weights=(2.0, 1.0))
+    with pytest.raises(ValueError, match="--shard-weights: this zero_core's ZeroConfig has no"):
+        hetero_settings(args)
+    args = argparse.Namespace(micro_batches_per_rank=(2, 1), shard_weights=None)
+    with pytest.raises(ValueError, match="no 'micro_batches_per_rank' field"):
+        hetero_settings(args)
+    assert (
+        hetero_settings(argparse.Namespace(micro_batches_per_rank=None, shard_weights=None)) == {}
+    )
