@@ -63,6 +63,7 @@ cases = st.fixed_dictionaries(
         "op": st.sampled_from(sorted(OPS)),
         "seed": st.integers(0, 2**16),
         "async_op": st.booleans(),
+        "as_list": st.booleans(),
     }
 ).filter(lambda c: not (c["op"] == "AVG" and c["dtype"] == "int64"))
 
@@ -76,14 +77,15 @@ def _run(case: dict, collective: str, deterministic: bool) -> None:
 
     def body(comm: Communicator) -> torch.Tensor:
         rows = rows_of(counts, comm.rank, seed, n, dtype)
+        given = list(rows.clone()) if case["as_list"] else rows  # a list of rows, or (c, n)
         if collective == "reduce_scatter_rows":
             out = torch.full((chunk,), 7, dtype=dtype)
             handle = comm.reduce_scatter_rows(
-                out, rows, counts, op, async_op=case["async_op"], label="g"
+                out, given, counts, op, async_op=case["async_op"], label="g"
             )
         else:
             out = torch.full((n,), 7, dtype=dtype)
-            handle = comm.all_reduce_rows(out, rows, counts, op, async_op=case["async_op"])
+            handle = comm.all_reduce_rows(out, given, counts, op, async_op=case["async_op"])
         if handle is not None:
             handle.wait()
         return out
@@ -168,7 +170,7 @@ def test_rows_of_the_wrong_shape_name_the_fix() -> None:
 
     with pytest.raises(SimulatedRankError) as caught:
         run_simulated(2, body)
-    assert "row_counts[0]=2" in str(caught.value)
+    assert "row_counts[0]=2 rows" in str(caught.value)
 
 
 @pytest.mark.parametrize("bad", [(2,), (2, 0), (2, 1.5)])

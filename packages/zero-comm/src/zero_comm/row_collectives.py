@@ -54,6 +54,9 @@ from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
 from .stats import CommStats
 
+# A rank's rows: one (c, n) tensor, or c tensors of n elements each (no stacking copy).
+Rows = torch.Tensor | Sequence[torch.Tensor]
+
 
 def row_counts_code(row_counts: Sequence[int]) -> int:
     """The row counts as one non-negative int for the consistency check."""
@@ -81,9 +84,16 @@ def fold_ragged(
         out.div_(sum(row_counts))
 
 
-def fold_local(out: torch.Tensor, rows: torch.Tensor, op: ReduceOp) -> None:
-    """This rank's rows (c, n) folded in row order into ``out`` (n); AVG is left as SUM."""
-    fold_ragged(out, rows.unsqueeze(0), [rows.shape[0]], ReduceOp.SUM if op is ReduceOp.AVG else op)
+def fold_local(out: torch.Tensor, rows: list[torch.Tensor], op: ReduceOp) -> None:
+    """This rank's rows (each n) folded in row order into ``out`` (n); AVG is left as SUM."""
+    out.copy_(rows[0])
+    for row in rows[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            out.add_(row)
+        elif op is ReduceOp.MAX:
+            torch.maximum(out, row, out=out)
+        else:
+            torch.minimum(out, row, out=out)
 
 
 class RowCollectives(abc.ABC):
@@ -137,8 +147,9 @@ class RowCollectives(abc.ABC):
 
     # ------------------------------------------------------------------ checks
     def _check_rows(
-        self, name: str, output: torch.Tensor, rows: torch.Tensor, row_counts: Sequence[int]
-    ) -> tuple[int, ...]:
+        self, name: str, output: torch.Tensor, rows: Rows, row_counts: Sequence[int]
+    ) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """The row counts as a tuple and this rank's rows as a list of flat tensors."""
         counts = tuple(row_counts)
         if len(counts) != self.world_size or not all(
             isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts
@@ -150,26 +161,38 @@ class RowCollectives(abc.ABC):
                 )
             )
         self._check_tensor(name, "output", output)
-        self._check_tensor(name, "rows", rows)
-        if rows.dtype != output.dtype:
-            raise TypeError(
-                self._err(f"{name}: output is {output.dtype} but rows are {rows.dtype}; match them")
-            )
-        if rows.dim() != 2 or rows.shape[0] != counts[self.rank]:
+        if isinstance(rows, torch.Tensor):
+            if rows.dim() != 2:
+                raise ValueError(
+                    self._err(f"{name}: rows must be 2-D (rows, n), got {tuple(rows.shape)}")
+                )
+            listed = list(rows)
+        else:
+            listed = [row.view(-1) for row in rows]
+        if len(listed) != counts[self.rank]:
             raise ValueError(
                 self._err(
-                    f"{name}: rows must have shape (row_counts[{self.rank}]={counts[self.rank]}, "
-                    f"n), got {tuple(rows.shape)}"
+                    f"{name}: this rank has row_counts[{self.rank}]={counts[self.rank]} rows "
+                    f"to give, got {len(listed)}"
                 )
             )
-        return counts
+        for row in listed:
+            self._check_tensor(name, "rows", row)
+            if row.dtype != output.dtype or row.numel() != listed[0].numel():
+                raise ValueError(
+                    self._err(
+                        f"{name}: rows must share the output's dtype {output.dtype} and one "
+                        f"length; got {row.dtype} rows of {[r.numel() for r in listed]}"
+                    )
+                )
+        return counts, listed
 
     # --------------------------------------------------------------- collectives
     @overload
     def reduce_scatter_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -180,7 +203,7 @@ class RowCollectives(abc.ABC):
     def reduce_scatter_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -191,7 +214,7 @@ class RowCollectives(abc.ABC):
     def reduce_scatter_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -202,7 +225,7 @@ class RowCollectives(abc.ABC):
     def reduce_scatter_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ReduceOp.SUM,
         *,
@@ -214,37 +237,38 @@ class RowCollectives(abc.ABC):
         ``output``: k elements. Equal to a reduce_scatter over sum(row_counts) ranks."""
         name = "reduce_scatter_rows"
         counts: tuple[int, ...] = ()
+        listed: list[torch.Tensor] = []
 
         def describe() -> tuple[int, int, int, int]:
-            nonlocal counts
-            counts = self._check_rows(name, output, rows, row_counts)
-            if rows.shape[1] != output.numel() * self.world_size:
+            nonlocal counts, listed
+            counts, listed = self._check_rows(name, output, rows, row_counts)
+            if listed[0].numel() != output.numel() * self.world_size:
                 raise ValueError(
                     self._err(
                         f"{name}: each row must hold world_size={self.world_size} chunks of the "
-                        f"output's {output.numel()} elements, got rows of {rows.shape[1]}"
+                        f"output's {output.numel()} elements, got rows of {listed[0].numel()}"
                     )
                 )
-            self._check_op(name, op, rows.dtype)
-            return DTYPE_CODE[rows.dtype], output.numel(), op.value, row_counts_code(counts)
+            self._check_op(name, op, output.dtype)
+            return DTYPE_CODE[output.dtype], output.numel(), op.value, row_counts_code(counts)
 
         self._enter(name, describe, label)
         out = output.view(-1)
-        return self._complete(self._rows_reduce_scatter(out, rows, counts, op, name), async_op)
+        return self._complete(self._rows_reduce_scatter(out, listed, counts, op, name), async_op)
 
     def _rows_reduce_scatter(
         self,
         out: torch.Tensor,
-        rows: torch.Tensor,
+        rows: list[torch.Tensor],
         counts: tuple[int, ...],
         op: ReduceOp,
         name: str,
     ) -> Handle:
         """The reduce-scatter of ``rows`` into ``out`` (checked, agreed), recorded."""
         size, k, mine = self.world_size, out.numel(), counts[self.rank]
-        if size == 1 or k == 0 or not self._ordered("reduce_scatter", op, rows.dtype):
-            self.stats.record("reduce_scatter", size * k, rows.element_size())
-            local = self.buffers.take(size * k, rows.dtype)
+        if size == 1 or k == 0 or not self._ordered("reduce_scatter", op, out.dtype):
+            self.stats.record("reduce_scatter", size * k, out.element_size())
+            local = self.buffers.take(size * k, out.dtype)
             fold_local(local, rows, op)
             if size == 1 or k == 0:
                 out.copy_(local[:k])
@@ -262,14 +286,15 @@ class RowCollectives(abc.ABC):
 
             return Handle(self, name, work, finish_native)
         most = max(counts)
-        self.stats.record("reduce_scatter", most * size * k, rows.element_size())
+        self.stats.record("reduce_scatter", most * size * k, out.element_size())
         # send[r, s] = row s's chunk r: the all-to-all's chunk r is every row's chunk r.
-        send = self.buffers.take(size * most * k, rows.dtype)
+        send = self.buffers.take(size * most * k, out.dtype)
         send_view = send.view(size, most, k)
-        send_view[:, :mine].copy_(rows.view(mine, size, k).transpose(0, 1))
+        for s, row in enumerate(rows):
+            send_view[:, s].copy_(row.view(size, k))
         if most > mine:
             send_view[:, mine:].zero_()
-        received = self.buffers.take(size * most * k, rows.dtype)
+        received = self.buffers.take(size * most * k, out.dtype)
         work = self._all_to_all(received, send)
 
         def fold() -> None:
@@ -283,7 +308,7 @@ class RowCollectives(abc.ABC):
     def all_reduce_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -294,7 +319,7 @@ class RowCollectives(abc.ABC):
     def all_reduce_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -305,7 +330,7 @@ class RowCollectives(abc.ABC):
     def all_reduce_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ...,
         *,
@@ -316,7 +341,7 @@ class RowCollectives(abc.ABC):
     def all_reduce_rows(
         self,
         output: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         row_counts: Sequence[int],
         op: ReduceOp = ReduceOp.SUM,
         *,
@@ -329,26 +354,27 @@ class RowCollectives(abc.ABC):
         rows are not read after the call starts (they are copied first)."""
         name = "all_reduce_rows"
         counts: tuple[int, ...] = ()
+        listed: list[torch.Tensor] = []
 
         def describe() -> tuple[int, int, int, int]:
-            nonlocal counts
-            counts = self._check_rows(name, output, rows, row_counts)
-            if rows.shape[1] != output.numel():
+            nonlocal counts, listed
+            counts, listed = self._check_rows(name, output, rows, row_counts)
+            if listed[0].numel() != output.numel():
                 raise ValueError(
                     self._err(
-                        f"{name}: rows of {rows.shape[1]} elements for an output of "
+                        f"{name}: rows of {listed[0].numel()} elements for an output of "
                         f"{output.numel()}; they must be equal"
                     )
                 )
-            self._check_op(name, op, rows.dtype)
-            return DTYPE_CODE[rows.dtype], output.numel(), op.value, row_counts_code(counts)
+            self._check_op(name, op, output.dtype)
+            return DTYPE_CODE[output.dtype], output.numel(), op.value, row_counts_code(counts)
 
         self._enter(name, describe, label)
         flat, n, size = output.view(-1), output.numel(), self.world_size
-        if size == 1 or n == 0 or not self._ordered("all_reduce", op, rows.dtype):
-            local = self.buffers.take(n, rows.dtype)
-            fold_local(local, rows, op)
-            self.stats.record("all_reduce", n, rows.element_size())
+        if size == 1 or n == 0 or not self._ordered("all_reduce", op, output.dtype):
+            local = self.buffers.take(n, output.dtype)
+            fold_local(local, listed, op)
+            self.stats.record("all_reduce", n, output.element_size())
             flat.copy_(local)
             self.buffers.give_back(local)
             if size == 1 or n == 0:
@@ -364,17 +390,18 @@ class RowCollectives(abc.ABC):
 
             return self._complete(Handle(self, name, work, finish_native), async_op)
         chunk = chunk_numel(n, size)
-        padded_rows = self.buffers.take(counts[self.rank] * chunk * size, rows.dtype)
+        padded_rows = self.buffers.take(counts[self.rank] * chunk * size, output.dtype)
         padded_view = padded_rows.view(counts[self.rank], chunk * size)
-        padded_view[:, :n].copy_(rows)
+        for s, row in enumerate(listed):
+            padded_view[s, :n].copy_(row)
         padded_view[:, n:].zero_()
-        mine = self.buffers.take(chunk, rows.dtype)
-        scatter = self._rows_reduce_scatter(mine, padded_view, counts, op, name)
-        self.stats.record("all_gather", chunk * size, rows.element_size())
+        mine = self.buffers.take(chunk, output.dtype)
+        scatter = self._rows_reduce_scatter(mine, list(padded_view), counts, op, name)
+        self.stats.record("all_gather", chunk * size, output.element_size())
 
         def fold_then_gather() -> None:
             scatter._complete()
-            gathered = self.buffers.take(chunk * size, rows.dtype)
+            gathered = self.buffers.take(chunk * size, output.dtype)
             self._wait(self._all_gather(gathered, mine), "all_reduce_rows (gather phase)")
             flat.copy_(gathered[:n])
             for buffer in (gathered, mine, padded_rows):

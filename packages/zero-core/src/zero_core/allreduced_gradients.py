@@ -25,6 +25,10 @@ is dropped (``land_in_buffer``), so between backward and the step ``.grad`` is N
 at stages 2 and 3, and the hooks run with ``overlap_comm=False`` too (they then cast, and
 launch nothing until after backward), so a second gradient in one backward is added in
 float32 whether or not the reductions overlap backward.
+
+With several micro-batch slots per rank (``slot_rows``: zero_core.slot_rows) every
+slot but the last holds its chunks instead of reducing them, and the last all-reduces
+the rows of all of them; only then is the micro-step's result accumulated.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .group_layout import MIN_PIECE_NUMEL, GroupLayout
 from .memory.report import tensor_bytes
 from .param_table import ParamSlot, ParamTable
 from .reduced_gradient import GroupGradient
+from .slot_rows import SlotRows
 
 
 class AllReducedGradients:
@@ -54,10 +59,12 @@ class AllReducedGradients:
         dtype: torch.dtype,
         comm: Communicator,
         config: ZeroConfig,
+        slot_rows: SlotRows | None = None,
     ) -> None:
         self.slots = slots
         self.comm = comm
         self.config = config
+        self.slot_rows = slot_rows  # several micro-batch slots per rank, or None
         # From backward to step p.grad views the engine's buffer, unless the buffer is in a
         # wider dtype than the parameters (reduce_dtype): then gradients are cast into it.
         self.grads_are_views = dtype == config.param_dtype
@@ -128,7 +135,10 @@ class AllReducedGradients:
             while len(self._in_flight) >= self.config.max_buckets_in_flight:
                 self._in_flight.popleft().wait()
             label = "gradients" + self._label
-            self._in_flight.append(self.comm.all_reduce(chunk, async_op=True, label=label))
+            if self.slot_rows is not None:
+                self._in_flight.append(self.slot_rows.all_reduce(chunk, label=label))
+            else:
+                self._in_flight.append(self.comm.all_reduce(chunk, async_op=True, label=label))
 
     def after_backward(self, first_micro_step: bool) -> None:
         """All-reduce what backward left (parameters without a gradient are zeros), wait
@@ -143,6 +153,8 @@ class AllReducedGradients:
         self._launch_ready()
         while self._in_flight:
             self._in_flight.popleft().wait()
+        if self.slot_rows is not None and self.slot_rows.holding:
+            return  # held, not reduced: the micro-step's last slot reduces every slot
         if self._accumulated is not None:
             for total, flat in zip(self._accumulated, self.flats, strict=True):
                 if first_micro_step:

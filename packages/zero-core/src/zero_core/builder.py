@@ -61,6 +61,7 @@ from .param_table import ParamSlot, ParamTable
 from .reduce_scattered_gradients import ReduceScatteredGradients
 from .replicated_params import ReplicatedParameters
 from .sharded_params import ShardedParameters
+from .slot_rows import SlotRows, unsupported_with_slots
 from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
 from .virtual_ranks import VirtualRanks
 from .zeropp import gradient_quantization, weight_quantizer
@@ -92,6 +93,7 @@ class EngineParts:
     optimizer: torch.optim.Optimizer
     backward_stepper: BackwardStepper | None
     virtual_ranks: VirtualRanks
+    slot_rows: SlotRows  # the gradient collectives' rows when a rank runs several slots
 
 
 def build_engine_parts(
@@ -106,6 +108,14 @@ def build_engine_parts(
     """Collective over ``comm`` (the data-parallel world): every part, in the order above."""
     # First, before any collective: every rank refuses a setting that does not fit alike.
     virtual = VirtualRanks.for_world(config.micro_batches_per_rank, comm.world_size, comm.rank)
+    refused = (
+        None
+        if virtual.homogeneous_run
+        else unsupported_with_slots(config, virtual.counts, comm.world_size)
+    )
+    if refused:
+        raise ValueError(f"[rank {comm.rank}] {refused}")
+    slot_rows = SlotRows(virtual, comm)
     dtype = config.param_dtype
     split = model_parallel.sharded if model_parallel is not None else ()
     slots = ParamTable(module, groups.params, split)
@@ -114,6 +124,7 @@ def build_engine_parts(
     components = build_components(
         module, slots, policy, config, comm, dtype, init_values, hybrid, secondary,
         gradient_quantization(comm, config), weight_quantizer(config),
+        slot_rows if slot_rows.active else None,
     )  # fmt: skip
     masters = components.masters
     optimizer = groups.build([[tile for tile, _ in tiles] for tiles in masters.tiles])
@@ -153,6 +164,7 @@ def build_engine_parts(
         optimizer=optimizer,
         backward_stepper=stepper,
         virtual_ranks=virtual,
+        slot_rows=slot_rows,
     )
 
 
@@ -190,6 +202,7 @@ def build_components(
     secondary: Communicator | None = None,
     reduction: ScatterReduction | None = None,
     weight_codec: BlockQuantizer | None = None,
+    slot_rows: SlotRows | None = None,
 ) -> Components:
     """Collective: lay the groups out, then build the components ``policy`` chooses,
     filled with rank 0's initial values one parameter at a time.
@@ -200,7 +213,9 @@ def build_components(
     (hybrid_sharding.gradient_reduction); rank 0 of the world still gives the initial values.
     ``secondary``: stage 3's hpZ group (hybrid_sharding.secondary_group), or None.
     ``reduction``: what reduces gradient buckets when not ``comm`` itself (``hybrid``, or
-    qgZ's zeropp.QuantizedGradientReduction); ``weight_codec``: qwZ's, or None."""
+    qgZ's zeropp.QuantizedGradientReduction); ``weight_codec``: qwZ's, or None.
+    ``slot_rows``: the rows of several micro-batch slots per rank (zero_core.slot_rows),
+    which then reduce every gradient bucket; None with one slot per rank."""
     world = comm
     comm = comm if hybrid is None else hybrid.shard
     plan = None
@@ -255,7 +270,7 @@ def build_components(
     per_micro_step, at_boundary = gradient_reduction(hybrid, config)
     reduce_dtype = config.gradient_dtype  # the compute dtype unless config.reduce_dtype
     if policy.gradients is GradientPlacement.REPLICATED_VIEWS:
-        gradients = AllReducedGradients(slots, layouts, reduce_dtype, comm, config)
+        gradients = AllReducedGradients(slots, layouts, reduce_dtype, comm, config, slot_rows)
     else:
         scattered = ReduceScatteredGradients(
             slots,
@@ -268,6 +283,7 @@ def build_components(
             reduction=reduction if reduction is not None else per_micro_step,
             across_replicas=None if reduction is not None else at_boundary,
             offloaded_masters=masters if isinstance(masters, OffloadedMasters) else None,
+            slot_rows=slot_rows,
         )
         scattered.gradient_listeners.append(parameters.gradient_arrived)
         gradients = scattered

@@ -12,7 +12,8 @@ One step, for every stage, in this order (the order is part of the bit-for-bit c
                      gradient dtype (the compute dtype, or config.reduce_dtype: each one cast
                      as it lands) in rank order when the communicator is deterministic, and
                      accumulated, in that dtype, over micro-steps
-    at the boundary  g = float32(accumulated) / (N * accumulation_steps * loss_scale)
+    at the boundary  g = float32(accumulated) / (V * accumulation_steps * loss_scale)
+                     (V = N, or the virtual ranks of micro_batches_per_rank: slot_rows)
                      float16: if any rank sees inf/nan, skip the step on every rank
                      clipping: g *= max_norm / (norm + 1e-6) when that is < 1 (grad_norm)
                      optimizer.step() on float32 master weights (full, or this rank's shard)
@@ -114,6 +115,7 @@ class Engine:
         self.backward_stepper = parts.backward_stepper
         self._module_hooks = parts.module_hooks
         self.virtual_ranks = parts.virtual_ranks  # micro-batch slots per rank (virtual_ranks)
+        self.slot_rows = parts.slot_rows  # holds the slots' gradients until the last one
         # ZeroConfig.delayed_parameter_update: step t's update runs while step t+1 computes.
         self.delayed_update = (
             DelayedUpdate(self.masters, self.dtype, self.comm.device, self.comm.rank,
@@ -203,11 +205,11 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (scaled for float16), then reduce this micro-step's gradients."""
+        calls = self.slot_rows.calls(self.micro_steps)  # since the last step (slots count)
         if self.micro_steps >= self.config.gradient_accumulation_steps:
             raise RuntimeError(
-                f"[rank {self.comm.rank}] backward called {self.micro_steps + 1} times without "
-                f"step(); with gradient_accumulation_steps="
-                f"{self.config.gradient_accumulation_steps} call step() after each backward"
+                f"[rank {self.comm.rank}] backward called {calls + 1} times without step(); "
+                f"{self.slot_rows.calls_per_step(self.config)}: call step() after each backward"
             )
         self._check_requires_grad()
         # Gradient collectives carry the micro-step in their label, so ranks configured
@@ -216,6 +218,7 @@ class Engine:
             f" (micro-step {self.micro_steps + 1} of {self.config.gradient_accumulation_steps})"
         )
         first = self.micro_steps == 0
+        self.slot_rows.begin_slot()
         if self.backward_stepper is not None:
             self.backward_stepper.begin()  # raises before anything has begun
         grad_placeholders.remove(slot.param for slot in self.slots)
@@ -232,7 +235,8 @@ class Engine:
             self.compute_params.end_backward()
         if self.backward_stepper is not None:
             self.compute_params.publish()  # the update is whole now, not at step()
-        self.micro_steps += 1
+        if self.slot_rows.end_slot():  # the micro-step's last slot (virtual_ranks)
+            self.micro_steps += 1
         grad_placeholders.place(slot.param for slot in self.slots)
 
     def _check_requires_grad(self) -> None:
@@ -254,12 +258,13 @@ class Engine:
         if not self.is_accumulation_boundary:
             # Every stage leaves .grad None outside engine.backward (stages 0 and 1:
             # allreduced_gradients.drop_grad_views), so a gradient here is a misuse.
-            if self.micro_steps == 0 and any(slot.param.grad is not None for slot in self.slots):
+            idle = self.slot_rows.calls(self.micro_steps) == 0  # no backward since the last step
+            if idle and any(slot.param.grad is not None for slot in self.slots):
                 raise RuntimeError(
                     f"[rank {self.comm.rank}] gradients are waiting in .grad but the engine "
                     "saw no backward: call engine.backward(loss), not loss.backward()"
                 )
-            if self.micro_steps == 0 and not self._said_step_without_backward:
+            if idle and not self._said_step_without_backward:
                 self._said_step_without_backward = True
                 if self.comm.rank == 0:
                     warnings.warn(
@@ -330,7 +335,7 @@ class Engine:
         and whether any rank saw inf/nan in them: computed once per boundary (by
         clip_grad_norm_ or step, whichever comes first; collective at some stages)."""
         if self._boundary is None:
-            denominator = float(self.comm.world_size * self.config.gradient_accumulation_steps)
+            denominator = float(self.virtual_ranks.total * self.config.gradient_accumulation_steps)
             denominator *= self.loss_scaler.scale
             gradients = self.gradients.float32_gradients()
             finite = divide_and_check_finite(
@@ -415,6 +420,7 @@ class Engine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (done automatically after every applied step)."""
         self.micro_steps = 0
+        self.slot_rows.clear()
         self._boundary = None
         grad_placeholders.remove(slot.param for slot in self.slots)
         for p in self.module.parameters():
@@ -502,9 +508,9 @@ class Engine:
         elsewhere is named after ``arrival_timeout`` seconds (default: the communicator's
         timeout, with a warning naming it after a minute); a rank that is only late by
         less saves as usual. Returns the checkpoint's folder."""
-        if self.micro_steps:
+        if calls := self.slot_rows.calls(self.micro_steps):
             raise RuntimeError(
-                f"[rank {self.comm.rank}] save() after {self.micro_steps} backward calls "
+                f"[rank {self.comm.rank}] save() after {calls} backward calls "
                 "without step(): save at an accumulation boundary, after step()"
             )
         if self.model_parallel is not None and self.model_parallel.comm.world_size > 1:
@@ -637,6 +643,7 @@ class Engine:
             host=host,
             disk=disk,
             gradients_in_flight=self.gradients.in_flight_bytes(),
+            slot_copies=self.slot_rows.peak_bytes,
         )
 
     def close(self) -> None:

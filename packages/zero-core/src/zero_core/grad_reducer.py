@@ -40,6 +40,10 @@ and four codec passes) per module. The group's send buffer puts each rank's slic
 Every element keeps its destination rank and its place in a block-aligned slice, so an
 exact reduction gives the same bits, and so does qgZ (its blocks start at multiples of
 BLOCK within a rank's chunk, and every slice is a multiple of BLOCK long).
+
+Several micro-batch slots per rank (``slot_rows``, zero_core.slot_rows): the reduction is
+the SlotRows, which holds every slot's inputs but the last's; while it holds, nothing
+lands in the targets and ``on_reduced`` is not called (the last slot reduces all rows).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from .flat_layout import Range
 from .group_layout import piece_numel
 from .param_table import ParamSlot
 from .reduced_gradient import materialize
+from .slot_rows import SlotRows
 
 
 @dataclass(eq=False)
@@ -133,6 +138,7 @@ class BucketReducer:
         remedy: str = "use checkpoint(..., use_reentrant=False)",
         reduction: ScatterReduction | None = None,
         coalesce_numel: int = 0,
+        slot_rows: SlotRows | None = None,
     ) -> None:
         """``launch_order``: bucket indices in the order their reduce-scatters are issued
         (default: last bucket first); ``labels``: each bucket's label for the communicator's
@@ -143,9 +149,15 @@ class BucketReducer:
         reduces a bucket (default ``comm``, whose ranks hold the slices);
         ``coalesce_numel``: consecutive buckets up to this many elements in all (and at
         most ``chunk_numel``) are reduced by one collective (module docstring; 0: each by
-        itself)."""
+        itself); ``slot_rows``: several micro-batch slots per rank (module docstring; not
+        with ``reduction``)."""
         self.comm = comm
-        self.reduction: ScatterReduction = comm if reduction is None else reduction
+        if slot_rows is not None and reduction is not None:
+            raise ValueError("slot_rows and another reduction cannot be combined")
+        self.slot_rows = slot_rows
+        self.reduction: ScatterReduction = (
+            slot_rows if slot_rows is not None else comm if reduction is None else reduction
+        )
         self.chunk_numel = chunk_numel
         self.overlap = overlap
         members = [list(bucket.slots) for bucket in buckets]
@@ -380,9 +392,10 @@ class BucketReducer:
         self._hand_over()
         launched = self._in_flight.popleft()
         launched.handle.wait()
+        holding = self.slot_rows is not None and self.slot_rows.holding
         for index, within, piece in launched.members:
             bucket = self.buckets[index]
-            if launched.out is not None:
+            if launched.out is not None and not holding:
                 fresh = self._first or bucket.drained  # drained: emptied after each landing
                 if fresh:  # a ShardGradient piece has storage from its first slice
                     materialize(bucket.target)
@@ -399,7 +412,7 @@ class BucketReducer:
             if bucket.staging is not None and bucket.full_buffer is None:
                 self.comm.buffers.give_back(bucket.staging)
             bucket.staging = None
-            if self.on_reduced is not None:
+            if self.on_reduced is not None and not holding:
                 self._reduced.append(index)
         for buffer in (launched.out, launched.send):
             if buffer is not None:

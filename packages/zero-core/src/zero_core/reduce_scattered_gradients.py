@@ -59,6 +59,7 @@ from .offload.gradient_tier import GradientTier
 from .offload.masters import OffloadedMasters
 from .param_table import ParamSlot, ParamTable
 from .reduced_gradient import GroupGradient, ShardGradient, unallocated
+from .slot_rows import SlotRows
 
 
 class ReduceScatteredGradients:
@@ -77,9 +78,11 @@ class ReduceScatteredGradients:
         reduction: ScatterReduction | None = None,
         across_replicas: Communicator | None = None,
         offloaded_masters: OffloadedMasters | None = None,
+        slot_rows: SlotRows | None = None,
     ) -> None:
         """``offloaded_masters``: the masters' tiers, which the gradients follow where
-        ``config.gradients_offloaded`` (module docstring)."""
+        ``config.gradients_offloaded`` (module docstring); ``slot_rows``: several
+        micro-batch slots per rank (grad_reducer; zero_core.slot_rows)."""
         self.slots = slots
         self.layouts = layouts
         self.dtype = dtype
@@ -129,7 +132,7 @@ class ReduceScatteredGradients:
         self.reducer = BucketReducer(
             comm, list(self.buckets), dtype, config.max_buckets_in_flight, launch_order, labels,
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
-            reduction=reduction, coalesce_numel=config.coalesce_limit,
+            reduction=reduction, coalesce_numel=config.coalesce_limit, slot_rows=slot_rows,
         )  # fmt: skip
         if self.tier is not None and not self.tier.homes:
             self.tier = None  # every tile on the device (offload_fraction 0): nothing leaves

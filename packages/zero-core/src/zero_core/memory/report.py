@@ -28,6 +28,10 @@ class MemoryReport(NamedTuple):
     # comm_buffers) and the landed slices awaiting their copy (in gradients). 0 when the
     # gradients stay on the device.
     gradients_in_flight: int = 0
+    # Several micro-batch slots per rank (ZeroConfig.micro_batches_per_rank): the most
+    # bytes of gradient copies held for the slots before the last (zero_core.slot_rows),
+    # on the device in the gradient dtype; 0 with one slot per rank.
+    slot_copies: int = 0
 
     @property
     def model_states(self) -> int:
@@ -37,7 +41,7 @@ class MemoryReport(NamedTuple):
     @property
     def total(self) -> int:
         """Bytes on the device (host and disk tiers apart)."""
-        return self.model_states + self.buffers + self.comm_buffers
+        return self.model_states + self.buffers + self.comm_buffers + self.slot_copies
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

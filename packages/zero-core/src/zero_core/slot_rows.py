@@ -1,0 +1,186 @@
+"""The gradient collectives of a rank that runs several micro-batch slots per micro-step.
+
+With virtual ranks (zero_core.virtual_ranks) physical rank i runs c_i backward calls
+(slots) per micro-step. Every slot's backward stages its gradients exactly as a
+homogeneous rank's would and reaches the same gradient collectives, in the same canonical
+order (backward_overlap.LaunchOrder), so the k-th collective of every slot reduces the
+same bucket (or stage 0 chunk). :class:`SlotRows` stands where the communicator stood:
+
+    slots 0 .. c_i-2 ("holding")  the k-th collective's input is copied into held row k
+                                  and nothing is sent; the caller keeps no result
+    slot c_i-1 (the last)         the k-th collective becomes reduce_scatter_rows /
+                                  all_reduce_rows of (held rows of k ..., this slot's input)
+
+Rank 0 starts the fold, so it adds its slots into one held row as they come,
+((g_0 + g_1) + g_2), which is the fold's prefix, and sends that one row: the collective's
+row counts are (1, c_1, ..., c_{N-1}). Counts (2, 1) therefore send one row per rank
+and rank 0 holds one copy of its gradients; counts (1, 2): rank 1 holds one copy and
+rank 0 sends one zero row of padding (zero_comm.row_collectives).
+
+Held rows are in the gradient dtype and the bucket (or flat) layout: one copy of the
+bucket per extra slot (one in all on rank 0), from that slot's backward to the last
+slot's launch; ``held_bytes`` says how many bytes that is, ``peak_bytes`` the most held.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from zero_comm import Communicator, Handle
+from zero_comm.handle import CompletedWork
+
+from .config.zero_config import ZeroConfig
+from .virtual_ranks import VirtualRanks
+
+
+class SlotRows:
+    """Held gradient rows of this rank's slots, and the collectives that send them."""
+
+    def __init__(self, virtual: VirtualRanks, comm: Communicator) -> None:
+        self.virtual = virtual
+        self.comm = comm
+        # Homogeneous counts: the plain collectives, unchanged bits and bytes.
+        self.active = not virtual.homogeneous_run
+        self.row_counts = (1, *virtual.counts[1:])  # rank 0 sends its pre-added block
+        self.slot = 0
+        self._call = 0  # the k of the next collective in this slot
+        self._held: list[list[torch.Tensor]] = []  # per k: the held rows (rank 0: one sum)
+        self.peak_bytes = 0
+
+    @property
+    def holding(self) -> bool:
+        """Whether this slot's collectives are held, not sent (every slot but the last)."""
+        return self.active and self.slot < self.virtual.count - 1
+
+    def begin_slot(self) -> None:
+        """This micro-step's next slot (``slot``, 0..c-1) starts its backward."""
+        self._call = 0
+
+    def end_slot(self) -> bool:
+        """The slot's backward is done; True if it was the micro-step's last (its
+        reductions are done then, and the held rows are dropped)."""
+        if self.slot + 1 < self.virtual.count:
+            self.slot += 1
+            return False
+        self.clear()
+        return True
+
+    def clear(self) -> None:
+        """Drop the held rows; the next backward is slot 0 (after a step, zero_grad)."""
+        self._held = []
+        self.slot = 0
+        self._call = 0
+
+    def calls(self, micro_steps: int) -> int:
+        """Backward calls since the last step, after ``micro_steps`` whole micro-steps."""
+        return micro_steps * self.virtual.count + self.slot
+
+    def calls_per_step(self, config: ZeroConfig) -> str:
+        """How many backward calls make a step, for error messages."""
+        steps, slots = config.gradient_accumulation_steps, self.virtual.count
+        if slots == 1:
+            return f"with gradient_accumulation_steps={steps}"
+        return (
+            f"with gradient_accumulation_steps={steps} x {slots} micro-batches of this rank "
+            f"(micro_batches_per_rank) the update applies after {steps * slots} backward calls"
+        )
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the held rows now."""
+        return sum(row.numel() * row.element_size() for rows in self._held for row in rows)
+
+    def _next(self, tensor: torch.Tensor) -> int:
+        k = self._call
+        self._call += 1
+        if self.slot > 0 and (k >= len(self._held) or self._held[k][0].numel() != tensor.numel()):
+            raise RuntimeError(
+                f"[rank {self.comm.rank}] slot {self.slot} of the micro-step reached gradient "
+                f"collective {k} with {tensor.numel()} elements, which slot 0 did not: every "
+                "slot's backward must reach the same parameters (same model, same graph)"
+            )
+        return k
+
+    def _hold(self, tensor: torch.Tensor) -> None:
+        k = self._next(tensor)
+        flat = tensor.view(-1)
+        if self.slot == 0:
+            self._held.append([flat.clone()])
+        elif self.virtual.rank == 0:
+            self._held[k][0].add_(flat)  # the fold's prefix: ((g0 + g1) + g2) ...
+        else:
+            self._held[k].append(flat.clone())
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def _rows(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The last slot's rows for its k-th collective (rank 0: its block, pre-added)."""
+        if self.virtual.count == 1:
+            return [tensor.view(-1)]
+        k = self._next(tensor)
+        if self.virtual.rank == 0:
+            return [self._held[k][0].add_(tensor.view(-1))]
+        return [*self._held[k], tensor.view(-1)]
+
+    def all_reduce(self, tensor: torch.Tensor, *, label: str) -> Handle:
+        """Stage 0's chunk all-reduce, in place, asynchronous."""
+        if not self.active:
+            return self.comm.all_reduce(tensor, async_op=True, label=label)
+        if self.holding:
+            self._hold(tensor)
+            return Handle(self.comm, "all_reduce", CompletedWork())
+        return self.comm.all_reduce_rows(
+            tensor, self._rows(tensor), self.row_counts, async_op=True, label=label
+        )
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], label: str
+    ) -> Handle:
+        """A bucket's reduce-scatter (grad_reducer's ScatterReduction), asynchronous. When
+        holding, ``output`` is not written: the reducer must not use it."""
+        if not self.active:
+            return self.comm.reduce_scatter(output, input, async_op=True, label=label)
+        if self.holding:
+            self._hold(input)
+            return Handle(self.comm, "reduce_scatter", CompletedWork())
+        return self.comm.reduce_scatter_rows(
+            output, self._rows(input), self.row_counts, async_op=True, label=label
+        )
+
+
+def unsupported_with_slots(
+    config: ZeroConfig, counts: tuple[int, ...], world_size: int
+) -> str | None:
+    """Why ``config`` cannot run with micro_batches_per_rank=``counts``, or None."""
+    if config.stage == 3 and len(set(counts)) > 1:
+        # Stage 3 gathers parameters in every forward and backward, collectives that every
+        # rank must join: a rank running fewer slots would leave the others waiting.
+        return (
+            f"stage 3 with micro_batches_per_rank={list(counts)}: stage 3 gathers parameters "
+            "in every forward and backward, and every rank must take part in each gather, so "
+            "every rank must run the same number of micro-batches; use stage 2 (or 0, 1) "
+            "for uneven counts"
+        )
+    shard = config.shard_group_size
+    if shard is not None and shard != world_size:
+        return (
+            f"shard_group_size={shard} (hybrid sharding) is not supported with "
+            "micro_batches_per_rank: use shard_group_size=None, or one micro-batch per rank"
+        )
+    if config.hpz_partition_size > 1:
+        return (
+            f"hpz_partition_size={config.hpz_partition_size} is not supported with "
+            "micro_batches_per_rank: use hpz_partition_size=1"
+        )
+    if config.quantize_gradients:
+        return (
+            "quantize_gradients (qgZ) is not supported with micro_batches_per_rank: its "
+            "reduction is not a fold of rows; use quantize_gradients=None"
+        )
+    if config.optimizer_in_backward:
+        return (
+            "optimizer_in_backward is not supported with micro_batches_per_rank: a bucket "
+            "is reduced only in the last slot's backward; use optimizer_in_backward=False"
+        )
+    return None

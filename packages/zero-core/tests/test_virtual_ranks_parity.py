@@ -1,0 +1,194 @@
+"""Virtual ranks are exact: N ranks with micro_batches_per_rank = counts hold, after every
+step, the bits of the homogeneous run at V = sum(counts) ranks (issue 52).
+
+Both runs are simulated worlds (parity.py's harness); virtual_parity.py feeds virtual rank
+v the micro-batches rank v of the V-rank run trains on. Assertions are torch.equal on the
+full float32 state after every applied step, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from parity import ParityCase, assert_same_states, build_engine, parity_cases, run_steps, train
+from virtual_parity import run_virtual_steps, train_virtual, virtual_equals_homogeneous
+
+import zero_core
+from zero_comm import Communicator, run_simulated
+
+COUNTS = [(2, 1), (1, 2), (1, 1, 2), (3, 1)]
+
+
+@settings(max_examples=int(os.environ.get("VIRTUAL_PARITY_EXAMPLES", "30")), deadline=None)
+@given(
+    case=parity_cases(),
+    counts=st.sampled_from(COUNTS),
+    stage=st.sampled_from([0, 1, 2]),
+    accumulation=st.sampled_from([1, 2]),
+    clip=st.sampled_from([None, 0.05]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float32", "bfloat16", "float16"]),
+)
+def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
+    case: ParityCase,
+    counts: tuple[int, ...],
+    stage: int,
+    accumulation: int,
+    clip: float | None,
+    dtype: str,
+) -> None:
+    case = ParityCase(
+        **{**case.__dict__, "accumulation": accumulation, "clip": clip, "dtype": dtype}
+    )
+    virtual_equals_homogeneous(case, stage, counts)
+
+
+@pytest.mark.parametrize("counts", [(2, 2), (1, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stage_3_with_equal_counts_equals_the_homogeneous_run(
+    counts: tuple[int, ...], dtype: str
+) -> None:
+    case = ParityCase(widths=(5, 33, 7), vocab=11, tie=True, dtype=dtype, accumulation=2,
+                      clip=0.05, bucket_numel=64, persistence_threshold=20)  # fmt: skip
+    virtual_equals_homogeneous(case, 3, counts)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_offloaded_optimizer_with_uneven_counts_equals_the_homogeneous_run(
+    stage: int, tier: str
+) -> None:
+    """The tiers' reference is the homogeneous V-rank run without offload (stage 0)."""
+    case = ParityCase(widths=(5, 33, 7), dtype="bfloat16", accumulation=2, clip=0.05,
+                      bucket_numel=300, sub_group_numel=64, offload_optimizer=tier)  # fmt: skip
+    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none"})
+    reference = run_simulated(3, lambda comm: train(plain, comm, 0))[0]
+    got = run_simulated(2, lambda comm: train_virtual(case, comm, stage, (2, 1)))
+    for rank, states in enumerate(got):
+        assert_same_states(reference, states, f"{tier}, stage {stage}, rank {rank}")
+
+
+def test_delayed_update_with_uneven_counts_equals_the_homogeneous_delayed_run() -> None:
+    case = ParityCase(widths=(5, 33, 7), accumulation=2, bucket_numel=300,
+                      offload_optimizer="cpu", steps=3)  # fmt: skip
+    delayed = {"delayed_parameter_update": True}
+    reference = run_simulated(3, lambda comm: train(case, comm, 2, settings=delayed))[0]
+    got = run_simulated(2, lambda comm: train_virtual(case, comm, 2, (1, 2), delayed))
+    for rank, states in enumerate(got):
+        assert_same_states(reference, states, f"delayed update, rank {rank}")
+
+
+@pytest.mark.parametrize(("save_counts", "load_counts"), [((2, 1), None), (None, (2, 1))])
+def test_save_uneven_and_load_homogeneous_and_back(
+    tmp_path: Any, save_counts: tuple[int, ...] | None, load_counts: tuple[int, ...] | None
+) -> None:
+    """Two steps at one layout, saved; two more at the other, loaded: equal to four steps
+    of the homogeneous 3-rank run."""
+    case = ParityCase(widths=(5, 33, 7), dtype="bfloat16", optimizer="adam", accumulation=2,
+                      clip=0.05, bucket_numel=300, steps=4)  # fmt: skip
+    reference = run_simulated(3, lambda comm: train(case, comm, 2))[0]
+
+    def part(comm: Communicator, counts: tuple[int, ...] | None, steps: range) -> list[Any]:
+        more = None if counts is None else {"micro_batches_per_rank": counts}
+        engine = build_engine(case, comm, 2 if counts is None else 1, more)
+        if steps.start:
+            engine.load(tmp_path)
+        run = run_steps if counts is None else run_virtual_steps
+        states = run(engine, case, comm, steps)
+        if not steps.start:
+            engine.save(tmp_path)
+        engine.close()
+        return states
+
+    def world(counts: tuple[int, ...] | None) -> int:
+        return 3 if counts is None else len(counts)
+
+    first = run_simulated(world(save_counts), lambda comm: part(comm, save_counts, range(2)))[0]
+    second = run_simulated(world(load_counts), lambda comm: part(comm, load_counts, range(2, 4)))
+    for rank, states in enumerate(second):
+        assert_same_states(reference, first + states, f"resumed, rank {rank}")
+
+
+def test_uneven_counts_really_change_the_bits() -> None:
+    """The reference is not trivially met: the N-rank homogeneous run, or dividing by N
+    instead of V, gives other bits (so the parity above can fail)."""
+    case = ParityCase(widths=(5, 33, 7), accumulation=1, bucket_numel=64)
+    reference = run_simulated(3, lambda comm: train(case, comm, 2))[0]
+    two = run_simulated(2, lambda comm: train(case, comm, 2))[0]
+    assert any(not torch.equal(a[k], b[k]) for a, b in zip(reference, two, strict=True) for k in a)
+
+
+# ------------------------------------------------------------------- refusals, counting
+@pytest.mark.parametrize(
+    ("settings_", "named"),
+    [
+        ({"stage": 3}, "stage 3 with micro_batches_per_rank"),
+        ({"stage": 2, "shard_group_size": 1}, "shard_group_size=1"),
+        ({"stage": 2, "quantize_gradients": True}, "quantize_gradients"),
+        ({"stage": 3, "hpz_partition_size": 2, "micro_batches_per_rank": (2, 2)}, "hpz"),
+        (
+            {
+                "stage": 3,
+                "optimizer_in_backward": True,
+                "nonfinite": "raise",
+                "micro_batches_per_rank": (2, 2),
+            },
+            "optimizer_in_backward",
+        ),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(settings_: dict, named: str) -> None:
+    def body(comm: Communicator) -> None:
+        config = zero_core.ZeroConfig(**{"micro_batches_per_rank": (2, 1), **settings_})
+        with pytest.raises(ValueError, match=named):
+            zero_core.initialize(torch.nn.Linear(4, 3), torch.optim.SGD, config, comm,
+                                 optimizer_kwargs={"lr": 0.1})  # fmt: skip
+
+    run_simulated(2, body)
+
+
+def test_backward_counts_slots_and_step_applies_after_all_of_them() -> None:
+    def body(comm: Communicator) -> list[bool]:
+        config = zero_core.ZeroConfig(stage=2, micro_batches_per_rank=(2, 1))
+        model = torch.nn.Linear(4, 3)
+        engine = zero_core.initialize(model, torch.optim.SGD, config, comm,
+                                      optimizer_kwargs={"lr": 0.1})  # fmt: skip
+        applied = []
+        for _ in range(engine.virtual_ranks.count):  # step() after every backward
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            applied.append(engine.step())
+        for _ in range(engine.virtual_ranks.count):  # or after the micro-step's slots
+            engine.backward(engine(torch.ones(2, 4)).sum())
+        if comm.rank == 0:
+            with pytest.raises(RuntimeError, match="called 3 times without step"):
+                engine.backward(engine(torch.ones(2, 4)).sum())
+        applied.append(engine.step())
+        return applied
+
+    assert run_simulated(2, body) == [[False, True, True], [True, True]]
+
+
+def test_memory_report_counts_the_held_slot_copies() -> None:
+    """Rank 0 with two slots holds one copy of its gradients (its pre-added sum), rank 1
+    with one slot none; with counts (1, 2) the other way round."""
+
+    def body(comm: Communicator, counts: tuple[int, ...]) -> tuple[int, int]:
+        case = ParityCase(widths=(5, 33, 7), bucket_numel=1 << 20)
+        engine = build_engine(case, comm, 2, {"micro_batches_per_rank": counts})
+        run_virtual_steps(engine, case, comm, range(1))
+        report = engine.memory_report()
+        numel = sum(p.numel() for p in engine.module.parameters())
+        engine.close()
+        return report.slot_copies, numel
+
+    for counts in [(2, 1), (1, 2)]:
+        reports = run_simulated(2, lambda comm, c=counts: body(comm, c))
+        for rank, (held, numel) in enumerate(reports):
+            if counts[rank] == 1:
+                assert held == 0
+            else:  # one bucket of the parameters (padded to the ranks' alignment), float32
+                assert numel * 4 <= held < numel * 4 + 2 * 128 * 4 * 2
