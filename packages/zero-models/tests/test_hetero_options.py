@@ -48,6 +48,10 @@ from zero_models.train_options import parse_options
         (["--micro-batches-per-rank", "auto", "--virtual-ranks", "1"], "give at least 2"),
         (["--virtual-ranks", "4"], "--virtual-ranks is for --micro-batches-per-rank auto"),
         (
+            ["--micro-batches-per-rank", "2,1", "--batch-size", "18", "--stage", "3"],
+            "every rank must run as many micro-batches; use --stage 2",
+        ),
+        (
             ["--micro-batches-per-rank", "1,1", "--nproc", "4", "--tp", "2", "--model", "test"],
             "mixed hardware is for data parallelism alone",
         ),
@@ -164,12 +168,15 @@ def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
 
     args = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
                           "--batch-size", "18"])  # fmt: skip
-    assert args.virtual_total == 3
+    assert args.virtual_total == 3 and args.stage == 2  # the highest for uneven counts
     assert run_zero_config(args).micro_batches_per_rank == (2, 1)
     auto = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "auto"])
     assert auto.virtual_total == 8  # --batch-size 16 over 2 ranks: up to 4 slots each
     plain = parse_options(["--out", str(tmp_path / "out")])
     assert plain.virtual_total == 2 and run_zero_config(plain).micro_batches_per_rank is None
+    assert plain.stage == 3
+    equal = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,2"])
+    assert equal.stage == 3  # equal counts run at stage 3
 
 
 def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(

@@ -28,6 +28,9 @@ LIST_OPTIONS = frozenset(
 # 'auto' without --virtual-ranks: at most this many slots per rank in all (the largest
 # divisor of --batch-size up to it), enough to move work between ranks in steps of 1/4.
 AUTO_SLOTS_PER_RANK = 4
+# zero-train's stage (by default the highest) with uneven counts: stage 3's gathers need
+# every rank in every forward and backward, so uneven counts stop at stage 2.
+UNEVEN_COUNTS_STAGE = 2
 
 Counts = tuple[int, ...] | Literal["auto"] | None
 Weights = tuple[float, ...] | Literal["auto"] | None
@@ -86,7 +89,8 @@ def add_hetero_options(p: argparse.ArgumentParser) -> None:
         "--micro-batches-per-rank", type=counts_option, metavar="C0,C1,...|auto",
         help="mixed hardware: data-parallel rank i runs C_i micro-batches per micro-step "
         "(one backward each), so the run equals the homogeneous run at sum(C) ranks bit for "
-        "bit, losses included; auto: measure each rank and choose (docs/mixed-hardware.md)",
+        "bit, losses included; auto: measure each rank and choose (docs/mixed-hardware.md); "
+        f"uneven counts make the default --stage {UNEVEN_COUNTS_STAGE}",
     )  # fmt: skip
     p.add_argument(
         "--shard-weights", type=weights_option, metavar="W0,W1,...|auto",
@@ -131,6 +135,17 @@ def resolve_virtual_ranks(args: argparse.Namespace, data_parallel: int) -> int:
             "--virtual-ranks is for --micro-batches-per-rank auto (given counts set "
             "V = their sum); drop it or use auto"
         )
+    uneven = counts == AUTO or (counts is not None and len(set(counts)) > 1)
+    if uneven and args.stage == 3:
+        if "stage" in getattr(args, "given", ()):
+            raise ValueError(
+                f"--stage 3 with --micro-batches-per-rank {_text(counts)}: stage 3 gathers "
+                "the parameters in every forward and backward, with every rank, so every "
+                "rank must run as many micro-batches; use --stage 2 (or 0, 1: the same "
+                "bits), or equal counts"
+            )
+        # The highest stage that takes uneven counts (every stage has the same bits).
+        args.stage = UNEVEN_COUNTS_STAGE
     if counts == AUTO:
         total = args.virtual_ranks or auto_virtual_ranks(args.batch_size, data_parallel)
         if total < data_parallel:
@@ -151,6 +166,10 @@ def resolve_virtual_ranks(args: argparse.Namespace, data_parallel: int) -> int:
         )
     args.virtual_total = total
     return total
+
+
+def _text(counts: Counts) -> str:
+    return counts if isinstance(counts, str) else ",".join(map(str, counts or ()))
 
 
 def auto_virtual_ranks(batch_size: int, data_parallel: int) -> int:
