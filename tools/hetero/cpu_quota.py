@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-PERIOD_US = 100_000
+PERIOD_US = 10_000  # short: a throttled rank waits at most this long in a collective
 FIND_SECONDS = 120.0
 
 

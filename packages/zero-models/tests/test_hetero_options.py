@@ -203,3 +203,24 @@ def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
     assert (
         hetero_settings(argparse.Namespace(micro_batches_per_rank=None, shard_weights=None)) == {}
     )
+
+
+def test_a_deepspeed_configs_micro_batch_is_one_slots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --deepspeed a "GPU" is a virtual rank: 6 sequences per slot on 2,1 slots make
+    a batch of 18; the config's stage 3 is refused with uneven counts, naming the key."""
+    from zero_models.train_options import run_zero_config
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
+                                  "zero_optimization": {"stage": 2}}))  # fmt: skip
+    out = ["--out", str(tmp_path / "out")]
+    args = parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
+    assert args.batch_size == 18 and args.stage == 2
+    assert run_zero_config(args).micro_batches_per_rank == (2, 1)
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
+                                  "zero_optimization": {"stage": 3}}))  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
+    assert "zero_optimization.stage 3 with --micro-batches-per-rank 2,1" in capsys.readouterr().err

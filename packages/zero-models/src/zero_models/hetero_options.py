@@ -135,8 +135,7 @@ def resolve_virtual_ranks(args: argparse.Namespace, data_parallel: int) -> int:
             "--virtual-ranks is for --micro-batches-per-rank auto (given counts set "
             "V = their sum); drop it or use auto"
         )
-    uneven = counts == AUTO or (counts is not None and len(set(counts)) > 1)
-    if uneven and args.stage == 3:
+    if uneven_counts(counts) and args.stage == 3:
         if "stage" in getattr(args, "given", ()):
             raise ValueError(
                 f"--stage 3 with --micro-batches-per-rank {_text(counts)}: stage 3 gathers "
@@ -157,7 +156,10 @@ def resolve_virtual_ranks(args: argparse.Namespace, data_parallel: int) -> int:
         total = sum(counts)
     else:
         total = data_parallel
-    if args.batch_size % total:
+    # A --deepspeed config sets the batch itself (its micro-batch times V) unless the
+    # command line gives one.
+    deepspeed_batch = args.deepspeed is not None and "batch_size" not in getattr(args, "given", ())
+    if args.batch_size % total and not deepspeed_batch:
         where = "data-parallel ranks" if counts is None else "virtual ranks (micro-batches)"
         raise ValueError(
             f"--batch-size {args.batch_size} does not split over {total} {where}; use a "
@@ -166,6 +168,23 @@ def resolve_virtual_ranks(args: argparse.Namespace, data_parallel: int) -> int:
         )
     args.virtual_total = total
     return total
+
+
+def uneven_counts(counts: Counts) -> bool:
+    """Whether ``counts`` may differ between ranks ('auto' may)."""
+    return counts == AUTO or (counts is not None and len(set(counts)) > 1)
+
+
+def check_deepspeed_stage(args: argparse.Namespace) -> None:
+    """After a --deepspeed config set the stage: uneven counts need stage 0-2. Raises
+    ValueError naming the config's key."""
+    if uneven_counts(args.micro_batches_per_rank) and args.stage == 3:
+        raise ValueError(
+            f"--deepspeed {args.deepspeed}: zero_optimization.stage 3 with "
+            f"--micro-batches-per-rank {_text(args.micro_batches_per_rank)}: stage 3 needs "
+            "every rank to run as many micro-batches; set stage 2 in the config (the same "
+            "bits), or equal counts"
+        )
 
 
 def _text(counts: Counts) -> str:
