@@ -90,10 +90,11 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     emulated = args.emulate_micro_batch_seconds
     padding = SlotPadding(None if emulated is None else emulated[mesh.dp.rank])
     auto = resolve_auto(args, config, tokens, mesh.dp, world.device, padding)
-    if auto is not None:  # the ranks' choice replaces 'auto' before the engine sees it
+    # The ranks' choice replaces 'auto' (only 'auto') before the engine sees it.
+    if auto is not None and args.micro_batches_per_rank == "auto":
         args.micro_batches_per_rank = auto.counts
-        if auto.shard_weights is not None:
-            args.shard_weights = auto.shard_weights
+    if auto is not None and args.shard_weights == "auto":
+        args.shard_weights = auto.shard_weights
     zero_config = run_zero_config(args)
     footprint = run_footprint(
         args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
