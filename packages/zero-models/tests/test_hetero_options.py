@@ -21,7 +21,7 @@ from zero_models.hetero_options import (
     seconds_option,
     weights_option,
 )
-from zero_models.hetero_profile import RankProfile, choose, describe
+from zero_models.hetero_profile import RankProfile, choose, describe, prediction_check
 from zero_models.train_options import parse_options
 
 
@@ -161,6 +161,11 @@ def test_auto_chooses_from_every_ranks_profile() -> None:
     assert "--micro-batches-per-rank 8,4 --shard-weights 0.6667,0.3333" in line
     assert "predicted step 3.300 s (even split: 4.900 s)" in line
     assert choose(profiles, 12, 1, want_weights=False).shard_weights is None
+    # The first step (start-up) is left out: the median of 3.3, 3.63 and 3.0.
+    assert prediction_check(choice, [9.0, 3.3, 3.63, 3.0]).startswith(
+        "zero-train: auto: predicted step 3.300 s, measured median 3.300 s ("
+    )
+    assert "+10.0%" in prediction_check(choice, [3.63])
 
 
 def test_counts_reach_the_engines_config(tmp_path: Path) -> None:

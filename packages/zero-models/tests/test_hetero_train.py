@@ -74,3 +74,4 @@ def test_auto_chooses_the_speed_weighted_counts_and_predicts_the_step(tmp_path: 
     measured = statistics.median(r["step_s"] for r in steps[1:])
     assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
     assert runs[0]["auto"]["even_split_step_s"] > 1.3 * predicted
+    assert re.search(r"zero-train: auto: predicted step [\d.]+ s, measured median", result.stdout)

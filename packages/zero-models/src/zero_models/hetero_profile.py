@@ -191,3 +191,16 @@ def warn_overruns(padding: SlotPadding, rank: int) -> None:
             "for a faithful emulation",
             file=sys.stderr, flush=True,
         )  # fmt: skip
+
+
+def prediction_check(choice: AutoChoice, step_seconds: list[float]) -> str:
+    """The lead's last line with 'auto': its predicted step against the measured median
+    (the first step, with its start-up, left out when there are others)."""
+    measured = statistics.median(step_seconds[1:] or step_seconds) if step_seconds else None
+    if measured is None:
+        return "zero-train: auto: no step measured to check the prediction against"
+    error = 100 * (measured / choice.predicted_step_seconds - 1)
+    return (
+        f"zero-train: auto: predicted step {choice.predicted_step_seconds:.3f} s, measured "
+        f"median {measured:.3f} s ({error:+.1f}%)"
+    )

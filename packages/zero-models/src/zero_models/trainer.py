@@ -35,7 +35,7 @@ import zero_core
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.memory.proc_status import process_status_kib
 
-from .hetero_profile import warn_overruns
+from .hetero_profile import prediction_check, warn_overruns
 from .out_of_memory import stop_in_one_line
 from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics
@@ -130,6 +130,7 @@ class Trainer:
         self.end_step: int = args.steps if args.stop_after is None else args.stop_after
         self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
         self.history: list[tuple[int, float]] = []
+        self.step_seconds: list[float] = []  # lead: each step's slowest rank's seconds
         self.metrics: TextIO | None = None
         self.tensorboard: TensorBoardLog | None = None
         self.progress: tqdm[None] | None = None
@@ -407,6 +408,7 @@ class Trainer:
         rate = self.tokens_per_step * (step + 1 - self.first_step) / elapsed
         self.history.append((step, loss))
         table = per_rank.view(-1, RANK_STATS)
+        self.step_seconds.append(float(table[:, 1].max()))
         record = {"step": step, "loss": loss, "lr": lr,
                   "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                   "step_s": round(float(table[:, 1].max()), 5),
@@ -467,4 +469,6 @@ class Trainer:
             micro_tokens = args.batch_size // virtual * run.config.context
             table = phase_table(phases, run.config, micro_tokens, args.tp, args.checkpoint)
             print("\n".join(table))
+            if run.auto is not None:
+                print(prediction_check(run.auto, self.step_seconds), flush=True)
         run.close()
