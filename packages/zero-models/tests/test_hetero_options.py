@@ -21,7 +21,13 @@ from zero_models.hetero_options import (
     seconds_option,
     weights_option,
 )
-from zero_models.hetero_profile import RankProfile, choose, describe, prediction_check
+from zero_models.hetero_profile import (
+    RankProfile,
+    choose,
+    describe,
+    prediction_check,
+    step_overhead,
+)
 from zero_models.train_options import parse_options
 
 
@@ -151,7 +157,10 @@ def test_padding_pads_and_counts_overruns() -> None:
 
 
 def test_auto_chooses_from_every_ranks_profile() -> None:
-    profiles = (RankProfile(0.2, 0.1, 8 * 2**30), RankProfile(0.4, 0.05, 4 * 2**30))
+    # 4 profiled slots and a step: the slower rank's 4 x 0.4 s, then 0.1 s once.
+    profiles = (RankProfile(0.2, 1.7, 8 * 2**30), RankProfile(0.4, 1.65, 4 * 2**30))
+    assert step_overhead(profiles) == pytest.approx(0.1)
+    assert step_overhead((RankProfile(0.2, 0.5, 1.0),)) == 0.0  # never below nothing
     choice = choose(profiles, 12, accumulation=2, want_weights=True)
     assert choice.counts == (8, 4)
     assert choice.shard_weights == pytest.approx((2 / 3, 1 / 3))

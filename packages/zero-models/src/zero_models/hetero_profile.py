@@ -1,38 +1,44 @@
 """--micro-batches-per-rank auto and --shard-weights auto: measure each rank, then choose.
 
-    counts, weights = resolve_auto(args, config, tokens, dp, device, padding)
+    choice = resolve_auto(args, profile_engine, tokens, config, dp, device, padding)
 
-Collective over the data-parallel communicator ``dp``, before the engine is built. Each
-rank measures, on a plain copy of the GPT (no engine, no collectives in it):
+Collective over the data-parallel communicator ``dp``, before the run's engine is built.
+Each rank measures on a provisional engine (``profile_engine(counts)``: the run's engine
+but for PROFILE_SLOTS slots on every rank and no accumulation), which is then closed:
 
-- t_i, the median seconds of PROFILE_MICRO_BATCHES forward+backward passes of one
-  micro-batch slot (B / V sequences), after one warm-up pass, padded as the run's slots
-  are (--emulate-micro-batch-seconds);
-- the step's once-per-step cost: an all-reduce of Ψ float32 elements over ``dp`` (stage
-  0-2's 2Ψ ring traffic; x1.5 at stage 3's 3Ψ) and an AdamW step over the rank's share of
-  Ψ (all of it at stage 0, Ψ/N above);
-- its free memory after the copy is gone (out_of_memory.available_bytes: CUDA's
+- t_i, the median seconds of one micro-batch slot (B / V sequences) of the second of two
+  micro-steps (the first warms up), over the slots before the last: those only stage
+  their gradients (the engine's per-slot work included) and wait for no other rank. They
+  are padded as the run's slots are (--emulate-micro-batch-seconds);
+- the whole micro-step and optimizer step, from which the once-per-step cost follows:
+  O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last slot's collectives wait for the
+  slowest rank; then the step);
+- its free memory once the engine is gone (out_of_memory.available_bytes: CUDA's
   mem_get_info; on CPU the address-space cap RLIMIT_AS less what is mapped, else
   MemAvailable shared among the node's ranks).
 
 The figures are gathered, and every rank computes the same choice with zero_core.hetero:
 counts minimising accumulation * max_i c_i t_i for V slots, weights proportional to free
-memory. The lead prints the choice and the predicted step time (with the even split's for
-comparison). The bits of the run do not depend on the counts chosen, only on V.
+memory. The lead prints the choice and the predicted step time, accumulation x max_i
+c_i t_i + O (with the even split's for comparison). The bits of the run do not depend on
+the counts chosen, only on V.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 
 import zero_comm
+import zero_core
 from zero_core.hetero import (
     choose_micro_batches,
     choose_shard_weights,
@@ -41,20 +47,19 @@ from zero_core.hetero import (
 )
 
 from .data import BatchSampler
-from .gpt import GPT, GPTConfig
+from .gpt import GPTConfig
 from .hetero_emulation import SlotPadding
 from .hetero_options import AUTO
 from .out_of_memory import available_bytes
 
-PROFILE_MICRO_BATCHES = 3
-STAGE3_TRAFFIC = 1.5  # 3Ψ against the other stages' 2Ψ
+PROFILE_SLOTS = 4  # per rank and micro-step: 3 timed, and the last, which sends the rows
 
 
 class RankProfile(NamedTuple):
     """One rank's measured figures (module docstring)."""
 
     seconds_per_micro_batch: float
-    step_overhead_seconds: float
+    profile_step_seconds: float  # PROFILE_SLOTS slots and the optimizer step
     free_bytes: float
 
 
@@ -69,48 +74,34 @@ class AutoChoice(NamedTuple):
 
 
 def profile_rank(
-    args: argparse.Namespace,
-    config: GPTConfig,
-    tokens: torch.Tensor,
-    dp: zero_comm.Communicator,
+    engine: zero_core.Engine,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
     device: torch.device,
     padding: SlotPadding,
 ) -> RankProfile:
-    """This rank's RankProfile (collective: the all-reduce is timed on every rank)."""
-    virtual: int = args.virtual_total
-    model = GPT(config, seed=args.seed).to(device)
-    sampler = BatchSampler(
-        tokens, context=config.context, global_batch=args.batch_size,
-        dp_rank=0, dp_size=virtual, seed=args.seed,
-    )  # fmt: skip
-    inputs, targets = (t.to(device) for t in sampler.batch(0))
-    times = []
-    for _ in range(1 + PROFILE_MICRO_BATCHES):  # the first warms up
-        start = time.perf_counter()
-        with padding:
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-            loss.backward()  # type: ignore[no-untyped-call]
-            _synchronize(device)
-        times.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters())
-    optimizer.step()  # the first step makes the states; the second is the steady cost
-    start = time.perf_counter()
-    optimizer.step()
-    _synchronize(device)
-    # Stages 1-3 step a 1/N shard of the model (stage 0 all of it).
-    step_seconds = (time.perf_counter() - start) / (1 if args.stage == 0 else dp.world_size)
-    del model, optimizer, logits, loss
-    flat = torch.zeros(params, dtype=torch.float32, device=device)
-    dp.barrier()
-    start = time.perf_counter()
-    dp.all_reduce(flat)
-    _synchronize(device)
-    traffic = (time.perf_counter() - start) * (STAGE3_TRAFFIC if args.stage == 3 else 1.0)
-    del flat
-    return RankProfile(statistics.median(times[1:]), step_seconds + traffic,
-                       available_bytes(device, 1) or 0.0)  # fmt: skip
+    """This rank's RankProfile on ``engine`` (PROFILE_SLOTS slots per rank; collective:
+    the last slot of each micro-step reduces with every rank)."""
+    slot_seconds: list[float] = []
+    step_seconds = 0.0
+    for _ in range(2):  # the first warms up
+        slot_seconds = []
+        started = time.perf_counter()
+        for _ in range(PROFILE_SLOTS):
+            slot_start = time.perf_counter()
+            with padding:
+                logits = engine(inputs)
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+                del logits
+                engine.backward(loss)
+                _synchronize(device)
+            slot_seconds.append(time.perf_counter() - slot_start)
+        engine.step()
+        _synchronize(device)
+        step_seconds = time.perf_counter() - started
+    return RankProfile(statistics.median(slot_seconds[:-1]), step_seconds, 0.0)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -124,7 +115,7 @@ def choose(
     """The choice every rank makes from the gathered ``profiles`` (pure)."""
     times = [p.seconds_per_micro_batch for p in profiles]
     counts = choose_micro_batches(times, virtual)
-    overhead = max(p.step_overhead_seconds for p in profiles)
+    overhead = step_overhead(profiles)
     weights = choose_shard_weights([p.free_bytes for p in profiles]) if want_weights else None
     return AutoChoice(
         counts, weights,
@@ -135,10 +126,17 @@ def choose(
     )  # fmt: skip
 
 
+def step_overhead(profiles: tuple[RankProfile, ...]) -> float:
+    """O = max_i step_i - PROFILE_SLOTS * max_j t_j (>= 0): what a step adds once."""
+    slowest = max(p.seconds_per_micro_batch for p in profiles)
+    return max(0.0, max(p.profile_step_seconds for p in profiles) - PROFILE_SLOTS * slowest)
+
+
 def resolve_auto(
     args: argparse.Namespace,
-    config: GPTConfig,
+    profile_engine: Callable[[tuple[int, ...]], zero_core.Engine],
     tokens: torch.Tensor,
+    config: GPTConfig,
     dp: zero_comm.Communicator,
     device: torch.device,
     padding: SlotPadding,
@@ -150,15 +148,28 @@ def resolve_auto(
     weights_auto = args.shard_weights == AUTO
     if not (counts_auto or weights_auto):
         return None
-    mine = profile_rank(args, config, tokens, dp, device, padding)
+    sampler = BatchSampler(
+        tokens, context=config.context, global_batch=args.batch_size,
+        dp_rank=0, dp_size=args.virtual_total, seed=args.seed,
+    )  # fmt: skip
+    inputs, targets = (t.to(device) for t in sampler.batch(0))
+    engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
+    try:
+        mine = profile_rank(engine, inputs, targets, device, padding)
+    finally:
+        engine.close()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    mine = mine._replace(free_bytes=available_bytes(device, 1) or 0.0)
     profiles = tuple(RankProfile(*p) for p in dp.all_gather_object(tuple(mine)))
     choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto)
     if not counts_auto:
         given = args.micro_batches_per_rank or (1,) * dp.world_size
         times = [p.seconds_per_micro_batch for p in profiles]
-        overhead = max(p.step_overhead_seconds for p in profiles)
         predicted = predicted_step_seconds(
-            given, times, accumulation=args.grad_accum, overhead_seconds=overhead
+            given, times, accumulation=args.grad_accum, overhead_seconds=step_overhead(profiles)
         )
         choice = choice._replace(counts=tuple(given), predicted_step_seconds=predicted)
     if dp.rank == 0:
