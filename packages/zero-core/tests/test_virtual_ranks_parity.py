@@ -172,13 +172,15 @@ def test_backward_counts_slots_and_step_applies_after_all_of_them() -> None:
     assert run_simulated(2, body) == [[False, True, True], [True, True]]
 
 
-def test_memory_report_counts_the_held_slot_copies() -> None:
-    """Rank 0 with two slots holds one copy of its gradients (its pre-added sum), rank 1
-    with one slot none; with counts (1, 2) the other way round."""
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_report_counts_the_held_slot_copies(stage: int) -> None:
+    """A rank with two slots holds one copy of its gradients (rank 0: its pre-added sum),
+    a rank with one none; at stages 0 and 1 rank 0 adds its slots into the full buffers
+    and holds nothing, so counts (2, 1) cost no memory there."""
 
     def body(comm: Communicator, counts: tuple[int, ...]) -> tuple[int, int]:
         case = ParityCase(widths=(5, 33, 7), bucket_numel=1 << 20)
-        engine = build_engine(case, comm, 2, {"micro_batches_per_rank": counts})
+        engine = build_engine(case, comm, stage, {"micro_batches_per_rank": counts})
         run_virtual_steps(engine, case, comm, range(1))
         report = engine.memory_report()
         numel = sum(p.numel() for p in engine.module.parameters())
@@ -188,7 +190,37 @@ def test_memory_report_counts_the_held_slot_copies() -> None:
     for counts in [(2, 1), (1, 2)]:
         reports = run_simulated(2, lambda comm, c=counts: body(comm, c))
         for rank, (held, numel) in enumerate(reports):
-            if counts[rank] == 1:
+            if counts[rank] == 1 or (rank == 0 and stage < 2):
                 assert held == 0
             else:  # one bucket of the parameters (padded to the ranks' alignment), float32
                 assert numel * 4 <= held < numel * 4 + 2 * 128 * 4 * 2
+
+
+def test_a_second_gradient_in_a_slot_added_in_place_is_refused() -> None:
+    """Reentrant checkpointing gives a parameter two gradients in one backward. Where a
+    hook lands each one as it comes (here: cast into a float32 buffer) rank 0 would add
+    the first to its slots' sum before the second, which is not the fold: it raises.
+    (Without hooks, autograd sums the two first and the whole gradient is added: exact.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(comm: Communicator) -> None:
+        # overlap_comm=False: with overlap a second gradient after its chunk's (held)
+        # launch is refused anyway (backward_overlap); (2, 2): slot 0 sends nothing.
+        config = zero_core.ZeroConfig(
+            stage=0, param_dtype="bf16", reduce_dtype="float32",
+            micro_batches_per_rank=(2, 2), overlap_comm=False,
+        )  # fmt: skip
+        layer = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        engine = zero_core.initialize(layer, torch.optim.SGD, config, comm,
+                                      optimizer_kwargs={"lr": 0.1})  # fmt: skip
+
+        def twice(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(layer, checkpoint(layer, x, use_reentrant=True), use_reentrant=True)
+
+        x = torch.ones(2, 4, dtype=torch.bfloat16, requires_grad=True)
+        engine.backward(twice(x).float().sum())
+        if comm.rank == 0:
+            with pytest.raises(RuntimeError, match="use_reentrant=False"):
+                engine.backward(twice(x).float().sum())
+
+    run_simulated(2, body)

@@ -65,6 +65,8 @@ class AllReducedGradients:
         self.comm = comm
         self.config = config
         self.slot_rows = slot_rows  # several micro-batch slots per rank, or None
+        if slot_rows is not None and comm.rank == 0:
+            slot_rows.in_place = True  # rank 0 adds its slots into the flat buffers
         # From backward to step p.grad views the engine's buffer, unless the buffer is in a
         # wider dtype than the parameters (reduce_dtype): then gradients are cast into it.
         self.grads_are_views = dtype == config.param_dtype
@@ -119,12 +121,16 @@ class AllReducedGradients:
         completes, in canonical order."""
         if not self._accepting:
             return
+        adding = self.slot_rows is not None and self.slot_rows.adding
         if self.grads_are_views:
-            restore_grad_view(slot)
-            self.order.arrive(slot)  # raises if a chunk of it was launched already
+            restore_grad_view(slot, add=adding)
+            again = not self.order.arrive(slot)  # raises if a chunk of it was launched already
         else:
             again = not self.order.arrive(slot)  # raises before anything is written
-            land_in_buffer(slot, again)
+            land_in_buffer(slot, again or adding)
+        if again and adding:
+            assert self.slot_rows is not None
+            self.slot_rows.refuse_second_gradient(slot.name)
         if self.config.overlap_comm:
             self._launch_ready()
 
@@ -143,12 +149,13 @@ class AllReducedGradients:
     def after_backward(self, first_micro_step: bool) -> None:
         """All-reduce what backward left (parameters without a gradient are zeros), wait
         for every chunk, and add this micro-step's gradients into the accumulation."""
+        adding = self.slot_rows is not None and self.slot_rows.adding
         for slot in self.slots:
             if not self.order.has_arrived(slot):
                 if self.grads_are_views:
-                    restore_grad_view(slot)
+                    restore_grad_view(slot, add=adding)
                 else:
-                    land_in_buffer(slot, again=False)
+                    land_in_buffer(slot, again=adding)
         self.order.complete_all()
         self._launch_ready()
         while self._in_flight:
@@ -225,16 +232,21 @@ class AllReducedGradients:
         return 0
 
 
-def restore_grad_view(slot: ParamSlot) -> None:
+def restore_grad_view(slot: ParamSlot, add: bool = False) -> None:
     """Make ``slot.param.grad`` the engine's flat-buffer view again (stages 0 and 1 keep
     gradients as views that autograd fills in place): zeros if backward gave it no
-    gradient, a copy if something replaced the view."""
+    gradient, a copy if something replaced the view. ``add``: the gradient is added to
+    the view instead (a later micro-batch slot, zero_core.slot_rows), none adds nothing."""
     param, view = slot.param, slot.grad_view
     assert view is not None
     if param.grad is None:
-        view.zero_()
+        if not add:
+            view.zero_()
     elif param.grad.data_ptr() != view.data_ptr():
-        view.copy_(param.grad.reshape(-1))
+        if add:
+            view.add_(param.grad.reshape(-1))
+        else:
+            view.copy_(param.grad.reshape(-1))
     param.grad = view.view(slot.shape)
 
 

@@ -40,7 +40,6 @@ accumulated shard on the device).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -129,6 +128,9 @@ class ReduceScatteredGradients:
             if full_buffers
             else ", or stage 0 or 1 with overlap_comm=False"
         )
+        if slot_rows is not None and full_buffers and comm.rank == 0:
+            slot_rows.in_place = True  # rank 0 adds its slots into the full buffers
+        self.slot_rows = slot_rows
         self.reducer = BucketReducer(
             comm, list(self.buckets), dtype, config.max_buckets_in_flight, launch_order, labels,
             chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
@@ -172,11 +174,8 @@ class ReduceScatteredGradients:
         restored there if the user replaced ``.grad``, or cast into its place in a wider
         buffer; sharded: moved into its bucket)."""
         if self._accepting:
-            if self.grads_are_views:
-                restore_grad_view(slot)
-                self.reducer.mark_ready(slot)
-            elif self.full_buffers:
-                self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
+            if self.full_buffers:
+                self._full_buffer_ready(slot)
             else:
                 self.reducer.grad_ready(slot)
             for listener in self.gradient_listeners:
@@ -194,18 +193,31 @@ class ReduceScatteredGradients:
         for it all."""
         if self.full_buffers:
             for slot in self.slots:
-                if self.reducer.has_gradient(slot):
-                    continue
-                if self.grads_are_views:
-                    restore_grad_view(slot)
-                    self.reducer.mark_ready(slot)
-                else:
-                    self.reducer.mark_ready(slot, land=partial(land_in_buffer, slot))
+                if not self.reducer.has_gradient(slot):
+                    self._full_buffer_ready(slot)
         self.reducer.finish()
         if self.tier is not None:
             self.tier.drain()  # the disk slices' writes behind the backward
-        if self.full_buffers and self.accumulating:
-            self._zero_full_buffers()
+        holding = self.slot_rows is not None and self.slot_rows.holding
+        if self.full_buffers and self.accumulating and not holding:
+            self._zero_full_buffers()  # (a held slot's are its prefix, or overwritten)
+
+    def _full_buffer_ready(self, slot: ParamSlot) -> None:
+        """``slot``'s gradient is in its view of the full buffer (restored there if the
+        user replaced ``.grad``), or cast into its place in a wider one; in a micro-batch
+        slot that adds in place (slot_rows) added there instead."""
+        adding = self.slot_rows is not None and self.slot_rows.adding
+
+        def land(again: bool) -> None:
+            if again and adding:
+                assert self.slot_rows is not None
+                self.slot_rows.refuse_second_gradient(slot.name)
+            if not self.grads_are_views:
+                land_in_buffer(slot, again or adding)
+
+        if self.grads_are_views:
+            restore_grad_view(slot, add=adding)
+        self.reducer.mark_ready(slot, land=land)
 
     def end_backward(self) -> None:
         self._accepting = False

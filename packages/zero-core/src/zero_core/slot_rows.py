@@ -11,15 +11,25 @@ same bucket (or stage 0 chunk). :class:`SlotRows` stands where the communicator 
     slot c_i-1 (the last)         the k-th collective becomes reduce_scatter_rows /
                                   all_reduce_rows of (held rows of k ..., this slot's input)
 
-Rank 0 starts the fold, so it adds its slots into one held row as they come,
-((g_0 + g_1) + g_2), which is the fold's prefix, and sends that one row: the collective's
-row counts are (1, c_1, ..., c_{N-1}). Counts (2, 1) therefore send one row per rank
-and rank 0 holds one copy of its gradients; counts (1, 2): rank 1 holds one copy and
-rank 0 sends one zero row of padding (zero_comm.row_collectives).
+Rank 0 starts the fold, so it adds its slots up as they come, ((g_0 + g_1) + g_2), which
+is the fold's prefix, and sends that one row: the collective's row counts are
+(1, c_1, ..., c_{N-1}). Where the gradients live in persistent full buffers (stages 0
+and 1) it adds each slot's gradients straight into them (``in_place``: the components
+add instead of copy in slots after the first, and nothing is held); elsewhere into one
+held row. Counts (2, 1) therefore send one row per rank, and at stages 0 and 1 hold
+nothing extra; counts (1, 2): rank 1 holds one copy and rank 0 sends one zero row of
+padding (zero_comm.row_collectives).
 
 Held rows are in the gradient dtype and the bucket (or flat) layout: one copy of the
-bucket per extra slot (one in all on rank 0), from that slot's backward to the last
-slot's launch; ``held_bytes`` says how many bytes that is, ``peak_bytes`` the most held.
+bucket per extra slot (one in all on rank 0 at stages 2 and 3), from that slot's
+backward to the last slot's launch; ``held_bytes`` says how many bytes that is,
+``peak_bytes`` the most held.
+
+Adding in place is exact only if every parameter's gradient of a slot arrives whole.
+Where a hook lands each gradient as it comes (overlap_comm, or a wider reduce_dtype), a
+second gradient in one backward (reentrant activation checkpointing) would be added to
+the prefix after the first, not summed with it first, so it is refused
+(``refuse_second_gradient``); without hooks autograd sums the two before they land.
 """
 
 from __future__ import annotations
@@ -45,9 +55,26 @@ class SlotRows:
         self.active = not virtual.homogeneous_run
         self.row_counts = (1, *virtual.counts[1:])  # rank 0 sends its pre-added block
         self.slot = 0
+        # Rank 0 with persistent full buffers: its slots add into them (module docstring);
+        # set by the gradient component that has them.
+        self.in_place = False
         self._call = 0  # the k of the next collective in this slot
         self._held: list[list[torch.Tensor]] = []  # per k: the held rows (rank 0: one sum)
         self.peak_bytes = 0
+
+    @property
+    def adding(self) -> bool:
+        """Whether this slot's gradients add into the buffers instead of replacing them."""
+        return self.in_place and self.slot > 0
+
+    def refuse_second_gradient(self, name: str) -> None:
+        """A parameter got a second gradient in a slot that adds in place: not exact."""
+        raise RuntimeError(
+            f"[rank {self.comm.rank}] parameter {name} received a second gradient in one "
+            "backward (reentrant activation checkpointing does this) while this rank adds "
+            "its micro-batch slots in place (micro_batches_per_rank, stages 0 and 1): use "
+            "checkpoint(..., use_reentrant=False), or stage 2"
+        )
 
     @property
     def holding(self) -> bool:
@@ -104,6 +131,8 @@ class SlotRows:
         return k
 
     def _hold(self, tensor: torch.Tensor) -> None:
+        if self.in_place:
+            return  # the buffers themselves hold the prefix
         k = self._next(tensor)
         flat = tensor.view(-1)
         if self.slot == 0:
@@ -116,7 +145,7 @@ class SlotRows:
 
     def _rows(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """The last slot's rows for its k-th collective (rank 0: its block, pre-added)."""
-        if self.virtual.count == 1:
+        if self.virtual.count == 1 or self.in_place:
             return [tensor.view(-1)]
         k = self._next(tensor)
         if self.virtual.rank == 0:

@@ -125,3 +125,23 @@ def resume_is_exact(comm: Communicator, folder: str) -> int:
         a, b = straight.full_state_dict(), resumed.full_state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), stage
     return 4
+
+
+def virtual_ranks_are_exact(comm: Communicator, counts: list[int]) -> int:
+    """Real ranks with micro_batches_per_rank=counts at stages 0-2 equal the homogeneous
+    run at V = sum(counts) ranks, computed here on a simulated world of V ranks (the same
+    process: the same fingerprint). Returns the number of stages checked."""
+    from parity import ParityCase, assert_same_states, train
+    from virtual_parity import train_virtual
+
+    from zero_comm import run_simulated
+
+    case = ParityCase(widths=(5, 33, 7), vocab=11, tie=True, dtype="bfloat16",
+                      accumulation=2, clip=0.05, bucket_numel=300, steps=2)  # fmt: skip
+    checked = 0
+    for stage in (0, 1, 2):
+        got = train_virtual(case, comm, stage, tuple(counts))
+        reference = run_simulated(sum(counts), lambda world, s=stage: train(case, world, s))[0]
+        assert_same_states(reference, got, f"stage {stage}, counts {counts}, rank {comm.rank}")
+        checked += 1
+    return checked

@@ -97,3 +97,11 @@ def test_resume_from_a_checkpoint_is_exact_on_real_ranks(
     reports = run_on_ranks(stage_bodies.resume_is_exact, 3, backend=backend, launcher=launcher,
                            kwargs={"folder": str(tmp_path)}, timeout=300)  # fmt: skip
     assert [r["value"] for r in reports] == [4, 4, 4]
+
+
+@REAL_WORLDS
+def test_virtual_ranks_equal_the_homogeneous_run_on_real_ranks(backend: str, launcher: str) -> None:
+    """Counts (2, 1) on two processes: the bits of three homogeneous ranks (issue 52)."""
+    reports = run_on_ranks(stage_bodies.virtual_ranks_are_exact, 2, backend=backend,
+                           launcher=launcher, kwargs={"counts": [2, 1]}, timeout=300)  # fmt: skip
+    assert [r["value"] for r in reports] == [3, 3]
