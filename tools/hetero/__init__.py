@@ -1,1 +1,1 @@
-"""Mixed hardware measured: speed-weighted micro-batches against the even split and the ideal."""
+"""Mixed hardware measured: speed-weighted micro-batches and memory-weighted shards."""

@@ -28,10 +28,11 @@ COUNTS = [(2, 1), (1, 2), (1, 1, 2), (3, 1)]
 @given(
     case=parity_cases(),
     counts=st.sampled_from(COUNTS),
-    stage=st.sampled_from([0, 1, 2]),
+    stage=st.sampled_from([0, 1, 2, 3]),
     accumulation=st.sampled_from([1, 2]),
     clip=st.sampled_from([None, 0.05]),
     dtype=st.sampled_from(["float32", "bfloat16", "float32", "bfloat16", "float16"]),
+    weights=st.sampled_from([None, None, (3.0, 1.0, 2.0), (1.0, 2.5, 1.0)]),
 )
 def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
     case: ParityCase,
@@ -40,32 +41,38 @@ def test_uneven_counts_equal_the_homogeneous_run_at_v_ranks(
     accumulation: int,
     clip: float | None,
     dtype: str,
+    weights: tuple[float, ...] | None,
 ) -> None:
+    """``weights``: memory-weighted shards too (shard_weights, first len(counts) of them),
+    which change no bit; the reference is the even V-rank run."""
     case = ParityCase(
         **{**case.__dict__, "accumulation": accumulation, "clip": clip, "dtype": dtype}
     )
-    virtual_equals_homogeneous(case, stage, counts)
+    more = None if weights is None else {"shard_weights": weights[: len(counts)]}
+    virtual_equals_homogeneous(case, stage, counts, more)
 
 
-@pytest.mark.parametrize("counts", [(2, 2), (1, 1)])
+@pytest.mark.parametrize("counts", [(2, 2), (1, 1), (2, 1), (1, 3)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stage_3_with_equal_counts_equals_the_homogeneous_run(
-    counts: tuple[int, ...], dtype: str
-) -> None:
+def test_stage_3_equals_the_homogeneous_run(counts: tuple[int, ...], dtype: str) -> None:
+    """Equal counts gather per pass as usual; uneven ones pin the micro-step's units
+    (param_gatherer), and both give the V-rank run's bits."""
     case = ParityCase(widths=(5, 33, 7), vocab=11, tie=True, dtype=dtype, accumulation=2,
                       clip=0.05, bucket_numel=64, persistence_threshold=20)  # fmt: skip
     virtual_equals_homogeneous(case, 3, counts)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_offloaded_optimizer_with_uneven_counts_equals_the_homogeneous_run(
     stage: int, tier: str
 ) -> None:
-    """The tiers' reference is the homogeneous V-rank run without offload (stage 0)."""
+    """The tiers' reference is the homogeneous V-rank run without offload (stage 0); at
+    stage 3 the parameters are offloaded to the same tier too."""
     case = ParityCase(widths=(5, 33, 7), dtype="bfloat16", accumulation=2, clip=0.05,
-                      bucket_numel=300, sub_group_numel=64, offload_optimizer=tier)  # fmt: skip
-    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none"})
+                      bucket_numel=300, sub_group_numel=64, offload_optimizer=tier,
+                      offload_params=tier if stage == 3 else "none")  # fmt: skip
+    plain = ParityCase(**{**case.__dict__, "offload_optimizer": "none", "offload_params": "none"})
     reference = run_simulated(3, lambda comm: train(plain, comm, 0))[0]
     got = run_simulated(2, lambda comm: train_virtual(case, comm, stage, (2, 1)))
     for rank, states in enumerate(got):
@@ -126,7 +133,6 @@ def test_uneven_counts_really_change_the_bits() -> None:
 @pytest.mark.parametrize(
     ("settings_", "named"),
     [
-        ({"stage": 3}, "stage 3 with micro_batches_per_rank"),
         ({"stage": 2, "shard_group_size": 1}, "shard_group_size=1"),
         ({"stage": 2, "quantize_gradients": True}, "quantize_gradients"),
         ({"stage": 3, "hpz_partition_size": 2, "micro_batches_per_rank": (2, 2)}, "hpz"),
@@ -224,3 +230,25 @@ def test_a_second_gradient_in_a_slot_added_in_place_is_refused() -> None:
                 engine.backward(twice(x).float().sum())
 
     run_simulated(2, body)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_to_one_moves_the_bytes_of_the_homogeneous_two_rank_run(stage: int) -> None:
+    """Counts (2, 1): rank 0 pre-adds its two slots, so each rank sends one row and the
+    gradient traffic equals two homogeneous ranks'; counts (1, 2) pad rank 0 to two rows
+    (zero_comm.row_collectives), twice the reduce-scatter bytes."""
+    case = ParityCase(widths=(5, 33, 7), bucket_numel=1 << 20, steps=1)
+
+    def volume(comm: Communicator, counts: tuple[int, ...] | None) -> dict[str, float]:
+        engine = build_engine(case, comm, stage, counts and {"micro_batches_per_rank": counts})
+        comm.stats.reset()
+        (run_steps if counts is None else run_virtual_steps)(engine, case, comm, range(1))
+        engine.close()
+        return {k: float(comm.stats[k].volume_bytes) for k in ("reduce_scatter", "all_gather")}
+
+    plain = run_simulated(2, lambda comm: volume(comm, None))
+    assert run_simulated(2, lambda comm: volume(comm, (2, 1))) == plain
+    padded = run_simulated(2, lambda comm: volume(comm, (1, 2)))
+    for mine, theirs in zip(padded, plain, strict=True):
+        assert mine["reduce_scatter"] == 2 * theirs["reduce_scatter"]
+        assert mine["all_gather"] == theirs["all_gather"]

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .handle import Handle
     from .hierarchy import HybridGroups
     from .launcher_env import LaunchEnv, detect_launch_env
+    from .node_detection import detect_topology
     from .quantized import (
         QuantizationFallbackWarning,
         QuantizedHandle,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from .simulated import run_simulated
     from .stats import CommStats, ring_volume
     from .topology import Topology
-    from .world import detect_topology, init
+    from .world import init
 
 # A library adds no handler of its own but this one, so that an application that has not
 # configured logging does not get Python's "last resort" output of our warnings.
@@ -85,7 +86,7 @@ _HOMES = {
     "CommStats": "stats",
     "ring_volume": "stats",
     "Topology": "topology",
-    "detect_topology": "world",
+    "detect_topology": "node_detection",
     "init": "world",
     "from_process_group": "adopt",
     "from_mpi_comm": "adopt",

@@ -46,11 +46,11 @@ from .comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CommOp
 from .communicator import Communicator
 from .errors import BackendUnavailableError
 from .heartbeat import Heartbeat, first_beat
+from .node_detection import detect_topology
 from .peers import this_peer
 from .rendezvous import _reachable
 from .topology import Topology
 from .torch_backend import TorchCommunicator
-from .world import detect_topology
 
 log = logging.getLogger(__name__)
 

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
-from collections.abc import Mapping
 
 import torch
 
 from . import host_watch
 from .comm_options import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TIMEOUT_S, CommOptions
 from .communicator import Communicator
-from .errors import BackendUnavailableError, LaunchEnvError
-from .launcher_env import LaunchEnv, detect_launch_env, node_key_from_env
-from .topology import NodeEvidence, Topology, topology_from_evidence
+from .errors import BackendUnavailableError
+from .launcher_env import LaunchEnv, detect_launch_env
+from .node_detection import detect_topology
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -169,49 +168,6 @@ def _adopt_default_group(
         ranks_per_node=ranks_per_node,
         heartbeat_timeout=options.heartbeat_timeout,
     )
-
-
-def detect_topology(
-    comm: Communicator,
-    *,
-    ranks_per_node: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> Topology:
-    """Collective unless ``ranks_per_node`` is given: which ranks of ``comm`` share a node.
-
-    In order, the first that applies: ``ranks_per_node``; ZERO_RANKS_PER_NODE; the
-    launcher's variables (torchrun, Open MPI, MPICH / Intel MPI, SLURM); under the mpi
-    backend, a shared-memory split; the host name. Every rank's answer is all-gathered
-    and the choice is made alike on every rank (zero_comm.topology). ``comm`` is a world
-    communicator: the launcher's variables describe the world's ranks (a subgroup inherits
-    its topology at ``split`` instead). ``environ`` stands for ``os.environ`` (tests).
-    """
-    if ranks_per_node is not None:
-        try:
-            return Topology.uniform(comm.world_size, ranks_per_node)
-        except ValueError as exc:
-            raise ValueError(f"[rank {comm.rank}] ranks_per_node: {exc}") from None
-    env = os.environ if environ is None else environ
-    shared_memory = None
-    if comm.backend == "mpi" and comm.world_size > 1:
-        from .mpi_backend import MPICommunicator
-
-        if isinstance(comm, MPICommunicator):
-            shared_memory = comm.shared_memory_node_key()
-    try:
-        launcher = node_key_from_env(env)
-    except LaunchEnvError as exc:
-        # Not raised here alone: the other ranks would wait in the gather below for ever.
-        log.warning("zero_comm: [rank %d] %s; finding the nodes another way", comm.rank, exc)
-        launcher = None
-    mine = NodeEvidence(
-        env.get("ZERO_RANKS_PER_NODE") or None, launcher, shared_memory, socket.gethostname()
-    )
-    everyone = [mine] if comm.world_size == 1 else comm.all_gather_object(mine)
-    try:
-        return topology_from_evidence(everyone)
-    except ValueError as exc:
-        raise ValueError(f"[rank {comm.rank}] {exc}") from None
 
 
 def _create(chosen: str, env: LaunchEnv, options: CommOptions) -> Communicator:

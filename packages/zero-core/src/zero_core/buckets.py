@@ -83,12 +83,13 @@ class Bucket:
 
     @property
     def padded_numel(self) -> int:
-        """Elements of the whole bucket, padding included (N x slice_numel)."""
+        """Elements of the whole bucket, padding included (N x slice_numel; with uneven
+        shards the sum of every rank's slice)."""
         return self.geometry.layout.padded_numel
 
     @property
     def slice_numel(self) -> int:
-        """Elements of one rank's slice of it."""
+        """Elements of this rank's slice of it (the same on every rank unless uneven)."""
         return self.geometry.slice_numel
 
     @property

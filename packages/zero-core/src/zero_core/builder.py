@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,7 @@ from .replicated_params import ReplicatedParameters
 from .sharded_params import ShardedParameters
 from .slot_rows import SlotRows, unsupported_with_slots
 from .stage_policy import GradientPlacement, MasterPlacement, ParameterPlacement, StagePolicy
+from .uneven_shards import UnevenShardComm, uneven_weights
 from .virtual_ranks import VirtualRanks
 from .zeropp import gradient_quantization, weight_quantizer
 
@@ -108,11 +109,7 @@ def build_engine_parts(
     """Collective over ``comm`` (the data-parallel world): every part, in the order above."""
     # First, before any collective: every rank refuses a setting that does not fit alike.
     virtual = VirtualRanks.for_world(config.micro_batches_per_rank, comm.world_size, comm.rank)
-    refused = (
-        None
-        if virtual.homogeneous_run
-        else unsupported_with_slots(config, virtual.counts, comm.world_size)
-    )
+    refused = None if virtual.homogeneous_run else unsupported_with_slots(config, comm.world_size)
     if refused:
         raise ValueError(f"[rank {comm.rank}] {refused}")
     slot_rows = SlotRows(virtual, comm)
@@ -127,6 +124,10 @@ def build_engine_parts(
         slot_rows if slot_rows.active else None,
     )  # fmt: skip
     masters = components.masters
+    if isinstance(components.parameters, ShardedParameters) and len(set(virtual.counts)) > 1:
+        # Stage 3, ranks with different slot counts: each micro-step's units stay gathered
+        # from its first forward to this rank's last backward (param_gatherer: pinned).
+        components.parameters.gatherer.pin_slots = virtual.count
     optimizer = groups.build([[tile for tile, _ in tiles] for tiles in masters.tiles])
     refuse_eager_state_on_disk(masters, optimizer)
     stepper = None
@@ -154,7 +155,7 @@ def build_engine_parts(
         loss_scaler=loss_scaler(config),
         slots=slots,
         hybrid=hybrid,
-        shard_comm=comm if hybrid is None else hybrid.shard,
+        shard_comm=components.shard_comm,
         secondary=secondary,
         layouts=components.layouts,
         parameters=components.parameters,
@@ -188,6 +189,7 @@ class Components(NamedTuple):
     gradients: GradientComponent
     masters: MasterComponent
     module_hooks: list[Any]
+    shard_comm: Communicator  # the ranks the states are partitioned over (uneven: wrapped)
 
 
 def build_components(
@@ -218,6 +220,12 @@ def build_components(
     which then reduce every gradient bucket; None with one slot per rank."""
     world = comm
     comm = comm if hybrid is None else hybrid.shard
+    weights = uneven_weights(config, comm) if policy.shard_optimizer_states else None
+    if weights is not None:  # issue 52: uneven shards (zero_core.uneven_shards)
+        uneven = UnevenShardComm(comm, weights)
+        comm = cast(Communicator, uneven)
+        if slot_rows is not None:  # and virtual ranks: the rows go on the wire as it lays them
+            slot_rows.uneven = uneven
     plan = None
     if policy.parameters is ParameterPlacement.SHARDED:
         plan = plan_units(module, slots, config.persistence_threshold)
@@ -229,6 +237,8 @@ def build_components(
             comm.world_size,
             config.bucket_numel,
             units=None if plan is None else [slot.unit or 0 for slot in group],
+            weights=weights,
+            rank=comm.rank,
         )
         for group in slots.by_group
     ]
@@ -288,7 +298,7 @@ def build_components(
         scattered.gradient_listeners.append(parameters.gradient_arrived)
         gradients = scattered
     hooks = [] if policy.module_hooks is None else policy.module_hooks(module, parameters)
-    return Components(layouts, parameters, gradients, masters, hooks)
+    return Components(layouts, parameters, gradients, masters, hooks, comm)
 
 
 def close_components(

@@ -461,6 +461,7 @@ class Engine:
             whole=self.whole_tensors(),
             aliases=self.tied_parameter_names(),
             first_replica=self.shard_comm.rank == self.comm.rank,
+            shard_weights=self.layouts[0].weights if self.layouts else None,
         )
 
     def load_sharded_state(self, state: ShardedState) -> None:

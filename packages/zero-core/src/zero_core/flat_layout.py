@@ -23,10 +23,23 @@ N x alignment.
 With ``param_alignment`` > 1 every parameter also starts at a multiple of it (zeros fill
 the gaps), so fixed-size blocks of a parameter never straddle a shard boundary when the
 shard size is a multiple of the block: the gradient norm uses that (see grad_norm).
+
+With ``weights`` (issue 52, zero_core.uneven_shards) the shards are uneven: rank r owns
+``shard_sizes[r]`` elements, proportional to its weight, each a multiple of ``alignment``;
+the buffer is still the parameters end to end, and only the boundaries move. The same
+14 elements on N = 2 ranks with weights (3, 1), alignment 2 (7 alignment units: one per
+rank first, the other 5 split 3:1 by rounding, so 5 and 2):
+
+    flat      0 1 2 3 4 5 6 7 8 9 | 10 11 12 13
+    params    a a a a a b b b b b |  b  b  c  c
+    rank               0          |      1
+
+``shard_numel`` is then the largest share: the chunk each rank puts on the wire.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -74,12 +87,14 @@ def round_up(value: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class FlatLayout:
     """Parameters of ``numels`` elements laid end to end, padded into ``world_size`` equal
-    shards whose size is a multiple of ``alignment`` elements."""
+    shards whose size is a multiple of ``alignment`` elements (with ``weights``: one share
+    per rank proportional to its weight, each a multiple of ``alignment``)."""
 
     numels: tuple[int, ...]
     world_size: int
     alignment: int = 1
     param_alignment: int = 1
+    weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,12 +106,32 @@ class FlatLayout:
             )
         if any(n < 0 for n in self.numels):
             raise ValueError(f"parameter sizes must be >= 0, got {self.numels}")
+        if self.weights is not None and len(self.weights) != self.world_size:
+            raise ValueError(
+                f"weights {self.weights} must have one entry per rank ({self.world_size})"
+            )
 
     @classmethod
     def of(
-        cls, numels: Sequence[int], world_size: int, alignment: int = 1, param_alignment: int = 1
+        cls,
+        numels: Sequence[int],
+        world_size: int,
+        alignment: int = 1,
+        param_alignment: int = 1,
+        weights: Sequence[float] | None = None,
     ) -> FlatLayout:
-        return cls(tuple(numels), world_size, alignment, param_alignment)
+        return cls(
+            tuple(numels),
+            world_size,
+            alignment,
+            param_alignment,
+            None if weights is None else tuple(weights),
+        )
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the shards follow weights (their sizes may differ)."""
+        return self.weights is not None
 
     # Cached: the engine asks for these per bucket and per tile at every step (a frozen
     # dataclass keeps them valid; cached_property writes the instance dict directly).
@@ -108,11 +143,38 @@ class FlatLayout:
 
     @cached_property
     def shard_numel(self) -> int:
-        """Elements of each rank's shard (a multiple of ``alignment``)."""
+        """Elements of each rank's shard (a multiple of ``alignment``); with weights, the
+        largest share (the equal chunk every rank sends in a collective)."""
+        if self.weights is not None:
+            return max(self.shard_sizes)
         return round_up(-(-self.numel // self.world_size), self.alignment)
+
+    @cached_property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Elements of each rank's shard, in rank order (all ``shard_numel`` when even)."""
+        if self.weights is None:
+            return (self.shard_numel,) * self.world_size
+        units = max(-(-self.numel // self.alignment), self.world_size)
+        return tuple(u * self.alignment for u in weighted_units(units, self.weights))
+
+    @cached_property
+    def shard_starts(self) -> tuple[int, ...]:
+        """Where each rank's shard starts in the flat buffer."""
+        starts, at = [], 0
+        for size in self.shard_sizes:
+            starts.append(at)
+            at += size
+        return tuple(starts)
 
     @property
     def padded_numel(self) -> int:
+        """Elements of the whole buffer, every shard's padding included."""
+        return sum(self.shard_sizes)
+
+    @property
+    def wire_numel(self) -> int:
+        """Elements a collective of the whole buffer moves: N chunks of ``shard_numel``
+        (``padded_numel`` when even)."""
         return self.shard_numel * self.world_size
 
     @property
@@ -132,7 +194,8 @@ class FlatLayout:
         """The flat_range rank ``rank`` owns."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
-        return Range(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+        start = self.shard_starts[rank]
+        return Range(start, start + self.shard_sizes[rank])
 
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
         """The non-empty parts of parameters inside rank ``rank``'s shard, in flat order."""
@@ -147,3 +210,19 @@ class FlatLayout:
                     )
                 )
         return pieces
+
+
+def weighted_units(units: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``units`` (>= len(weights)) split over ranks in proportion to ``weights``: one each
+    first (no rank owns nothing), the rest by rounding the cumulative share, so the
+    parts add up to ``units`` exactly and depend only on (units, weights)."""
+    n = len(weights)
+    if units < n:
+        raise ValueError(f"{units} units cannot give each of {n} ranks one")
+    total, spare = float(sum(weights)), units - n
+    bounds, cumulative = [0], 0.0
+    for w in weights:
+        cumulative += w
+        bounds.append(min(spare, math.floor(spare * cumulative / total + 0.5)))
+    bounds[-1] = spare
+    return tuple(1 + bounds[r + 1] - bounds[r] for r in range(n))

@@ -13,6 +13,12 @@ its *local shard* is those pieces one after another:
 
 Bucket boundaries depend on the parameters and ``bucket_numel`` only, never on N, and a
 reduce-scatter of one bucket hands every rank exactly its slice of that bucket.
+
+With ``weights`` (issue 52) every bucket is split in proportion to them instead
+(flat_layout), so a rank's slices, its local shard and the offsets of its slices in it
+differ from rank to rank: a GroupLayout is built for one ``rank``, whose numbers
+``slice_numel``, ``local_offset`` and ``shard_numel`` give; ``local_pieces(r)`` and
+``row_keys(r)`` still answer for any rank r.
 """
 
 from __future__ import annotations
@@ -55,16 +61,27 @@ class LocalPiece(NamedTuple):
 @dataclass(frozen=True)
 class BucketLayout:
     """One bucket's geometry: which parameters (group indices), their layout, and where
-    this bucket's slice starts in every rank's local shard (buckets.Bucket adds the
-    slots and a component's state)."""
+    this bucket's slice starts in each rank's local shard (``local_offsets``; the same on
+    every rank unless the shards are uneven). ``slice_numel`` and ``local_offset`` are
+    those of ``rank``, the rank the layout was built for (buckets.Bucket adds the slots
+    and a component's state)."""
 
     param_indices: tuple[int, ...]
     layout: FlatLayout
-    local_offset: int
+    local_offsets: tuple[int, ...]
+    rank: int = 0
+
+    @property
+    def local_offset(self) -> int:
+        return self.local_offsets[self.rank]
 
     @property
     def slice_numel(self) -> int:
-        return self.layout.shard_numel
+        return self.layout.shard_sizes[self.rank]
+
+    def slice_of(self, rank: int) -> int:
+        """Elements of rank ``rank``'s slice of this bucket."""
+        return self.layout.shard_sizes[rank]
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,13 @@ class GroupLayout:
     numels: tuple[int, ...]
     world_size: int
     buckets: tuple[BucketLayout, ...]
+    weights: tuple[float, ...] | None = None
+    rank: int = 0
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the shards follow weights (zero_core.uneven_shards)."""
+        return self.weights is not None
 
     @classmethod
     def build(
@@ -81,12 +105,16 @@ class GroupLayout:
         bucket_numel: int,
         tags: Sequence[object] | None = None,
         alignment: int = BLOCK,
+        weights: Sequence[float] | None = None,
+        rank: int = 0,
     ) -> GroupLayout:
         """Pack parameters into buckets of about ``bucket_numel`` elements. With ``tags``
         (one per parameter; stage 3 uses the fetch unit), a bucket holds parameters of
         one tag only, in parameter order; otherwise it holds consecutive parameters.
         ``alignment``: where every parameter starts and what a shard is a multiple of
-        (BLOCK for the partitioned stages' gradient norm; 1 packs without gaps)."""
+        (BLOCK for the partitioned stages' gradient norm; 1 packs without gaps);
+        ``weights``: uneven shards in proportion to them (None: even); ``rank``: whose
+        slices ``slice_numel`` and ``local_offset`` describe."""
         members: dict[object, list[list[int]]] = {}
         filled: dict[object, int] = {}
         order: list[list[int]] = []
@@ -100,7 +128,7 @@ class GroupLayout:
                 start = 0
             runs[-1].append(index)
             filled[tag] = start + numel
-        return cls.of_buckets(numels, world_size, order, alignment)
+        return cls.of_buckets(numels, world_size, order, alignment, weights, rank)
 
     @classmethod
     def whole(cls, numels: Sequence[int]) -> GroupLayout:
@@ -115,28 +143,38 @@ class GroupLayout:
         world_size: int,
         members: Sequence[Sequence[int]],
         alignment: int = BLOCK,
+        weights: Sequence[float] | None = None,
+        rank: int = 0,
     ) -> GroupLayout:
         """Buckets holding exactly ``members`` (indices into ``numels``; every parameter in
         one bucket), in that order."""
         placed = sorted(i for bucket in members for i in bucket)
         if placed != list(range(len(numels))):
             raise ValueError(f"bucket members {members} must hold each of {len(numels)} once")
-        buckets, offset = [], 0
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        buckets, offsets = [], [0] * world_size
         for bucket_members in members:
             layout = FlatLayout.of(
                 [numels[i] for i in bucket_members],
                 world_size,
                 alignment=alignment,
                 param_alignment=alignment,
+                weights=weights,
             )
-            buckets.append(BucketLayout(tuple(bucket_members), layout, offset))
-            offset += layout.shard_numel
-        return cls(tuple(numels), world_size, tuple(buckets))
+            buckets.append(BucketLayout(tuple(bucket_members), layout, tuple(offsets), rank))
+            offsets = [o + size for o, size in zip(offsets, layout.shard_sizes, strict=True)]
+        frozen = None if weights is None else tuple(float(w) for w in weights)
+        return cls(tuple(numels), world_size, tuple(buckets), frozen, rank)
 
     @property
     def shard_numel(self) -> int:
-        """Elements of a rank's local shard (the same on every rank)."""
+        """Elements of ``rank``'s local shard (the same on every rank when even)."""
         return sum(b.slice_numel for b in self.buckets)
+
+    def shard_numel_of(self, rank: int) -> int:
+        """Elements of rank ``rank``'s local shard."""
+        return sum(b.slice_of(rank) for b in self.buckets)
 
     @property
     def padded_numel(self) -> int:
@@ -169,7 +207,7 @@ class GroupLayout:
                         bucket.param_indices[piece.param_index],
                         k,
                         piece.param_range,
-                        piece.local_range.shift(-bucket.local_offset),
+                        piece.local_range.shift(-bucket.local_offsets[rank]),
                         piece.flat_range,
                     )
                 )
@@ -179,7 +217,7 @@ class GroupLayout:
         """For each BLOCK row of rank ``rank``'s local shard: (parameter index, row within
         the parameter), or (len(numels), 0) for a row of padding. Sorting rows by these
         keys lists them in parameter order, whatever the bucketing (see grad_norm)."""
-        rows = self.shard_numel // BLOCK
+        rows = self.shard_numel_of(rank) // BLOCK
         keys = [(len(self.numels), 0)] * rows
         for piece in self.local_pieces(rank):
             first = piece.param_range.start // BLOCK

@@ -71,6 +71,14 @@ The parts are the forward's gathered bits, so backward computes with exactly the
 weights forward used (lossless, and with quantized forward gathers too); they are
 dropped when the backward pass ends.
 
+Pinned micro-steps (``pin_slots``: ranks running different numbers of micro-batch slots,
+zero_core.slot_rows). Every gather is a collective that every rank must join, but a
+rank with more slots runs more forward and backward passes. So the first forward of a
+micro-step gathers every unit, in unit order, and nothing is released until this rank's
+``pin_slots`` backward passes have ended: every rank issues the same gathers whatever
+its slot count, and the parameters take what stage 2's take from that forward to the
+last backward (the price of uneven counts at stage 3).
+
 On a torch.profiler timeline: each start of gathers is ``zero::gather_unit``, each wait for
 a unit ``zero::gather_unit.wait`` and each release ``zero::free_unit`` (the collectives
 inside them are the communicator's ``zero::all_gather`` ranges).
@@ -194,6 +202,8 @@ class ParameterGatherer:
         self._position = 0
         self._trace: list[int] | None = None
         self.order_changes = 0
+        self.pin_slots = 0  # > 0: pinned micro-steps of that many backward passes
+        self._pinned_backwards = 0  # backward passes left before the pinned units go
         self.live_numel = 0
         self.peak_live_numel = 0
         for unit in units:
@@ -221,6 +231,17 @@ class ParameterGatherer:
         for unit in self.units:
             unit.grads_seen = 0
             unit.users = 0
+        if phase is Pass.FORWARD and self.pin_slots and not self._pinned_backwards:
+            self._pin_all()
+
+    def _pin_all(self) -> None:
+        """Gather every unit now, in unit order, and keep them all until ``pin_slots``
+        backward passes have ended (module docstring: pinned micro-steps)."""
+        self._pinned_backwards = self.pin_slots
+        self._start_gathers([u for u in self.units if u.state is UnitState.RELEASED])
+        for unit in self.units:
+            if unit.state is UnitState.GATHERING:
+                self._wait(unit)
 
     def end_pass(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
         """Wait for every prefetch, release every non-persistent unit but ``keep`` (and
@@ -240,6 +261,12 @@ class ParameterGatherer:
         if self.phase is Pass.BACKWARD:
             for unit in self.units:
                 unit.secondary_parts = []
+            if self._pinned_backwards:
+                self._pinned_backwards -= 1
+                if not self._pinned_backwards:  # the micro-step's last slot: unpin
+                    for unit in self.units:
+                        if unit.state is UnitState.GATHERED and not unit.persistent:
+                            self._release(unit)
         self.phase = None
         self._ahead.clear()
 
@@ -493,6 +520,8 @@ class ParameterGatherer:
             self._attach(unit)
 
     def _release(self, unit: GatherUnit) -> None:
+        if self._pinned_backwards:
+            return  # pinned for the micro-step (module docstring)
         unit.expect(UnitState.GATHERED, doing="release")
         with profiler_range("free_unit"):
             self._detach(unit)

@@ -50,7 +50,7 @@ from .allreduced_gradients import drop_grad_views, land_in_buffer, restore_grad_
 from .backward_overlap import register_gradient_hooks
 from .buckets import Bucket, BucketTable, build_buckets
 from .config.zero_config import ZeroConfig
-from .grad_norm import row_sums_of_squares
+from .grad_norm import BLOCK, row_sums_of_squares
 from .grad_reducer import BucketReducer, GradBucket, ScatterReduction
 from .group_layout import GroupLayout
 from .memory.report import tensor_bytes
@@ -59,6 +59,7 @@ from .offload.masters import OffloadedMasters
 from .param_table import ParamSlot, ParamTable
 from .reduced_gradient import GroupGradient, ShardGradient, unallocated
 from .slot_rows import SlotRows
+from .uneven_shards import gather_counts
 
 
 class ReduceScatteredGradients:
@@ -131,10 +132,13 @@ class ReduceScatteredGradients:
         if slot_rows is not None and full_buffers and comm.rank == 0:
             slot_rows.in_place = True  # rank 0 adds its slots into the full buffers
         self.slot_rows = slot_rows
+        # Uneven shards (zero_core.uneven_shards) move every bucket whole and by itself.
+        uneven = any(layout.uneven for layout in layouts)
         self.reducer = BucketReducer(
             comm, list(self.buckets), dtype, config.max_buckets_in_flight, launch_order, labels,
-            chunk_numel=config.bucket_numel, overlap=overlap, remedy=remedy,
-            reduction=reduction, coalesce_numel=config.coalesce_limit, slot_rows=slot_rows,
+            chunk_numel=None if uneven else config.bucket_numel, overlap=overlap,
+            remedy=remedy, reduction=reduction,
+            coalesce_numel=0 if uneven else config.coalesce_limit, slot_rows=slot_rows,
         )  # fmt: skip
         if self.tier is not None and not self.tier.homes:
             self.tier = None  # every tile on the device (offload_fraction 0): nothing leaves
@@ -273,8 +277,11 @@ class ReduceScatteredGradients:
         if not local:
             return torch.zeros(0, device=self.comm.device)
         local_rows = torch.cat(local)
-        everyone = local_rows.new_empty(self.comm.world_size * local_rows.numel())
-        self.comm.all_gather(everyone, local_rows)
+        counts = [
+            sum(layout.shard_numel_of(r) for layout in self.layouts) // BLOCK
+            for r in range(self.comm.world_size)
+        ]
+        everyone = gather_counts(self.comm, local_rows, counts)
         return everyone[self._canonical_row_order()]
 
     def _row_pieces(self, gradients: list[GroupGradient]) -> Iterator[torch.Tensor]:

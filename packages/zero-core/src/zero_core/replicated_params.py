@@ -198,6 +198,8 @@ class ReplicatedParameters(ParametersAlwaysWhole):
         full, master = bucket.full_buffer, bucket.owned
         n, size = self.comm.world_size, master.numel()
         width = piece_numel(bucket.padded_numel, self.config.bucket_numel, n)
+        if bucket.layout.uneven:  # uneven shards move a bucket whole (uneven_shards)
+            width = max(size, 1)
         oversized = width < size
         for a in range(0, size, width):
             b = min(a + width, size)

@@ -101,7 +101,8 @@ class ShardedParameters:
             weight_codec=self.weight_codec,
             allow_fallback=self.config.allow_quantize_fallback,
             hierarchical=self.config.hierarchical_gather,
-            coalesce_numel=self.config.gather_coalesce_numel,
+            # Uneven shards gather unit by unit (zero_comm's coalesced gather is even).
+            coalesce_numel=0 if self.config.shard_weights else self.config.gather_coalesce_numel,
         )
         if self.plan.persistent is not None:
             for bucket in units[self.plan.persistent].buckets:

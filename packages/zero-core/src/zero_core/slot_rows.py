@@ -42,6 +42,7 @@ from zero_comm import Communicator, Handle
 from zero_comm.handle import CompletedWork
 
 from .config.zero_config import ZeroConfig
+from .uneven_shards import FinishingHandle, UnevenShardComm
 from .virtual_ranks import VirtualRanks
 
 
@@ -58,6 +59,9 @@ class SlotRows:
         # Rank 0 with persistent full buffers: its slots add into them (module docstring);
         # set by the gradient component that has them.
         self.in_place = False
+        # Uneven shards (shard_weights): buckets split by weight, laid out as that
+        # communicator lays them on the wire (N rows of the widest share) before reducing.
+        self.uneven: UnevenShardComm | None = None
         self._call = 0  # the k of the next collective in this slot
         self._held: list[list[torch.Tensor]] = []  # per k: the held rows (rank 0: one sum)
         self.peak_bytes = 0
@@ -165,7 +169,7 @@ class SlotRows:
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], label: str
-    ) -> Handle:
+    ) -> Handle | FinishingHandle:
         """A bucket's reduce-scatter (grad_reducer's ScatterReduction), asynchronous. When
         holding, ``output`` is not written: the reducer must not use it."""
         if not self.active:
@@ -173,24 +177,44 @@ class SlotRows:
         if self.holding:
             self._hold(input)
             return Handle(self.comm, "reduce_scatter", CompletedWork())
+        if self.uneven is not None:
+            return self._uneven_reduce_scatter(output, self._rows(input), label)
         return self.comm.reduce_scatter_rows(
             output, self._rows(input), self.row_counts, async_op=True, label=label
         )
 
-
-def unsupported_with_slots(
-    config: ZeroConfig, counts: tuple[int, ...], world_size: int
-) -> str | None:
-    """Why ``config`` cannot run with micro_batches_per_rank=``counts``, or None."""
-    if config.stage == 3 and len(set(counts)) > 1:
-        # Stage 3 gathers parameters in every forward and backward, collectives that every
-        # rank must join: a rank running fewer slots would leave the others waiting.
-        return (
-            f"stage 3 with micro_batches_per_rank={list(counts)}: stage 3 gathers parameters "
-            "in every forward and backward, and every rank must take part in each gather, so "
-            "every rank must run the same number of micro-batches; use stage 2 (or 0, 1) "
-            "for uneven counts"
+    def _uneven_reduce_scatter(
+        self, output: torch.Tensor, rows: list[torch.Tensor], label: str
+    ) -> FinishingHandle:
+        """UnevenShardComm.reduce_scatter of rows: each whole bucket laid out as N rows of
+        the widest share (zeros after each share), reduced as rows, this rank's share out."""
+        assert self.uneven is not None
+        sizes = self.uneven.sizes(rows[0].numel())
+        n, widest, dtype = len(sizes), max(sizes), rows[0].dtype
+        wires = []
+        for row in rows:
+            wire = self.comm.buffers.take(n * widest, dtype)
+            view, at = wire.view(n, widest), 0
+            for r, size in enumerate(sizes):
+                view[r, :size].copy_(row[at : at + size])
+                view[r, size:].zero_()
+                at += size
+            wires.append(wire)
+        mine = self.comm.buffers.take(widest, dtype)
+        handle = self.comm.reduce_scatter_rows(
+            mine, wires, self.row_counts, async_op=True, label=label
         )
+
+        def finish() -> None:
+            output.view(-1).copy_(mine[: output.numel()])
+            for buffer in (mine, *wires):
+                self.comm.buffers.give_back(buffer)
+
+        return FinishingHandle(handle, finish)
+
+
+def unsupported_with_slots(config: ZeroConfig, world_size: int) -> str | None:
+    """Why ``config`` cannot run with micro_batches_per_rank, or None when it can."""
     shard = config.shard_group_size
     if shard is not None and shard != world_size:
         return (

@@ -65,10 +65,15 @@ class StagePolicy:
         world_size: int,
         bucket_numel: int,
         units: list[int] | None = None,
+        weights: tuple[float, ...] | None = None,
+        rank: int = 0,
     ) -> GroupLayout:
         """The layout of one optimizer group: whole on one rank when nothing is sharded;
         else buckets of about ``bucket_numel`` elements over ``world_size`` ranks, each
-        within one fetch unit when ``units`` (one per parameter) are given."""
+        within one fetch unit when ``units`` (one per parameter) are given; ``weights``:
+        uneven shards (zero_core.uneven_shards), described for ``rank``."""
         if not self.shard_optimizer_states:
             return GroupLayout.whole(numels)
-        return GroupLayout.build(numels, world_size, bucket_numel, tags=units)
+        return GroupLayout.build(
+            numels, world_size, bucket_numel, tags=units, weights=weights, rank=rank
+        )

@@ -128,7 +128,7 @@ def resume_is_exact(comm: Communicator, folder: str) -> int:
 
 
 def virtual_ranks_are_exact(comm: Communicator, counts: list[int]) -> int:
-    """Real ranks with micro_batches_per_rank=counts at stages 0-2 equal the homogeneous
+    """Real ranks with micro_batches_per_rank=counts at stages 0-3 equal the homogeneous
     run at V = sum(counts) ranks, computed here on a simulated world of V ranks (the same
     process: the same fingerprint). Returns the number of stages checked."""
     from parity import ParityCase, assert_same_states, train
@@ -139,7 +139,7 @@ def virtual_ranks_are_exact(comm: Communicator, counts: list[int]) -> int:
     case = ParityCase(widths=(5, 33, 7), vocab=11, tie=True, dtype="bfloat16",
                       accumulation=2, clip=0.05, bucket_numel=300, steps=2)  # fmt: skip
     checked = 0
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         got = train_virtual(case, comm, stage, tuple(counts))
         reference = run_simulated(sum(counts), lambda world, s=stage: train(case, world, s))[0]
         assert_same_states(reference, got, f"stage {stage}, counts {counts}, rank {comm.rank}")

@@ -218,6 +218,13 @@ def index_shape_problem(index: Any) -> str:
             or not all(_int_lists(group, 4) for group in pieces)
         )):  # fmt: skip
             return f"ranks[{r}]['pieces'] is not one list of pieces per group"
+    weights = index.get("shard_weights")
+    if weights is not None and (
+        not isinstance(weights, list)
+        or len(weights) != len(ranks)
+        or not all(isinstance(w, int | float) and w > 0 for w in weights)
+    ):
+        return f"'shard_weights' is not one positive weight per saving rank ({len(ranks)})"
     uncovered = _uncovered_parameter(groups, ranks)
     if uncovered:
         return uncovered

@@ -87,3 +87,6 @@ class ShardedState:
     first_replica: bool = True
     loss_scaler: dict[str, float | int] = field(default_factory=dict)
     lr_scheduler: dict[str, Any] | None = None  # the scheduler's state_dict(), if any
+    # ZeroConfig.shard_weights of the saving run (None: even shards). The pieces say where
+    # every element is; this names why a rank holds more of them (zero_core.uneven_shards).
+    shard_weights: tuple[float, ...] | None = None

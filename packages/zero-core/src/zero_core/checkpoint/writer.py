@@ -230,6 +230,7 @@ def _index(
         "format": FORMAT,
         "version": VERSION,
         "world_size": comm.world_size,
+        "shard_weights": None if state.shard_weights is None else list(state.shard_weights),
         "stage": state.stage,
         "param_dtype": str(state.param_dtype).removeprefix("torch."),
         "optimizer": state.optimizer,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -26,6 +26,7 @@ from .choices import (
 from .deepspeed_translation import TRAINER_KEYS, translate_deepspeed
 from .delayed_update_rule import delayed_update_error
 from .fused_step_rule import optimizer_in_backward_error
+from .shard_weights_rule import normalise_shard_weights, shard_weights_error
 
 
 def _reduce_dtype(value: torch.dtype | str | None, param_dtype: torch.dtype) -> torch.dtype | None:
@@ -215,6 +216,12 @@ class ZeroConfig:
         t-1's gradients). Needs ``offload_optimizer`` "cpu" or "disk"; not with
         ``optimizer_in_backward``. ``save()`` waits for the update and publishes it, so a
         checkpoint holds every step taken (zero_core.delayed_update; docs/offload.md).
+    shard_weights: stages 1-3 (issue 52): one weight per data-parallel rank; each rank's
+        share of the sharded model states (float32 masters, optimizer states, gradient
+        shard, stage 3's parameter shard) is proportional to its weight, on 128-element
+        boundaries, with the same bits as even shards (zero_core.uneven_shards). The
+        collectives still move N equal chunks of the largest share. At stage 0 nothing is
+        sharded and the weights change nothing. None: even shards.
     micro_batches_per_rank: virtual ranks (zero_core.virtual_ranks): data-parallel rank i
         runs c_i = micro_batches_per_rank[i] micro-batches (backward calls) per micro-step,
         and the run equals the homogeneous one at sum(c) ranks bit for bit. A list becomes
@@ -264,9 +271,11 @@ class ZeroConfig:
     optimizer_in_backward: bool = False
     reduce_dtype: torch.dtype | None = None
     delayed_parameter_update: bool = False
+    shard_weights: tuple[float, ...] | Literal["auto"] | None = None
     micro_batches_per_rank: CountsSetting = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_weights", normalise_shard_weights(self.shard_weights))
         counts = normalise_counts("micro_batches_per_rank", self.micro_batches_per_rank)
         object.__setattr__(self, "micro_batches_per_rank", counts)
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
@@ -327,6 +336,9 @@ class ZeroConfig:
         fused = optimizer_in_backward_error(self)
         if fused:
             raise ValueError(fused)
+        uneven = shard_weights_error(self)
+        if uneven:
+            raise ValueError(uneven)
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):

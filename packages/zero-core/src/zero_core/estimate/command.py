@@ -60,6 +60,7 @@ from .model_states import (
 )
 from .offload_traffic import offload_traffic
 from .table import print_table
+from .uneven import parse_weights, per_rank_rows, print_per_rank
 from .working_set import transformer_largest, working_bytes
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -192,8 +193,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="a native (not deterministic) communicator: hybrid sharding sums the replicas "
         "once per step when accumulating (MiCS), not per micro-step",
     )  # fmt: skip
+    parser.add_argument(
+        "--shard-weights", type=parse_weights, default=None,
+        help="one weight per rank, like 2,1 (ZeroConfig.shard_weights): add each rank's "
+        "model-state bytes, its share of the sharded states following its weight",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.shard_weights is not None and len(args.shard_weights) != args.world_size:
+        parser.error(
+            f"--shard-weights has {len(args.shard_weights)} weights for --world-size "
+            f"{args.world_size}: give one per rank"
+        )
     if not 0 <= args.params < math.inf or args.world_size < 1:
         parser.error("--params must be a number >= 0 and --world-size >= 1")
     k_given = args.optimizer_state_bytes
@@ -271,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ranks_per_node is not None:
         for stage, row in rows.items():
             row.update(_link_row(args, stage, width, grad_width))
+    if args.shard_weights is not None:
+        for stage, row in rows.items():
+            row["ranks"] = per_rank_rows(
+                args, stage, lambda a, s: _row(a, s, k, width, grad_width, largest)
+            )
     if args.json:
         table = {str(s): row for s, row in rows.items()}
         if activations is not None:
@@ -280,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(table))
         return
     print_table(args, k, rows, activations)
+    if args.shard_weights is not None:
+        print_per_rank(rows)
 
 
 def _row(
