@@ -54,6 +54,7 @@ def test_virtual_ranks_print_the_losses_of_the_homogeneous_run(
     assert even.returncode == 0, even.stdout + even.stderr
     assert f"stage {stage or 2}, 2 ranks" in mixed.stdout
     assert f"stage {stage or 3}, 3 ranks" in even.stdout
+    assert "micro-batches per rank 2,1 (3 virtual ranks of 6 sequences)" in mixed.stdout
     assert losses(tmp_path / "mixed") == losses(tmp_path / "even")
     assert len(losses(tmp_path / "even")) == 3
     assert printed_losses(mixed.stdout) == printed_losses(even.stdout) != []

@@ -192,6 +192,14 @@ class Trainer:
             f"{self.run.tokens.numel():,} tokens of data, {threads}",
             flush=True,
         )
+        counts = args.micro_batches_per_rank
+        if counts is not None:
+            weights = "" if args.shard_weights is None else (
+                ", shard weights " + ",".join(f"{w:g}" for w in args.shard_weights)
+            )  # fmt: skip
+            print(f"zero-train: micro-batches per rank {','.join(map(str, counts))} "
+                  f"({sum(counts)} virtual ranks of {args.batch_size // sum(counts)} "
+                  f"sequences){weights}", flush=True)  # fmt: skip
 
     def open_metrics(self) -> TextIO:
         """Lead: OUT/metrics.jsonl opened with this segment's run record (what the bits
