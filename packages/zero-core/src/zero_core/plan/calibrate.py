@@ -23,6 +23,9 @@ comes and goes in time slices), then the mean over the processes:
                       hop, bandwidth = the bytes one rank sends ((R-1)/R of the output) /
                       (large time - small time); sync_s = what a small all_gather adds
                       between stretches of compute (the ranks' skew included: _sync_cost)
+    engine            the engine's fixed costs, the mean over the processes: per collective
+                      launch beyond the latency, per stage 3 fetch unit and pass, and a
+                      training loop's step (plan/calibrate_engine.py)
 
 Stored as JSON at $ZERO_PLAN_CALIBRATION, else $XDG_CACHE_HOME/zero/calibration.json
 (~/.cache/zero/calibration.json), with the machine's CPU count and when it was measured.
@@ -45,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .calibrate_engine import measure_engine_overheads
 from .terms import OPS_PER_BLOCK
 
 ENV_VAR = "ZERO_PLAN_CALIBRATION"
@@ -183,14 +187,22 @@ def _worker() -> None:
     torch.set_num_threads(1)
     comm = zero_comm.init("gloo", check_consistency=False)
     widths = [int(w) for w in os.environ.get("ZERO_PLAN_WIDTHS", "").split(",") if w] or WIDTHS
+    scale = float(os.environ.get("ZERO_PLAN_WINDOW", "1"))  # of every measuring window
 
     # Each measure is a mean over a window as long as a step, every rank at once (a timer
     # calling after a barrier each time measured rates about 1.5x those zero-train's steps
     # then achieved on this shared machine, and was dropped).
     comm.barrier()
-    rates = [measure_matmul(w) for w in widths]
-    residuals = [measure_block_residual(w, rate) for w, rate in zip(widths, rates, strict=True)]
-    rates += [1 / measure_op_overhead(), measure_memory_bandwidth(), measure_optimizer()]
+    rates = [measure_matmul(w, seconds=2.0 * scale) for w in widths]
+    residuals = [
+        measure_block_residual(w, rate, seconds=scale)
+        for w, rate in zip(widths, rates, strict=True)
+    ]
+    rates += [
+        1 / measure_op_overhead(seconds=0.5 * scale),
+        measure_memory_bandwidth(seconds=0.5 * scale),
+        measure_optimizer(seconds=0.5 * scale),
+    ]
     collective = {}
     for label, numel in (("small", 1024), ("large", 2**22)):
         shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
@@ -204,6 +216,11 @@ def _worker() -> None:
             gather()
         collective[label] = (time.perf_counter() - start) / calls
     collective["sync"] = _sync_cost(comm)
+    # The engine's fixed costs, charged beyond the latency this machine's plan uses.
+    hop = max(collective["small"] / (comm.world_size - 1), collective["sync"])
+    overheads = measure_engine_overheads(comm, hop, rounds=max(8, round(20 * scale)))
+    engine = torch.tensor(list(overheads.values()), dtype=torch.float64)
+    comm.all_reduce(engine, zero_comm.ReduceOp.AVG)
     mean = torch.tensor(rates + residuals, dtype=torch.float64)
     comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
     slowest = torch.tensor(
@@ -225,6 +242,7 @@ def _worker() -> None:
             "gloo": {"latency_s": latency,
                      "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9),
                      "sync_s": float(slowest[2])},
+            "engine": dict(zip(overheads, engine.tolist(), strict=True)),
         }), flush=True)  # fmt: skip
     comm.close()
 
@@ -265,16 +283,19 @@ def calibrate(
     ranks: int = 2,
     widths: Sequence[int] = WIDTHS,
     timeout: float = 300.0,
+    window: float = 1.0,
 ) -> dict[str, Any]:
     """Measure everything (module docstring) in ``ranks`` local processes at once (one
-    intra-op thread each), the matmuls at ``widths`` (fewer: quicker), store it at ``path``
+    intra-op thread each), the matmuls at ``widths`` (fewer: quicker), every measuring
+    window ``window`` times its length (shorter: quicker, noisier), store it at ``path``
     (default calibration_path()) and return it."""
     from zero_comm.launch import free_port, rank_environment
 
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: the loopback collectives need at least 2 processes")
     port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", ZERO_PLAN_WIDTHS=",".join(map(str, widths)))
+    base = dict(os.environ, OMP_NUM_THREADS="1", ZERO_PLAN_WIDTHS=",".join(map(str, widths)),
+                ZERO_PLAN_WINDOW=str(window))  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "zero_core.plan.calibrate", "--worker"],
