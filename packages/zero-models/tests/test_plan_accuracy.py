@@ -67,6 +67,8 @@ LAUNCH_CASES = [
     ("small", 3, 2, {"bucket_numel": 2**14}),
     ("small", 3, 2, {"gather_coalesce_numel": 0, "prefetch_numel": 2**16}),
     ("small", 3, 4, {"backward_head_numel": 2**16}),
+    ("small", 3, 4, {"bucket_numel": 2**15, "prefetch_numel": 0}),  # units of 2 buckets
+    ("small", 3, 2, {"bucket_numel": 2**15, "backward_head_numel": 0}),
 ]
 
 

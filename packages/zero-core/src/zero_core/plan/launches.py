@@ -14,13 +14,16 @@ formula of Ψ:
                  to the persistent unit, gathered once per step after the optimizer
     buckets      stages 1-3: StagePolicy.group_layout (GroupLayout.build; stage 3 within
                  fetch units), stage 0: allreduced_gradients' chunks of ``bucket_numel``
-    reductions   grad_reducer: buckets in reverse order, consecutive ones coalesced up to
+    reductions   grad_reducer: buckets in reverse order (stage 3: unit by unit, the last
+                 unit first, the persistent one last), consecutive ones coalesced up to
                  ZeroConfig.coalesce_limit (coalescing.coalesced_groups); an oversized
                  bucket alone, in pieces of group_layout.piece_numel
     gathers      param_gatherer: per pass the first unit by itself, then each prefetch
                  starts the units ahead within ``prefetch_numel`` (and ``max_live_numel``),
-                 coalesced up to ``gather_coalesce_numel``; backward starts with its head
-                 (the units forward kept) gathered
+                 coalesced up to ``gather_coalesce_numel``; a unit gathered alone takes an
+                 all-gather per bucket; forward demands the units in registration order,
+                 backward wte's (the tied head's) and then the others from the last;
+                 backward starts with its head (the units forward kept) gathered
     after step   stages 1-3: the gradient checks' all-reduce and all-gather (non-finite
                  flag, norm); stages 1-2 publish every bucket (pieces if oversized);
                  stage 3 re-gathers the persistent unit
@@ -105,6 +108,10 @@ def _count(
     padded = [b.layout.padded_numel for b in layout.buckets]
     pieces = [_pieces(p, bucket_numel, group) for p in padded]
     order = list(range(len(padded) - 1, -1, -1))
+    if tags is not None:  # sharded_params.reduce_order: units last first, the persistent last
+        by_unit = sorted(range(len(units)), key=lambda u: (units[u][1], -u))
+        order = [b for u in by_unit for b, bucket in enumerate(layout.buckets)
+                 if tags[bucket.param_indices[0]] == u]  # fmt: skip
     alone = [k > 1 for k in pieces]
     limit = min(coalesce_numel, bucket_numel)
     reductions = sum(
@@ -112,10 +119,16 @@ def _count(
     )
     if stage in (1, 2):
         return Launches(0, 0, reductions, CHECK_LAUNCHES + sum(pieces), 0)
-    sharded = [n for n, persistent in units if not persistent]
+    assert tags is not None
+    per_unit = [0] * len(units)  # buckets of each unit: a unit gathered alone, one each
+    for bucket in layout.buckets:
+        per_unit[tags[bucket.param_indices[0]]] += 1
+    sharded = [(n, per_unit[u]) for u, (n, persistent) in enumerate(units) if not persistent]
     forward = _pass_gathers(sharded, set(), prefetch_numel, gather_coalesce_numel)
-    backward_order = sharded[::-1]
-    kept = _head(backward_order, head_numel) if keep_head else set()
+    # Backward starts at the tied head (lm_head: wte's unit, the first), then the blocks
+    # from the last, down to wpe.
+    backward_order = sharded[:1] + sharded[:0:-1]
+    kept = _head([n for n, _ in backward_order], head_numel) if keep_head else set()
     backward = _pass_gathers(backward_order, kept, prefetch_numel, gather_coalesce_numel)
     persistent = int(any(p for _, p in units))
     return Launches(forward, backward, reductions, CHECK_LAUNCHES + persistent, len(sharded))
@@ -183,38 +196,40 @@ def _head(order: list[int], head_numel: int) -> set[int]:
     return kept
 
 
-def _pass_gathers(order: list[int], kept: set[int], prefetch: int, coalesce: int) -> int:
-    """All-gathers of one pass over units of ``order`` elements (param_gatherer's
-    prefetching): a unit not started when demanded is gathered by itself; after each
-    demand the units ahead start while they fit ``prefetch`` elements ahead (and
-    MAX_LIVE_NUMEL gathered), coalesced up to ``coalesce``. ``kept``: positions already
-    gathered (backward's head), counted as ahead."""
+def _pass_gathers(
+    order: list[tuple[int, int]], kept: set[int], prefetch: int, coalesce: int
+) -> int:
+    """All-gathers of one pass over units of ``order`` (elements, buckets), as
+    param_gatherer prefetches: a unit not started when demanded is gathered by itself, an
+    all-gather per bucket; after each demand the units ahead start while they fit
+    ``prefetch`` elements ahead (and MAX_LIVE_NUMEL gathered), in runs of up to
+    ``coalesce`` elements, one all-gather a run (a run of one unit: one a bucket).
+    ``kept``: positions already gathered (backward's head), counted as ahead."""
     started = set(kept)
-    ahead = sum(order[p] for p in kept)
+    ahead = sum(order[p][0] for p in kept)
     live = ahead
     launches = 0
-    for position, numel in enumerate(order):
+    for position, (numel, buckets) in enumerate(order):
         if position not in started:
             started.add(position)
-            launches += 1
+            launches += buckets
             live += numel
         else:
             ahead -= numel
         if prefetch > 0:
             batch: list[int] = []
             for nxt in range(position + 1, len(order)):
+                size = order[nxt][0]
                 if nxt in started:
                     continue
-                if ahead + order[nxt] > prefetch or live + order[nxt] > MAX_LIVE_NUMEL:
+                if ahead + size > prefetch or live + size > MAX_LIVE_NUMEL:
                     break
                 batch.append(nxt)
                 started.add(nxt)
-                ahead += order[nxt]
-                live += order[nxt]
-            sizes = [order[p] for p in batch]
-            if batch:
-                groups = coalesced_groups(range(len(batch)), sizes, [False] * len(batch),
-                                          coalesce)  # fmt: skip
-                launches += len(groups)
+                ahead += size
+                live += size
+            sizes = [order[p][0] for p in batch]
+            runs = coalesced_groups(range(len(batch)), sizes, [False] * len(batch), coalesce)
+            launches += sum(order[batch[r[0]]][1] if len(r) == 1 else 1 for r in runs)
         live -= numel  # released after its use (the kept head is gone by backward's end)
     return launches
