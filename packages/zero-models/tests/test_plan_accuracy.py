@@ -11,6 +11,11 @@ prediction is the mean of theirs. The measured step is the median of zero-train'
 (the slowest rank's) over the steps after the first two (warm-up). The tolerance, 30%, is
 the issue's. Also, the mirror of zero-train's GPT presets in zero_core.plan.workload
 equals zero_models.gpt's, and plan/launches.py counts the collectives the engine launches.
+
+The step-time cases are in the slow session (nox -s slow), not the default run: the six
+calibrations and five zero-train runs take 1.5-4 minutes on the shared 2-core machine
+(past the default run's budget), and at load 4-8 the calibration and the run disagree by
+up to 2x in either direction (docs/plan.md, "Validation on this machine").
 """
 
 from __future__ import annotations
@@ -182,6 +187,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[float, 
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_step_time_is_predicted(name: str, results: dict[str, tuple[float, float, str]]) -> None:
     measured, predicted, line = results[name]

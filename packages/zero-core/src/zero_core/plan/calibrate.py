@@ -3,8 +3,9 @@
 What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
 --nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
 cores as ranks, so that the machine's other load weighs on the measure as on a run; each
-the mean time of calls over a window of 0.5-2 s (a step's length: a shared machine's load
-comes and goes in time slices), then the mean over the processes:
+over a window of 0.5-2 s, the median over chunks of 0.1 s (a small model's step: a shared
+machine's load comes and goes in time slices) of the mean time of a call within the chunk
+(_mean_time), then the mean over the processes:
 
     matmul_flops      FLOP/s of a transformer block's matmuls, n = 1024 tokens at widths
                       64 ... 1024: (n x C)(C x 3C), (n x C)(C x C), (n x C)(C x 4C),
@@ -38,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +56,7 @@ from .terms import OPS_PER_BLOCK
 ENV_VAR = "ZERO_PLAN_CALIBRATION"
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 1024
+CHUNK_S = 0.1  # the chunks _mean_time takes the median over: about a small model's step
 
 
 def calibration_path() -> Path:
@@ -75,19 +78,29 @@ def load_calibration(path: Path | None = None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and "matmul_flops" in data else None
 
 
-def _mean_time(fn: Callable[[], object], seconds: float, warmup: int = 2) -> float:
-    """Mean time of ``fn`` over calls repeated for at least ``seconds``: a mean over a
-    window as long as a training step, since a shared machine's load comes and goes in
-    time slices of milliseconds, which a median of short calls would step between."""
+def _mean_time(
+    fn: Callable[[], object], seconds: float, warmup: int = 2, chunk: float = CHUNK_S
+) -> float:
+    """Time of one call of ``fn``, over calls repeated for at least ``seconds``: the median
+    over chunks of at least ``chunk`` seconds (a training step's length) of the chunk's mean
+    time per call. A mean within a step-long chunk, since a shared machine's load comes and
+    goes in time slices of milliseconds, which a median of short calls would step between;
+    the median over chunks, as the accuracy test takes the median step, so that a burst of
+    another process's work that stalls one chunk moves neither."""
     for _ in range(warmup):
         fn()
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return elapsed / calls
+    means: list[float] = []
+    start = time.perf_counter()
+    while not means or time.perf_counter() - start < seconds:
+        calls, begun = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - begun
+            if elapsed >= chunk:
+                means.append(elapsed / calls)
+                break
+    return statistics.median(means)
 
 
 Timer = Callable[[Callable[[], object], float], float]
