@@ -188,6 +188,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[float, 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's 6 calibrations and 5 runs: 5 min at load 8 here
 @pytest.mark.parametrize("name", list(CASES))
 def test_step_time_is_predicted(name: str, results: dict[str, tuple[float, float, str]]) -> None:
     measured, predicted, line = results[name]
