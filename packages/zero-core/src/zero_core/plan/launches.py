@@ -112,7 +112,11 @@ def _count(
         by_unit = sorted(range(len(units)), key=lambda u: (units[u][1], -u))
         order = [b for u in by_unit for b, bucket in enumerate(layout.buckets)
                  if tags[bucket.param_indices[0]] == u]  # fmt: skip
-    alone = [k > 1 for k in pieces]
+    # grad_reducer._oversized: a bucket of several parameters goes whole (only alignment
+    # padding can take it past bucket_numel); publishing cuts it all the same.
+    alone = [
+        k > 1 and len(b.param_indices) == 1 for k, b in zip(pieces, layout.buckets, strict=True)
+    ]
     limit = min(coalesce_numel, bucket_numel)
     reductions = sum(
         pieces[g[0]] if alone[g[0]] else 1 for g in coalesced_groups(order, padded, alone, limit)
