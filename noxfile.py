@@ -14,6 +14,7 @@
     nox -s bench_comm    deterministic vs native collectives, bus bandwidth
     nox -s bench         our stages vs DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed (~3 h)
     nox -s bench_offload the largest model under a memory cap with offload, swap I/O (~50 min)
+    nox -s bench_hetero  mixed hardware: a 2:1 speed mix, counts 8,4 vs 6,6 vs auto (~5 min)
     nox -s deepspeed     DeepSpeed-shaped scripts under real DeepSpeed and zero_core.deepspeed
 
 Run it as ./nox (nox in an environment of its own, so a PEP 668 system Python works too).
@@ -391,6 +392,19 @@ def bench(session: nox.Session) -> None:
                 env={"DS_BUILD_OPS": "0"}, success_codes=[0, 1])  # fmt: skip
     session.run("python", "-m", "tools.peers.bench", "--all", *session.posargs,
                 env={"DS_ACCELERATOR": "cpu"})  # fmt: skip
+
+
+@nox.session
+def bench_hetero(session: nox.Session) -> None:
+    """Mixed hardware (issue 52) measured: a 2:1 speed mix on two ranks (micro-batches
+    padded to 0.2 s and 0.4 s), the default GPT with 12 micro-batches per step, counts 8,4
+    against the even split 6,6 and the ideal, and auto's predicted step time against the
+    measured one (docs/mixed-hardware.md). About 5 minutes.
+    Extra arguments go to tools/hetero/bench.py: nox -s bench_hetero -- --mode quota
+    """
+    _install(session)
+    session.run("python", "-m", "tools.hetero.bench", "--json",
+                "docs/benchmarks/mixed-hardware.json", *session.posargs)  # fmt: skip
 
 
 @nox.session

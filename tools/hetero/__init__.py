@@ -1,0 +1,1 @@
+"""Mixed hardware measured: speed-weighted micro-batches and memory-weighted shards."""

@@ -13,10 +13,19 @@ A global batch of ``global_batch`` sequences is drawn at offsets that depend onl
                                   rank 0        | rank 1
 
 so ranks read disjoint parts, and the run does not depend on how it was launched.
+
+With micro-batch slots per rank (``counts``, zero-train's --micro-batches-per-rank), the
+global batch is split over the V = sum(counts) virtual ranks instead, and rank i's slot s
+takes virtual rank o_i + s's rows (o_i = counts[0] + ... + counts[i-1]), exactly the rows
+that rank of a homogeneous run at V ranks reads:
+
+    counts (2, 1), B = 6:  rows 0-1 | rows 2-3 | rows 4-5
+                           rank 0 slot 0 | rank 0 slot 1 | rank 1 slot 0
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -84,7 +93,8 @@ class Batch(NamedTuple):
 
 
 class BatchSampler:
-    """Deterministic global batches, split across data-parallel ranks."""
+    """Deterministic global batches, split across data-parallel ranks (or, with
+    ``counts``, across the virtual ranks of the module docstring)."""
 
     def __init__(
         self,
@@ -95,27 +105,48 @@ class BatchSampler:
         dp_rank: int,
         dp_size: int,
         seed: int = 0,
+        counts: Sequence[int] | None = None,
     ) -> None:
-        if global_batch % dp_size:
+        counts = tuple(counts) if counts is not None else (1,) * dp_size
+        if len(counts) != dp_size or min(counts) < 1:
             raise ValueError(
-                f"global batch {global_batch} does not split over {dp_size} data-parallel ranks; "
-                f"use a multiple of {dp_size}"
+                f"micro-batches per rank {counts}: give one count >= 1 for each of the "
+                f"{dp_size} data-parallel ranks"
+            )
+        virtual = sum(counts)
+        if global_batch % virtual:
+            where = "data-parallel" if virtual == dp_size else "virtual"
+            raise ValueError(
+                f"global batch {global_batch} does not split over {virtual} {where} ranks; "
+                f"use a multiple of {virtual}"
             )
         if tokens.numel() < context + 2:
             raise ValueError(f"the data has {tokens.numel()} tokens; need more than {context + 1}")
         self.tokens = tokens
         self.context = context
         self.global_batch = global_batch
-        self.rows = range(
-            dp_rank * global_batch // dp_size, (dp_rank + 1) * global_batch // dp_size
+        first = sum(counts[:dp_rank])
+        per_slot = global_batch // virtual
+        # Slot s of this rank: virtual rank first + s's rows.
+        self.slot_rows = tuple(
+            range((first + s) * per_slot, (first + s + 1) * per_slot)
+            for s in range(counts[dp_rank])
         )
+        self.rows = range(self.slot_rows[0].start, self.slot_rows[-1].stop)
         self.seed = seed
 
-    def batch(self, step: int, micro_step: int = 0) -> Batch:
+    @property
+    def slots(self) -> int:
+        """This rank's micro-batch slots per micro-step (1 without ``counts``)."""
+        return len(self.slot_rows)
+
+    def batch(self, step: int, micro_step: int = 0, slot: int = 0) -> Batch:
+        """Slot ``slot``'s sequences of micro-step ``micro_step`` of step ``step``."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro_step)
         limit = self.tokens.numel() - self.context - 1
         offsets = torch.randint(0, limit, (self.global_batch,), generator=generator, device="cpu")
-        mine = offsets[self.rows.start : self.rows.stop]
+        rows = self.slot_rows[slot]
+        mine = offsets[rows.start : rows.stop]
         index = mine[:, None] + torch.arange(self.context + 1, device="cpu")  # (b, T + 1)
         window = self.tokens[index].to(torch.int64)
         return Batch(window[:, :-1], window[:, 1:])

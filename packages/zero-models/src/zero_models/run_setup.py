@@ -13,6 +13,7 @@ that runs out of memory building the model or the engine ends with one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -28,6 +29,9 @@ from zero_core.zero_r.activation_checkpoint import ActivationCheckpointing
 from .checkpoint_plan import checkpoint_gpt_blocks
 from .data import UINT16_SUFFIXES, BatchSampler, load_tokens
 from .gpt import GPT, GPTConfig
+from .hetero_emulation import SlotPadding
+from .hetero_options import AUTO
+from .hetero_profile import PROFILE_SLOTS, AutoChoice, resolve_auto
 from .out_of_memory import (
     Footprint,
     Placement,
@@ -54,6 +58,8 @@ class Run(NamedTuple):
     tracker: zero_core.MemoryTracker
     checkpointing: ActivationCheckpointing | None
     footprint: Footprint  # what zero-estimate predicts, for a rank out of memory
+    padding: SlotPadding  # --emulate-micro-batch-seconds (a no-op without)
+    auto: AutoChoice | None  # what --micro-batches-per-rank/--shard-weights auto chose
 
     def close(self) -> None:
         """Close every communicator of this rank, the world last."""
@@ -83,6 +89,54 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
     if args.data is None or tokens.max() < 256:
         config = config.with_overrides(vocab_size=max(config.vocab_size, 256))
     setup = getattr(args, "deepspeed_setup", None)
+    emulated = args.emulate_micro_batch_seconds
+    padding = SlotPadding(None if emulated is None else emulated[mesh.dp.rank])
+
+    def make_engine(
+        zero_config: zero_core.ZeroConfig,
+    ) -> tuple[zero_core.Engine, ActivationCheckpointing | None]:
+        """A fresh GPT of the seed, behind an engine of ``zero_config``."""
+        model, init_values, model_parallel = build_model(args, config, world, mesh)
+        checkpointing = checkpoint_gpt_blocks(
+            model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
+        )
+        own_optimizer = setup is None or setup.optimizer is None
+        optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+            if own_optimizer
+            else None
+        )
+        # A --deepspeed config's engine, with what the flags add to it (run_zero_config).
+        engine_config = (
+            zero_config if setup is None else dataclasses.replace(setup, zero=zero_config)
+        )
+        engine = zero_core.initialize(
+            model, optimizer, engine_config, mesh.dp, model_parallel=model_parallel,
+            init_values=init_values,
+        )  # fmt: skip
+        return engine, checkpointing
+
+    def profile_engine(counts: tuple[int, ...]) -> zero_core.Engine:
+        """The engine 'auto' measures on: the run's, with ``counts`` and no accumulation."""
+        return make_engine(profile_config(args, counts))[0]
+
+    auto = None
+    if AUTO in (args.micro_batches_per_rank, args.shard_weights):
+        profiled = run_footprint(
+            args, config, world.world_size, mesh.dp.world_size, world.device,
+            profile_config(args, (PROFILE_SLOTS,) * mesh.dp.world_size),
+        )  # fmt: skip
+        with stop_in_one_line(
+            world.rank, lambda: "the profile of auto", profiled, signalled=signalled, world=world
+        ):  # fmt: skip
+            auto = resolve_auto(
+                args, profile_engine, tokens, config, mesh.dp, world.device, padding
+            )
+    # The ranks' choice replaces 'auto' (only 'auto') before the engine sees it.
+    if auto is not None and args.micro_batches_per_rank == AUTO:
+        args.micro_batches_per_rank = auto.counts
+    if auto is not None and args.shard_weights == AUTO:
+        args.shard_weights = auto.shard_weights
     zero_config = run_zero_config(args)
     footprint = run_footprint(
         args, config, world.world_size, mesh.dp.world_size, world.device, zero_config
@@ -91,30 +145,36 @@ def build_run(args: argparse.Namespace, signalled: Callable[[], bool] = lambda: 
         world.rank, lambda: "the build", footprint, signalled=signalled, world=world,
         before=lambda: remove_swap_folders(zero_config.offload_dir),
     ):  # fmt: skip
-        model, init_values, model_parallel = build_model(args, config, world, mesh)
-        checkpointing = checkpoint_gpt_blocks(
-            model, args.checkpoint, mesh.tp, offload=args.offload_checkpoints
-        )
-        own_optimizer = setup is None or setup.optimizer is None
-        engine = zero_core.initialize(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-            if own_optimizer
-            else None,
-            setup or zero_config,
-            mesh.dp,
-            model_parallel=model_parallel,
-            init_values=init_values,
+        engine, checkpointing = make_engine(zero_config)
+    counts = args.micro_batches_per_rank
+    engine_counts = getattr(engine, "virtual_ranks", None)
+    if counts is not None and engine_counts is not None and engine_counts.counts != counts:
+        raise RuntimeError(
+            f"[rank {world.rank}] the engine runs micro-batches per rank "
+            f"{engine_counts.counts}, the sampler was given {counts}: a zero-train bug"
         )
     sampler = BatchSampler(
         tokens, context=config.context, global_batch=args.batch_size,
-        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed,
+        dp_rank=mesh.dp.rank, dp_size=mesh.dp.world_size, seed=args.seed, counts=counts,
     )  # fmt: skip
     tracker = zero_core.MemoryTracker(world.device)
     return Run(
         world, metrics_comm, mesh, config, tokens, engine, sampler, tracker, checkpointing,
-        footprint,
+        footprint, padding, auto,
     )  # fmt: skip
+
+
+def profile_config(args: argparse.Namespace, counts: tuple[int, ...]) -> zero_core.ZeroConfig:
+    """The run's engine configuration with ``counts`` slots per rank, one micro-step per
+    step, and even shards: what 'auto' profiles on (hetero_profile)."""
+    changes: dict[str, object] = {
+        "micro_batches_per_rank": counts,
+        "gradient_accumulation_steps": 1,
+    }
+    if args.shard_weights is not None:
+        changes["shard_weights"] = None
+    base = run_zero_config(args)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 def run_footprint(
@@ -140,7 +200,8 @@ def footprint_of(
 ) -> Footprint:
     """:func:`run_footprint`'s figures, for a rank or, before the launch, for any."""
     dtype = {dtype: name for name, dtype in DTYPES.items()}[zero_config.param_dtype]
-    tokens = args.batch_size // dp_size * config.context  # one micro-step's
+    # One micro-batch slot's (B / V; V = dp_size without --micro-batches-per-rank).
+    tokens = args.batch_size // getattr(args, "virtual_total", dp_size) * config.context
     placement = Placement(
         zero_config.stage, args.checkpoint, zero_config.offload_optimizer,
         zero_config.offload_params,

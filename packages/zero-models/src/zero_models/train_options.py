@@ -33,6 +33,15 @@ from zero_core.hybrid_sharding import hierarchy_sizes
 from .checkpoint_plan import CHECKPOINT_MODES
 from .data import UINT16_SUFFIXES, load_tokens, token_count
 from .gpt import PRESETS, GPTConfig
+from .hetero_options import (
+    LIST_OPTIONS,
+    add_hetero_options,
+    check_deepspeed_stage,
+    hetero_settings,
+    list_flag,
+    resolve_virtual_ranks,
+    with_hetero,
+)
 from .run_lock import busy_message, holder_of, owns_the_run
 from .run_tensorboard import INSTALL_HINT as TENSORBOARD_HINT
 from .run_tensorboard import tensorboard_available
@@ -163,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
         "--grad-accum of them)",
     )  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    add_hetero_options(p)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (0: off)")
@@ -262,6 +272,11 @@ def config_flags(p: argparse.ArgumentParser, path: Path) -> list[str]:
             continue
         if key == "config":
             p.error(f"--config {path}: a config cannot name another config (key 'config')")
+        if key in LIST_OPTIONS and isinstance(value, list):
+            try:
+                value = list_flag(key, value)
+            except ValueError as exc:
+                p.error(f"--config {path}: {exc}")
         if not isinstance(value, str | int | float) or isinstance(value, bool):
             p.error(f"--config {path}: {key}={value!r} must be a number or text")
         flags += [option.option_strings[0], str(value)]
@@ -328,6 +343,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "offload_gradients": args.offload_gradients,
         "offload_dir": None if args.offload_dir is None else str(args.offload_dir),
         **hierarchy_settings(args),
+        **hetero_settings(args),
         **(fused if args.optimizer_in_backward else {}),
         "delayed_parameter_update": args.delayed_parameter_update,
     }
@@ -339,7 +355,7 @@ def run_zero_config(args: argparse.Namespace) -> zero_core.ZeroConfig:
     setup = getattr(args, "deepspeed_setup", None)
     if setup is None:
         return zero_core.ZeroConfig(**engine_settings(args))
-    return with_delayed_update(args, setup.zero)
+    return with_hetero(args, with_delayed_update(args, setup.zero))
 
 
 def with_delayed_update(
@@ -497,16 +513,20 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
             )
         data_parallel = world // args.tp
         check_hierarchy(args, data_parallel)
-        if args.batch_size % data_parallel:
-            raise ValueError(
-                f"--batch-size {args.batch_size} does not split over {data_parallel} "
-                f"data-parallel ranks; use a multiple of {data_parallel} (e.g. --batch-size "
-                f"{-(-args.batch_size // data_parallel) * data_parallel}) or another --nproc"
-            )
+        virtual = resolve_virtual_ranks(args, data_parallel)
         check_tp_degree(config.heads, config.width, max(config.vocab_size, 256), args.tp)
         if args.deepspeed is not None:
-            apply_deepspeed(args, data_parallel)
+            apply_deepspeed(args, virtual)
             check_hierarchy(args, data_parallel)
+            check_deepspeed_stage(args)
+        hetero = hetero_settings(args)
+        if hetero and args.deepspeed is None:
+            try:
+                zero_core.ZeroConfig(**engine_settings(args))
+            except ValueError as exc:
+                raise ValueError(f"--micro-batches-per-rank/--shard-weights: {exc}") from None
+        elif hetero:
+            run_zero_config(args)
     except (ValueError, OSError) as exc:
         p.error(str(exc))
     try:  # last: every check passed; the ranks would make it, and fail in a traceback each
@@ -558,12 +578,14 @@ def given_options(argv: Sequence[str]) -> set[str]:
     return set(vars(bare.parse_args(list(argv))))
 
 
-def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
-    """Read --deepspeed for ``data_parallel`` ranks (its "auto" values from the flags) and
+def apply_deepspeed(args: argparse.Namespace, virtual: int) -> None:
+    """Read --deepspeed for ``virtual`` data-parallel ranks (its "auto" values from the flags) and
     let it set stage, precision, batch, accumulation and clipping; the engine builds the
-    config's optimizer and scheduler (``args.deepspeed_setup``). Raises ValueError."""
+    config's optimizer and scheduler (``args.deepspeed_setup``). With
+    --micro-batches-per-rank a DeepSpeed "GPU" is one virtual rank (one micro-batch slot);
+    without, ``virtual`` is the data-parallel size. Raises ValueError."""
     flags = {
-        "train_micro_batch_size_per_gpu": args.batch_size // data_parallel,
+        "train_micro_batch_size_per_gpu": args.batch_size // virtual,
         "gradient_accumulation_steps": args.grad_accum,
         "train_batch_size": args.batch_size * args.grad_accum,
         "bf16.enabled": args.dtype == "bf16", "fp16.enabled": args.dtype == "fp16",
@@ -574,7 +596,7 @@ def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
         "scheduler.params.warmup_num_steps": max(args.warmup, 2),
         "scheduler.params.total_num_steps": args.steps,
     }  # fmt: skip
-    setup = zero_core.read_deepspeed(args.deepspeed, world_size=data_parallel, auto=flags)
+    setup = zero_core.read_deepspeed(args.deepspeed, world_size=virtual, auto=flags)
     zero = setup.zero
     if zero.offload_dir is not None and "disk" in (zero.offload_optimizer, zero.offload_params):
         # The check --offload-dir gets; a missing folder is refused, not created (a typo
@@ -591,7 +613,7 @@ def apply_deepspeed(args: argparse.Namespace, data_parallel: int) -> None:
         "clip": zero.clip_grad_norm or 0.0,
     }
     if setup.micro_batch_size is not None:
-        ruled["batch_size"] = setup.micro_batch_size * data_parallel
+        ruled["batch_size"] = setup.micro_batch_size * virtual
     if setup.optimizer is not None:
         ruled["lr"] = setup.optimizer[1].get("lr", args.lr)
     # A flag given on the command line (or in --config) that the DeepSpeed config rules

@@ -35,6 +35,7 @@ import zero_core
 from zero_comm.launcher_env import detect_launch_env
 from zero_core.memory.proc_status import process_status_kib
 
+from .hetero_profile import prediction_check, warn_overruns
 from .out_of_memory import stop_in_one_line
 from .phase_memory import phase_record, phase_table
 from .run_metrics import corpus_digest, open_metrics
@@ -119,6 +120,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.memory_mib: float | None = None  # this step's, where read before its update
+        self.slot_losses: list[float] = []  # this step's mean loss per micro-batch slot
         self.preemption = PreemptionFlag(args.preempt_signals)
         threads, threads_from = threads_per_rank(args.threads, detect_launch_env().local_world_size)
         torch.set_num_threads(threads)
@@ -128,6 +130,7 @@ class Trainer:
         self.end_step: int = args.steps if args.stop_after is None else args.stop_after
         self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
         self.history: list[tuple[int, float]] = []
+        self.step_seconds: list[float] = []  # lead: each step's slowest rank's seconds
         self.metrics: TextIO | None = None
         self.tensorboard: TensorBoardLog | None = None
         self.progress: tqdm[None] | None = None
@@ -189,15 +192,40 @@ class Trainer:
             f"{self.run.tokens.numel():,} tokens of data, {threads}",
             flush=True,
         )
+        counts = args.micro_batches_per_rank
+        if counts is not None:
+            weights = "" if args.shard_weights is None else (
+                ", shard weights " + ",".join(f"{w:g}" for w in args.shard_weights)
+            )  # fmt: skip
+            print(f"zero-train: micro-batches per rank {','.join(map(str, counts))} "
+                  f"({sum(counts)} virtual ranks of {args.batch_size // sum(counts)} "
+                  f"sequences){weights}", flush=True)  # fmt: skip
 
     def open_metrics(self) -> TextIO:
         """Lead: OUT/metrics.jsonl opened with this segment's run record (what the bits
         depend on) as its first line; appended to when the run was resumed."""
         run_record = {"fingerprint": self.engine.fingerprint().to_json(),
                       "corpus": corpus_digest(self.run.tokens), "first_step": self.first_step,
-                      "argv": sys.argv[1:]}  # fmt: skip
+                      "argv": sys.argv[1:], **self.hetero_record()}  # fmt: skip
         path = self.args.out / "metrics.jsonl"
         return open_metrics(path, run_record, append=self.first_step > 0)
+
+    def hetero_record(self) -> dict[str, object]:
+        """The run record's mixed-hardware part (empty for a homogeneous run): the counts
+        and weights trained with, and what 'auto' measured and predicted."""
+        args, auto = self.args, self.run.auto
+        record: dict[str, object] = {}
+        if args.micro_batches_per_rank is not None:
+            record["micro_batches_per_rank"] = list(args.micro_batches_per_rank)
+        if args.shard_weights is not None:
+            record["shard_weights"] = list(args.shard_weights)
+        if auto is not None:
+            record["auto"] = {
+                "predicted_step_s": auto.predicted_step_seconds,
+                "even_split_step_s": auto.even_step_seconds,
+                "profiles": [p._asdict() for p in auto.profiles],
+            }
+        return record
 
     def fit(self) -> None:
         """Train steps ``first_step`` to ``end_step - 1`` (with --save-every, saving
@@ -267,28 +295,18 @@ class Trainer:
         the global gradient norm before clipping, where known (None without clipping, which
         alone computes it, and when a non-finite gradient skipped the update)."""
         args, engine, tracker = self.args, self.engine, self.run.tracker
-        device = self.run.world.device
         if own_schedule(args):
             for group in engine.optimizer.param_groups:
                 group["lr"] = learning_rate(step, args)
-        total, applied = 0.0, False
+        applied = False
+        # Each slot's mean loss over the micro-steps (one slot without
+        # --micro-batches-per-rank): what its virtual rank would report at V ranks.
+        self.slot_losses = [0.0] * self.run.sampler.slots
         for micro in range(args.grad_accum):
-            inputs, targets = (t.to(device) for t in self.run.sampler.batch(step, micro))
-            self.phase = f"the forward of step {step + 1}"
-            with tracker.phase("forward"):
-                logits = engine(inputs)
-                if args.tp > 1:
-                    loss = vocab_parallel_cross_entropy(logits, targets, self.run.mesh.tp)
-                else:
-                    loss = F.cross_entropy(
-                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-                    )
-                del logits  # the loss's graph keeps what backward needs
-            self.phase = f"the backward of step {step + 1}"
-            with tracker.phase("backward"):
-                engine.backward(loss)
-            total += loss.item() / args.grad_accum
-            del loss
+            for slot in range(self.run.sampler.slots):
+                with self.run.padding:  # --emulate-micro-batch-seconds; else nothing
+                    loss = self.forward_backward(step, micro, slot)
+                self.slot_losses[slot] += loss / args.grad_accum
             self.phase = f"the optimizer step of step {step + 1}"
             if micro == args.grad_accum - 1:
                 # With the delayed update, memory_report waits for the update in flight:
@@ -298,14 +316,53 @@ class Trainer:
                 self.memory_mib = engine.memory_report().total / 2**20 if delayed else None
             with tracker.phase("step"):
                 applied = engine.step()  # True at the last micro-batch, unless skipped
-        return total, engine.last_grad_norm if applied else None
+        return self.slot_losses[0], engine.last_grad_norm if applied else None
+
+    def forward_backward(self, step: int, micro: int, slot: int) -> float:
+        """Forward and backward of slot ``slot`` of micro-step ``micro`` (the data of its
+        virtual rank, see data.py); its loss."""
+        args, engine, tracker = self.args, self.engine, self.run.tracker
+        batch = self.run.sampler.batch(step, micro, slot)
+        inputs, targets = (t.to(self.run.world.device) for t in batch)
+        self.phase = f"the forward of step {step + 1}"
+        with tracker.phase("forward"):
+            logits = engine(inputs)
+            if args.tp > 1:
+                loss = vocab_parallel_cross_entropy(logits, targets, self.run.mesh.tp)
+            else:
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+            del logits  # the loss's graph keeps what backward needs
+        self.phase = f"the backward of step {step + 1}"
+        with tracker.phase("backward"):
+            engine.backward(loss)
+        return float(loss.item())
 
     def agree(self, loss: float) -> tuple[float, bool]:
         """Collective: (the mean of every rank's ``loss``, whether any rank's preemption
-        flag is set); every rank gets the same pair."""
-        flags = [loss, float(self.preemption.received is not None)]
-        mean = torch.tensor(flags, device=self.run.metrics_comm.device)
-        self.run.metrics_comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+        flag is set); every rank gets the same pair.
+
+        With --micro-batches-per-rank the mean is over the V virtual ranks' slot losses
+        (``self.slot_losses``), summed in virtual-rank order and divided by V in float32:
+        the bits the homogeneous run at V ranks gets from its AVG all-reduce."""
+        comm = self.run.metrics_comm
+        signalled = float(self.preemption.received is not None)
+        counts = self.args.micro_batches_per_rank
+        if counts is None:
+            mean = torch.tensor([loss, signalled], device=comm.device)
+            comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
+            return float(mean[0].item()), bool(mean[1] > 0)
+        rows = torch.tensor(
+            [
+                [slot_loss, signalled if s == 0 else 0.0]
+                for s, slot_loss in enumerate(self.slot_losses)
+            ],
+            device=comm.device,
+        )  # fmt: skip  (c_rank, 2), float32 as the homogeneous run's tensor
+        mean = rows.new_empty(2)
+        comm.all_reduce_rows(mean, rows, counts, zero_comm.ReduceOp.SUM)
+        mean.div_(sum(counts))
         return float(mean[0].item()), bool(mean[1] > 0)
 
     def gather_rank_stats(self, step_s: float, links: list[Fraction]) -> torch.Tensor:
@@ -359,6 +416,7 @@ class Trainer:
         rate = self.tokens_per_step * (step + 1 - self.first_step) / elapsed
         self.history.append((step, loss))
         table = per_rank.view(-1, RANK_STATS)
+        self.step_seconds.append(float(table[:, 1].max()))
         record = {"step": step, "loss": loss, "lr": lr,
                   "tokens_per_s": round(rate, 1), "elapsed_s": round(elapsed, 2),
                   "step_s": round(float(table[:, 1].max()), 5),
@@ -411,10 +469,14 @@ class Trainer:
         """Collective, after the last step: the report, each rank's peak memory per phase
         of the last step (the lead prints the table), then the communicators close."""
         args, run = self.args, self.run
+        warn_overruns(run.padding, run.world.rank)
         report(args, self.engine, run.metrics_comm, run.mesh.tp, self.history, self.lead)
         phases = run.metrics_comm.all_gather_object(phase_record(run.tracker, run.checkpointing))
         if self.lead:
-            micro_tokens = args.batch_size // run.mesh.dp.world_size * run.config.context
+            virtual = getattr(args, "virtual_total", run.mesh.dp.world_size)
+            micro_tokens = args.batch_size // virtual * run.config.context
             table = phase_table(phases, run.config, micro_tokens, args.tp, args.checkpoint)
             print("\n".join(table))
+            if run.auto is not None:
+                print(prediction_check(run.auto, self.step_seconds), flush=True)
         run.close()

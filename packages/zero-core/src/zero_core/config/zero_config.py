@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import torch
 
-from ..virtual_ranks import CountsSetting, normalise_counts
 from .choices import (
     DEFAULT_STAGE,
     OFFLOAD_DEVICES,
@@ -26,6 +25,7 @@ from .choices import (
 from .deepspeed_translation import TRAINER_KEYS, translate_deepspeed
 from .delayed_update_rule import delayed_update_error
 from .fused_step_rule import optimizer_in_backward_error
+from .micro_batches_rule import CountsSetting, normalise_counts
 from .shard_weights_rule import normalise_shard_weights, shard_weights_error
 
 

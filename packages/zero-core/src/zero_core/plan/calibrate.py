@@ -3,8 +3,9 @@
 What is measured, by ``ranks`` local processes at once (default 2, zero-train's default
 --nproc), one intra-op thread each, as zero-train runs its ranks on a machine with as many
 cores as ranks, so that the machine's other load weighs on the measure as on a run; each
-the mean time of calls over a window of 0.5-2 s (a step's length: a shared machine's load
-comes and goes in time slices), then the mean over the processes:
+over a window of 0.5-2 s, the median over chunks of 0.1 s (a small model's step: a shared
+machine's load comes and goes in time slices) of the mean time of a call within the chunk
+(_mean_time), then the mean over the processes:
 
     matmul_flops      FLOP/s of a transformer block's matmuls, n = 1024 tokens at widths
                       64 ... 1024: (n x C)(C x 3C), (n x C)(C x C), (n x C)(C x 4C),
@@ -23,6 +24,9 @@ comes and goes in time slices), then the mean over the processes:
                       hop, bandwidth = the bytes one rank sends ((R-1)/R of the output) /
                       (large time - small time); sync_s = what a small all_gather adds
                       between stretches of compute (the ranks' skew included: _sync_cost)
+    engine            the engine's fixed costs, the mean over the processes: per collective
+                      launch beyond the latency, per stage 3 fetch unit and pass, and a
+                      training loop's step (plan/calibrate_engine.py)
 
 Stored as JSON at $ZERO_PLAN_CALIBRATION, else $XDG_CACHE_HOME/zero/calibration.json
 (~/.cache/zero/calibration.json), with the machine's CPU count and when it was measured.
@@ -35,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,11 +50,13 @@ from typing import Any
 
 import torch
 
+from .calibrate_engine import measure_engine_overheads
 from .terms import OPS_PER_BLOCK
 
 ENV_VAR = "ZERO_PLAN_CALIBRATION"
 WIDTHS = (64, 128, 256, 512, 1024)
 TOKENS = 1024
+CHUNK_S = 0.1  # the chunks _mean_time takes the median over: about a small model's step
 
 
 def calibration_path() -> Path:
@@ -71,19 +78,29 @@ def load_calibration(path: Path | None = None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and "matmul_flops" in data else None
 
 
-def _mean_time(fn: Callable[[], object], seconds: float, warmup: int = 2) -> float:
-    """Mean time of ``fn`` over calls repeated for at least ``seconds``: a mean over a
-    window as long as a training step, since a shared machine's load comes and goes in
-    time slices of milliseconds, which a median of short calls would step between."""
+def _mean_time(
+    fn: Callable[[], object], seconds: float, warmup: int = 2, chunk: float = CHUNK_S
+) -> float:
+    """Time of one call of ``fn``, over calls repeated for at least ``seconds``: the median
+    over chunks of at least ``chunk`` seconds (a training step's length) of the chunk's mean
+    time per call. A mean within a step-long chunk, since a shared machine's load comes and
+    goes in time slices of milliseconds, which a median of short calls would step between;
+    the median over chunks, as the accuracy test takes the median step, so that a burst of
+    another process's work that stalls one chunk moves neither."""
     for _ in range(warmup):
         fn()
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return elapsed / calls
+    means: list[float] = []
+    start = time.perf_counter()
+    while not means or time.perf_counter() - start < seconds:
+        calls, begun = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - begun
+            if elapsed >= chunk:
+                means.append(elapsed / calls)
+                break
+    return statistics.median(means)
 
 
 Timer = Callable[[Callable[[], object], float], float]
@@ -183,14 +200,22 @@ def _worker() -> None:
     torch.set_num_threads(1)
     comm = zero_comm.init("gloo", check_consistency=False)
     widths = [int(w) for w in os.environ.get("ZERO_PLAN_WIDTHS", "").split(",") if w] or WIDTHS
+    scale = float(os.environ.get("ZERO_PLAN_WINDOW", "1"))  # of every measuring window
 
     # Each measure is a mean over a window as long as a step, every rank at once (a timer
     # calling after a barrier each time measured rates about 1.5x those zero-train's steps
     # then achieved on this shared machine, and was dropped).
     comm.barrier()
-    rates = [measure_matmul(w) for w in widths]
-    residuals = [measure_block_residual(w, rate) for w, rate in zip(widths, rates, strict=True)]
-    rates += [1 / measure_op_overhead(), measure_memory_bandwidth(), measure_optimizer()]
+    rates = [measure_matmul(w, seconds=2.0 * scale) for w in widths]
+    residuals = [
+        measure_block_residual(w, rate, seconds=scale)
+        for w, rate in zip(widths, rates, strict=True)
+    ]
+    rates += [
+        1 / measure_op_overhead(seconds=0.5 * scale),
+        measure_memory_bandwidth(seconds=0.5 * scale),
+        measure_optimizer(seconds=0.5 * scale),
+    ]
     collective = {}
     for label, numel in (("small", 1024), ("large", 2**22)):
         shard, full = torch.ones(numel // comm.world_size), torch.empty(numel)
@@ -204,6 +229,11 @@ def _worker() -> None:
             gather()
         collective[label] = (time.perf_counter() - start) / calls
     collective["sync"] = _sync_cost(comm)
+    # The engine's fixed costs, charged beyond the latency this machine's plan uses.
+    hop = max(collective["small"] / (comm.world_size - 1), collective["sync"])
+    overheads = measure_engine_overheads(comm, hop, rounds=max(8, round(20 * scale)))
+    engine = torch.tensor(list(overheads.values()), dtype=torch.float64)
+    comm.all_reduce(engine, zero_comm.ReduceOp.AVG)
     mean = torch.tensor(rates + residuals, dtype=torch.float64)
     comm.all_reduce(mean, zero_comm.ReduceOp.AVG)
     slowest = torch.tensor(
@@ -225,6 +255,7 @@ def _worker() -> None:
             "gloo": {"latency_s": latency,
                      "bandwidth": sent / max(float(slowest[1]) - float(slowest[0]), 1e-9),
                      "sync_s": float(slowest[2])},
+            "engine": dict(zip(overheads, engine.tolist(), strict=True)),
         }), flush=True)  # fmt: skip
     comm.close()
 
@@ -265,16 +296,19 @@ def calibrate(
     ranks: int = 2,
     widths: Sequence[int] = WIDTHS,
     timeout: float = 300.0,
+    window: float = 1.0,
 ) -> dict[str, Any]:
     """Measure everything (module docstring) in ``ranks`` local processes at once (one
-    intra-op thread each), the matmuls at ``widths`` (fewer: quicker), store it at ``path``
+    intra-op thread each), the matmuls at ``widths`` (fewer: quicker), every measuring
+    window ``window`` times its length (shorter: quicker, noisier), store it at ``path``
     (default calibration_path()) and return it."""
     from zero_comm.launch import free_port, rank_environment
 
     if ranks < 2:
         raise ValueError(f"ranks={ranks}: the loopback collectives need at least 2 processes")
     port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", ZERO_PLAN_WIDTHS=",".join(map(str, widths)))
+    base = dict(os.environ, OMP_NUM_THREADS="1", ZERO_PLAN_WIDTHS=",".join(map(str, widths)),
+                ZERO_PLAN_WINDOW=str(window))  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "zero_core.plan.calibrate", "--worker"],

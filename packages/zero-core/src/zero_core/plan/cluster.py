@@ -32,7 +32,11 @@ class Cluster:
     ``compute_efficiency`` is the achieved fraction of ``peak_flops`` for the model's
     dense matmuls (calibrated here, fitted once per hardware preset elsewhere; its source
     goes in ``source``). ``op_overhead`` is the fixed time of one operator (Python
-    dispatch, kernel launch), paid per operator of forward and backward. ``overlap`` is
+    dispatch, kernel launch), paid per operator of forward and backward;
+    ``launch_overhead``, ``unit_overhead`` and ``step_overhead`` are the engine's fixed
+    costs per collective launch, per stage 3 fetch unit and pass, and the training loop's
+    per step (plan/terms.py; calibrated here, 0 on the hardware presets, whose steps are
+    seconds long, where these are milliseconds at most). ``overlap`` is
     the fraction of communication and copies that can run while compute runs: 1 where
     collectives and copies have engines of their own (GPUs: NCCL's kernels, copy
     streams), 0 where they share the cores that compute (gloo on CPUs with no idle core).
@@ -59,6 +63,9 @@ class Cluster:
         0.0  # bytes/s of elementwise work on activations (0: memory_bandwidth)
     )
     op_overhead: float = 10e-6  # s per operator
+    launch_overhead: float = 0.0  # s of the engine's own work per collective launch
+    unit_overhead: float = 0.0  # s per stage 3 fetch unit and pass (0: 12 operators)
+    step_overhead: float = 0.0  # s per step of the training loop, whatever the model
     overlap: float = 1.0  # fraction of communication that can hide behind compute
     codec_rate: float = 0.0  # elements/s qwZ/qgZ code or decode per device (0: memory bound)
     source: str = ""

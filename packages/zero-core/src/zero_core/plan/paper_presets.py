@@ -55,7 +55,7 @@ from .cluster import GB, GIB, Cluster
 # NCCL src/graph/tuning.cc, ring algorithm, Simple protocol: hwLat (s per step) and baseLat.
 NVLINK_STEP, NET_STEP, RING_BASE = 3.4e-6, 14e-6, 8.4e-6
 CODEC_BYTES = 3  # fp16 read + code and scale written, per element (module docstring)
-V100_EFFICIENCY = 0.3781  # fitted: python -m zero_core.plan.papers (module docstring)
+V100_EFFICIENCY = 0.4155  # fitted: python -m zero_core.plan.papers (module docstring)
 MEASURED_EFFICIENCY = 0.384  # docs/benchmarks/gpu.md, ours-0 GPT-2 XL on an H200
 GBIT = 1e9 / 8  # bytes/s per Gbit/s
 

@@ -57,8 +57,9 @@ def this_machine(
     back-to-back latency and its cost between stretches of compute (sync_s). Overlap: none while
     every rank has a core (gloo's threads and the ranks share the cores, none is idle);
     with more ranks than cores, a rank that waits on a link leaves its share of the cores
-    to the others, so 1 - cores / ranks of its waiting hides behind their compute. Device
-    memory = host memory = MemTotal / ranks."""
+    to the others, so 1 - cores / ranks of its waiting hides behind their compute. The
+    engine's fixed costs (per launch, per fetch unit, per step) and op_overhead take
+    longer by the same share of a core. Device memory = host memory = MemTotal / ranks."""
     cores = int(calibration.get("cpu_count") or os.cpu_count() or 1)
     measured_with = int(calibration.get("ranks", 1))
     share = min(1.0, cores / (ranks * nodes)) / min(1.0, cores / measured_with)
@@ -79,6 +80,7 @@ def this_machine(
         }
         activation = matmul_rate({"matmul_flops": rates}, width) * share
     bandwidth = float(calibration["memory_bandwidth"]) * share
+    engine = calibration.get("engine") or {}  # fixed costs: none in older calibrations
     return Cluster(
         name="this-machine", nodes=nodes, devices_per_node=ranks,
         device_memory=memory / (ranks * nodes), peak_flops=rate, compute_efficiency=1.0,
@@ -90,6 +92,9 @@ def this_machine(
         activation_bandwidth=activation,
         disk_bandwidth=THIS_MACHINE_DISK_BANDWIDTH,
         op_overhead=float(calibration["op_overhead"]) / share, overlap=overlap,
+        launch_overhead=float(engine.get("launch_overhead", 0.0)) / share,
+        unit_overhead=float(engine.get("unit_overhead", 0.0)) / share,
+        step_overhead=float(engine.get("step_overhead", 0.0)) / share,
         source=f"calibrated {calibration.get('measured_at', '?')} (zero-plan --calibrate; "
         f"load average {calibration.get('load_average', '?')}); disk: docs/benchmarks/swap.md",
     )  # fmt: skip

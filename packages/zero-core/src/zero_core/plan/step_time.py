@@ -6,11 +6,12 @@ operators + elementwise, backward twice forward's FLOPs; o: Cluster.overlap)::
 
     forward    A C_f + exposed(F, A C_f, gathers)                stage 3's gathers F run
                + qwZ coding + disk parameter reads not hidden    ahead along the prefetch
+               + launches x launch_overhead
                                                                  record (param_gatherer);
                                                                  none without a prefetch
                                                                  window; the first waits
     backward   A C_b + exposed(R + G + D2H, A C_b, buckets)      reduce-scatters R launch
-               + qgZ coding                                      as buckets complete
+               + qgZ coding + launches x launch_overhead         as buckets complete
                                                                  (grad_reducer, overlap_comm),
                                                                  the last one after
                                                                  backward; backward gathers
@@ -19,11 +20,14 @@ operators + elementwise, backward twice forward's FLOPs; o: Cluster.overlap)::
     step       gradient passes + optimizer (device, or host: S / host rate)
                + disk pipeline (max of read, step and write, plus one tile's fill)
                + H2D parameter copies + the publish all-gather (stages 1-2, after the
-               optimizer: not overlapped, docs/step-profile.md) + stage 3's unit bookkeeping
+               optimizer: not overlapped, docs/step-profile.md) + their launches
+               + stage 3's unit bookkeeping + the training loop's step_overhead
     DPU        the host's optimizer, its copies and its disk pipeline H run during the next
                step's forward and backward, as far as the cluster overlaps work at all:
                step = forward + backward + H - o min(forward + backward, H) + the rest
 
+Every count of collectives (the latency terms, the launches, the pieces k below, the fetch
+units) is plan/launches.py's, counted on the layout the engine builds.
 exposed(x, c, k) = x - o min(x (1 - 1/k), c) (terms.exposed). Tokens per second =
 global batch x context x A / step; MFU = 6 Ψ tokens/s / (N peak_flops) (the
 recomputation is not useful work).
@@ -31,16 +35,15 @@ recomputation is not useful work).
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
-from ..config.zero_config import DEFAULT_COALESCE_NUMEL, QGZ_COALESCE_NUMEL
 from ..estimate.activations import block_saved_bytes
 from ..estimate.link_traffic import backward_head_buckets
 from ..estimate.offload_traffic import offload_traffic
 from . import terms
 from .cluster import Cluster
 from .configuration import PlanConfig
+from .launches import count_launches
 from .memory import MemoryBytes, memory_bytes, shard_ranks
 from .traffic import Bytes, PhaseBytes, phase_bytes, step_buckets
 from .workload import Workload
@@ -106,24 +109,26 @@ def predict(
     )  # fmt: skip
     group = shard_ranks(config, n)
     spans = n > per_node
-    buckets = max(1.0, math.ceil(workload.params / config.bucket_numel))
-    units = terms.UNITS_PER_BLOCK * workload.layers + terms.UNITS_OUTSIDE_BLOCKS
-    gathers = min(units, max(1.0, math.ceil(workload.params / config.gather_coalesce_numel)) + 1)
-    if config.stage == 3:
-        coalesce = QGZ_COALESCE_NUMEL if config.quantize_gradients else DEFAULT_COALESCE_NUMEL
-        buckets = max(buckets, min(units, math.ceil(workload.params / coalesce)))
+    # Launches counted on the engine's own layout (plan/launches.py), per micro-step.
+    launches = count_launches(workload, config, group if config.stage >= 1 else n)
+    gathers, buckets = max(1, launches.forward_gathers), max(1, launches.reductions)
     link = {name: terms.link_time(getattr(phases, name), cluster, n) for name in phases._fields}
     reduce_hops = 2 if config.stage == 0 else 1
-    link["reduction"] += terms.latency_time(a * buckets * reduce_hops, group, cluster, spans)
+    link["reduction"] += terms.latency_time(
+        a * launches.reductions * reduce_hops, group, cluster, spans
+    )
     if config.stage == 3:
-        link["forward"] += terms.latency_time(a * gathers, group, cluster, group > per_node)
-        head = _head_fraction(workload.params, config)
+        link["forward"] += terms.latency_time(
+            a * launches.forward_gathers, group, cluster, group > per_node
+        )
+        gather_group = config.hpz if config.hpz > 1 else group
         link["backward_gathers"] += terms.latency_time(
-            a * gathers * (1 - head), config.hpz if config.hpz > 1 else group, cluster,
-            (config.hpz if config.hpz > 1 else group) > per_node,
-        )  # fmt: skip
-    if config.stage in (1, 2):
-        link["after_step"] += terms.latency_time(buckets, group, cluster, group > per_node)
+            a * launches.backward_gathers, gather_group, cluster, gather_group > per_node
+        )
+    if config.stage >= 1:
+        link["after_step"] += terms.latency_time(
+            launches.after_step, group, cluster, group > per_node
+        )
     t.update({f"link_{k}": v for k, v in link.items()})
     # ZeRO++ coding, per micro-step.
     codec_f = codec_b = 0.0
@@ -141,13 +146,18 @@ def predict(
     disk_params = terms.disk_time(traffic["disk_params_read"], 0.0, cluster)
     t["disk_parameter_reads"] = disk_params
     o = cluster.overlap
+    t["launch_forward"] = terms.launch_time(a * launches.forward_gathers, cluster)
+    t["launch_backward"] = terms.launch_time(
+        a * (launches.backward_gathers + launches.reductions), cluster
+    )
+    t["launch_step"] = terms.launch_time(launches.after_step, cluster)
     forward = (
-        t["compute_forward"] + codec_f
+        t["compute_forward"] + codec_f + t["launch_forward"]
         + terms.exposed(link["forward"] + disk_params, t["compute_forward"], gathers, o)
     )  # fmt: skip
     backward_comm = link["reduction"] + link["backward_gathers"] + to_host
     backward = (
-        t["compute_backward"] + codec_b
+        t["compute_backward"] + codec_b + t["launch_backward"]
         + terms.exposed(backward_comm, t["compute_backward"], buckets, o)
     )  # fmt: skip
     # The step.
@@ -162,9 +172,13 @@ def predict(
         io = terms.disk_time(read, written, cluster)
         pipeline = max(io, t["optimizer"]) + (io + t["optimizer"]) / tiles - t["optimizer"]
     t["disk_pipeline"] = pipeline
-    t["units"] = terms.unit_time(workload.layers, cluster) if config.stage == 3 else 0.0
+    t["units"] = terms.unit_time(launches.units, a, cluster)
+    t["step_overhead"] = terms.step_overhead_time(cluster)
     host_side = t["optimizer"] + pipeline + to_device
-    device_side = t["gradient_passes"] + link["after_step"] + t["units"]
+    device_side = (
+        t["gradient_passes"] + link["after_step"] + t["launch_step"] + t["units"]
+        + t["step_overhead"]
+    )  # fmt: skip
     if config.delayed_parameter_update:  # the host's step runs beside the next step's
         step_s = forward + backward + host_side - o * min(forward + backward, host_side)
         step_s += device_side

@@ -18,12 +18,8 @@ from .traffic import Bytes
 # small GPT: 21 forward, 39 backward), and the embedding, final LayerNorm, head and loss.
 OPS_PER_BLOCK = 60
 OPS_OUTSIDE_BLOCKS = 30
-# Stage 3: fetch units of zero_models' GPT (4 per block: attention's qkv and projection,
-# the MLP's two linears, whose LayerNorms and biases ride along; plus the embeddings and
-# the final LayerNorm), and the operators each gather and release costs (hooks, views,
-# storage resizes) per pass.
-UNITS_PER_BLOCK = 4
-UNITS_OUTSIDE_BLOCKS = 2
+# Stage 3: the operators each fetch unit's gather and release cost (hooks, views, storage
+# resizes) per pass, where a cluster has no calibrated unit_overhead.
 OPS_PER_UNIT_PASS = 12
 # Elementwise passes over a block's saved activations: written in forward, read in
 # backward, their gradients written and read.
@@ -72,11 +68,29 @@ def activation_time(block_saved_bytes: float, layers: int, cluster: Cluster) -> 
     return ACTIVATION_PASSES * layers * block_saved_bytes / rate
 
 
-def unit_time(layers: int, cluster: Cluster) -> float:
-    """Stage 3's bookkeeping per step: units x 2 passes x OPS_PER_UNIT_PASS x op_overhead,
-    units = UNITS_PER_BLOCK L + UNITS_OUTSIDE_BLOCKS."""
-    units = UNITS_PER_BLOCK * layers + UNITS_OUTSIDE_BLOCKS
-    return units * 2 * OPS_PER_UNIT_PASS * cluster.op_overhead
+def unit_time(units: int, accumulation: int, cluster: Cluster) -> float:
+    """Stage 3's bookkeeping of its fetch units (hooks, state checks, views, storage
+    resizes) beyond their collectives' launches: units x 2 passes x A x unit_overhead
+    (calibrated; where a cluster gives none, OPS_PER_UNIT_PASS x op_overhead per pass).
+    ``units``: plan/launches.py's count, from fetch_units' rule."""
+    per_pass = cluster.unit_overhead or OPS_PER_UNIT_PASS * cluster.op_overhead
+    return units * 2 * accumulation * per_pass
+
+
+def launch_time(launches: float, cluster: Cluster) -> float:
+    """The engine's own cost per collective it launches, beyond the link's latency
+    (latency_time): staging the bucket, the hooks and bookkeeping, handing it to the
+    backend and waiting on its handle: launches x launch_overhead. It runs on the rank's
+    own thread, so nothing hides it. ``launches``: plan/launches.py's count."""
+    return launches * cluster.launch_overhead
+
+
+def step_overhead_time(cluster: Cluster) -> float:
+    """What a training loop's step costs whatever the model: step_overhead (calibrated:
+    a one-layer model's step through the engine as zero-train runs it, with its memory
+    tracker's phases, the loss's item() and the all-reduce that agrees on it, less that
+    step's own launches). Once per step."""
+    return cluster.step_overhead
 
 
 def link_time(bytes_: Bytes, cluster: Cluster, ranks: int) -> float:

@@ -71,13 +71,16 @@ def fitted_cluster(calibration: dict[str, Any], rate: str, width: int, factor: f
     """The emulated cluster at link ``rate`` (presets.emulated_cluster, the model's
     ``width``) with every rate a rank computes at scaled by ``factor``: matmuls
     (compute_efficiency), elementwise and activation work, the optimizer and the codecs,
-    and the per-operator overhead by 1 / factor. The link is the measured one, not
-    scaled: the factor stands for the load the benchmark ran under, which slowed the
-    cores, not the shaped link."""
+    and the per-operator, per-launch, per-unit and per-step overheads by 1 / factor. The
+    link is the measured one, not scaled: the factor stands for the load the benchmark ran
+    under, which slowed the cores, not the shaped link."""
     cluster = emulated_cluster(calibration, rate, width)
     return cluster.with_(
         compute_efficiency=cluster.compute_efficiency * factor,
         op_overhead=cluster.op_overhead / factor,
+        launch_overhead=cluster.launch_overhead / factor,
+        unit_overhead=cluster.unit_overhead / factor,
+        step_overhead=cluster.step_overhead / factor,
         memory_bandwidth=cluster.memory_bandwidth * factor,
         activation_bandwidth=cluster.activation_bandwidth * factor,
         optimizer_rate=cluster.optimizer_rate * factor,

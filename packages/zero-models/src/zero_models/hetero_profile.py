@@ -1,0 +1,217 @@
+"""--micro-batches-per-rank auto and --shard-weights auto: measure each rank, then choose.
+
+    choice = resolve_auto(args, profile_engine, tokens, config, dp, device, padding)
+
+Collective over the data-parallel communicator ``dp``, before the run's engine is built.
+Each rank measures on a provisional engine (``profile_engine(counts)``: the run's engine
+but for PROFILE_SLOTS slots on every rank and no accumulation), which is then closed:
+
+- t_i, the median seconds of one micro-batch slot (B / V sequences) of the second of two
+  micro-steps (the first warms up), over the slots before the last: those only stage
+  their gradients (the engine's per-slot work included) and wait for no other rank. They
+  are padded as the run's slots are (--emulate-micro-batch-seconds);
+- the whole micro-step and optimizer step, from which the once-per-step cost follows:
+  O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last slot's collectives wait for the
+  slowest rank; then the step);
+- its free memory once the engine is gone (out_of_memory.available_bytes: CUDA's
+  mem_get_info; on CPU the address-space cap RLIMIT_AS less what is mapped, else
+  MemAvailable shared among the node's ranks).
+
+The figures are gathered, and every rank computes the same choice with zero_core.hetero:
+counts minimising accumulation * max_i c_i t_i for V slots, weights proportional to free
+memory. The lead prints the choice and the predicted step time, accumulation x max_i
+c_i t_i + O (with the even split's for comparison). The bits of the run do not depend on
+the counts chosen, only on V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+
+import zero_comm
+import zero_core
+from zero_core.hetero import (
+    choose_micro_batches,
+    choose_shard_weights,
+    even_counts,
+    predicted_step_seconds,
+)
+
+from .data import BatchSampler
+from .gpt import GPTConfig
+from .hetero_emulation import SlotPadding
+from .hetero_options import AUTO
+from .out_of_memory import available_bytes
+
+PROFILE_SLOTS = 4  # per rank and micro-step: 3 timed, and the last, which sends the rows
+
+
+class RankProfile(NamedTuple):
+    """One rank's measured figures (module docstring)."""
+
+    seconds_per_micro_batch: float
+    profile_step_seconds: float  # PROFILE_SLOTS slots and the optimizer step
+    free_bytes: float
+
+
+class AutoChoice(NamedTuple):
+    """What 'auto' chose, from every rank's profile, and the step time it predicts."""
+
+    counts: tuple[int, ...]
+    shard_weights: tuple[float, ...] | None
+    predicted_step_seconds: float
+    even_step_seconds: float
+    profiles: tuple[RankProfile, ...]
+
+
+def profile_rank(
+    engine: zero_core.Engine,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    device: torch.device,
+    padding: SlotPadding,
+) -> RankProfile:
+    """This rank's RankProfile on ``engine`` (PROFILE_SLOTS slots per rank; collective:
+    the last slot of each micro-step reduces with every rank)."""
+    slot_seconds: list[float] = []
+    step_seconds = 0.0
+    for _ in range(2):  # the first warms up
+        slot_seconds = []
+        started = time.perf_counter()
+        for _ in range(PROFILE_SLOTS):
+            slot_start = time.perf_counter()
+            with padding:
+                logits = engine(inputs)
+                loss = F.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                )
+                del logits
+                engine.backward(loss)
+                _synchronize(device)
+            slot_seconds.append(time.perf_counter() - slot_start)
+        engine.step()
+        _synchronize(device)
+        step_seconds = time.perf_counter() - started
+    return RankProfile(statistics.median(slot_seconds[:-1]), step_seconds, 0.0)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def choose(
+    profiles: tuple[RankProfile, ...], virtual: int, accumulation: int, want_weights: bool
+) -> AutoChoice:
+    """The choice every rank makes from the gathered ``profiles`` (pure)."""
+    times = [p.seconds_per_micro_batch for p in profiles]
+    counts = choose_micro_batches(times, virtual)
+    overhead = step_overhead(profiles)
+    weights = choose_shard_weights([p.free_bytes for p in profiles]) if want_weights else None
+    return AutoChoice(
+        counts, weights,
+        predicted_step_seconds(counts, times, accumulation=accumulation, overhead_seconds=overhead),
+        predicted_step_seconds(even_counts(len(times), virtual), times, accumulation=accumulation,
+                               overhead_seconds=overhead),
+        profiles,
+    )  # fmt: skip
+
+
+def step_overhead(profiles: tuple[RankProfile, ...]) -> float:
+    """O = max_i step_i - PROFILE_SLOTS * max_j t_j (>= 0): what a step adds once."""
+    slowest = max(p.seconds_per_micro_batch for p in profiles)
+    return max(0.0, max(p.profile_step_seconds for p in profiles) - PROFILE_SLOTS * slowest)
+
+
+def resolve_auto(
+    args: argparse.Namespace,
+    profile_engine: Callable[[tuple[int, ...]], zero_core.Engine],
+    tokens: torch.Tensor,
+    config: GPTConfig,
+    dp: zero_comm.Communicator,
+    device: torch.device,
+    padding: SlotPadding,
+) -> AutoChoice | None:
+    """Collective: the choice for 'auto' in --micro-batches-per-rank or --shard-weights
+    (None when neither says auto). Given counts or weights are kept; 'auto' counts are
+    chosen for ``args.virtual_total`` slots. The lead prints one line of the choice."""
+    counts_auto = args.micro_batches_per_rank == AUTO
+    weights_auto = args.shard_weights == AUTO
+    if not (counts_auto or weights_auto):
+        return None
+    sampler = BatchSampler(
+        tokens, context=config.context, global_batch=args.batch_size,
+        dp_rank=0, dp_size=args.virtual_total, seed=args.seed,
+    )  # fmt: skip
+    inputs, targets = (t.to(device) for t in sampler.batch(0))
+    engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
+    try:
+        mine = profile_rank(engine, inputs, targets, device, padding)
+    finally:
+        engine.close()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    mine = mine._replace(free_bytes=available_bytes(device, 1) or 0.0)
+    profiles = tuple(RankProfile(*p) for p in dp.all_gather_object(tuple(mine)))
+    choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto)
+    if not counts_auto:
+        given = args.micro_batches_per_rank or (1,) * dp.world_size
+        times = [p.seconds_per_micro_batch for p in profiles]
+        predicted = predicted_step_seconds(
+            given, times, accumulation=args.grad_accum, overhead_seconds=step_overhead(profiles)
+        )
+        choice = choice._replace(counts=tuple(given), predicted_step_seconds=predicted)
+    if dp.rank == 0:
+        print(describe(choice), flush=True)
+    return choice
+
+
+def describe(choice: AutoChoice) -> str:
+    """The lead's line: what was measured, what was chosen, what it predicts."""
+    times = ", ".join(f"{p.seconds_per_micro_batch:.3f}" for p in choice.profiles)
+    free = ", ".join(f"{p.free_bytes / 2**30:.2f}" for p in choice.profiles)
+    counts = ",".join(map(str, choice.counts))
+    weights = (
+        "" if choice.shard_weights is None
+        else " --shard-weights " + ",".join(f"{w:.4f}" for w in choice.shard_weights)
+    )  # fmt: skip
+    return (
+        f"zero-train: auto: seconds per micro-batch [{times}], free GiB [{free}] -> "
+        f"--micro-batches-per-rank {counts}{weights}; predicted step "
+        f"{choice.predicted_step_seconds:.3f} s (even split: {choice.even_step_seconds:.3f} s)"
+    )
+
+
+def warn_overruns(padding: SlotPadding, rank: int) -> None:
+    """A rank whose slots overran their padded duration emulates nothing: say so."""
+    if padding.overruns:
+        print(
+            f"zero-train: note: [rank {rank}] {padding.overruns} micro-batches took longer "
+            f"than --emulate-micro-batch-seconds {padding.seconds}; give a longer duration "
+            "for a faithful emulation",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+
+def prediction_check(choice: AutoChoice, step_seconds: list[float]) -> str:
+    """The lead's last line with 'auto': its predicted step against the measured median
+    (the first step, with its start-up, left out when there are others)."""
+    measured = statistics.median(step_seconds[1:] or step_seconds) if step_seconds else None
+    if measured is None:
+        return "zero-train: auto: no step measured to check the prediction against"
+    error = 100 * (measured / choice.predicted_step_seconds - 1)
+    return (
+        f"zero-train: auto: predicted step {choice.predicted_step_seconds:.3f} s, measured "
+        f"median {measured:.3f} s ({error:+.1f}%)"
+    )

@@ -1,0 +1,240 @@
+"""zero-train's mixed-hardware pieces that need no ranks: the options and their checks,
+the sampler's virtual ranks, the slot padding and the choice 'auto' makes from profiles."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_models.data import BatchSampler
+from zero_models.hetero_emulation import SlotPadding
+from zero_models.hetero_options import (
+    auto_virtual_ranks,
+    counts_option,
+    seconds_option,
+    weights_option,
+)
+from zero_models.hetero_profile import (
+    RankProfile,
+    choose,
+    describe,
+    prediction_check,
+    step_overhead,
+)
+from zero_models.train_options import parse_options
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--micro-batches-per-rank", "2,0"], "every rank runs at least one micro-batch"),
+        (["--micro-batches-per-rank", "2,x"], "give whole numbers of micro-batches per rank"),
+        (["--micro-batches-per-rank", "2,,1"], "give comma-separated numbers"),
+        (["--micro-batches-per-rank", "2,1,1"], "3 values for 2 data-parallel ranks"),
+        (["--shard-weights", "1,-1"], "every value must be > 0"),
+        (["--shard-weights", "1"], "1 values for 2 data-parallel ranks; give one per rank"),
+        (["--emulate-micro-batch-seconds", "0.1"], "1 values for 2 data-parallel ranks"),
+        (["--emulate-micro-batch-seconds", "0,0.1"], "every value must be > 0"),
+        (
+            ["--micro-batches-per-rank", "2,1", "--batch-size", "16"],
+            "--batch-size 16 does not split over 3 virtual ranks (micro-batches); use a "
+            "multiple of 3 (e.g. --batch-size 18)",
+        ),
+        (
+            ["--micro-batches-per-rank", "auto", "--virtual-ranks", "5", "--batch-size", "16"],
+            "does not split over 5 virtual ranks",
+        ),
+        (["--micro-batches-per-rank", "auto", "--virtual-ranks", "1"], "give at least 2"),
+        (["--virtual-ranks", "4"], "--virtual-ranks is for --micro-batches-per-rank auto"),
+        (
+            ["--micro-batches-per-rank", "2,1", "--batch-size", "18", "--stage", "3"],
+            "every rank must run as many micro-batches; use --stage 2",
+        ),
+        (
+            ["--micro-batches-per-rank", "1,1", "--nproc", "4", "--tp", "2", "--model", "test"],
+            "mixed hardware is for data parallelism alone",
+        ),
+    ],
+)
+def test_wrong_options_stop_with_the_fix(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        parse_options(["--out", str(tmp_path / "out"), *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_lists_and_auto_parse() -> None:
+    assert counts_option("2, 1") == (2, 1)
+    assert counts_option("AUTO") == "auto"
+    assert weights_option("2,1") == (2.0, 1.0)
+    assert weights_option("auto") == "auto"
+    assert seconds_option("0.2,0.4") == (0.2, 0.4)
+    with pytest.raises(argparse.ArgumentTypeError):
+        seconds_option("auto")
+
+
+def test_autos_default_virtual_ranks_divide_the_batch() -> None:
+    assert auto_virtual_ranks(16, 2) == 8
+    assert auto_virtual_ranks(18, 2) == 6
+    assert auto_virtual_ranks(12, 3) == 12
+    assert auto_virtual_ranks(9, 2) == 3
+    assert auto_virtual_ranks(11, 2) == 2  # none divides: each rank one slot (then refused)
+
+
+def test_a_json_config_takes_lists(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"micro_batches_per_rank": [2, 1], "batch_size": 16}))
+    with pytest.raises(SystemExit):  # the list reached the option: 16 does not split over 3
+        parse_options(["--config", str(config), "--out", str(tmp_path / "out")])
+    assert "does not split over 3 virtual ranks" in capsys.readouterr().err
+    config.write_text(json.dumps({"micro_batches_per_rank": [2, "x"]}))
+    with pytest.raises(SystemExit):
+        parse_options(["--config", str(config), "--out", str(tmp_path / "out")])
+    assert "must be a list of numbers, one per rank" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    st.integers(1, 3),
+    st.integers(0, 5),
+    st.integers(0, 2),
+)
+def test_each_slot_reads_its_virtual_ranks_rows(
+    counts: list[int], per_slot: int, step: int, micro: int
+) -> None:
+    """Rank i's slot s reads what rank o_i + s of a homogeneous run at V ranks reads."""
+    tokens = torch.arange(4000, dtype=torch.int32) % 251
+    virtual = sum(counts)
+    common = {"context": 8, "global_batch": per_slot * virtual, "seed": 3}
+    homogeneous = [
+        BatchSampler(tokens, dp_rank=v, dp_size=virtual, **common).batch(step, micro)
+        for v in range(virtual)
+    ]
+    v = 0
+    for rank, count in enumerate(counts):
+        sampler = BatchSampler(tokens, dp_rank=rank, dp_size=len(counts), counts=counts, **common)
+        assert sampler.slots == count
+        for slot in range(count):
+            got, want = sampler.batch(step, micro, slot), homogeneous[v]
+            assert torch.equal(got.inputs, want.inputs) and torch.equal(got.targets, want.targets)
+            v += 1
+
+
+def test_a_sampler_refuses_a_batch_that_does_not_split_over_virtual_ranks() -> None:
+    tokens = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not split over 3 virtual ranks"):
+        BatchSampler(tokens, context=4, global_batch=4, dp_rank=0, dp_size=2, counts=(2, 1))
+    with pytest.raises(ValueError, match="one count >= 1 for each of the 2"):
+        BatchSampler(tokens, context=4, global_batch=4, dp_rank=0, dp_size=2, counts=(2,))
+
+
+def test_padding_pads_and_counts_overruns() -> None:
+    padding = SlotPadding(0.05)
+    start = time.perf_counter()
+    with padding:
+        pass
+    assert time.perf_counter() - start >= 0.05 and padding.overruns == 0
+    with padding:
+        time.sleep(0.06)
+    assert padding.overruns == 1
+    start = time.perf_counter()
+    with SlotPadding(None):
+        pass
+    assert time.perf_counter() - start < 0.05
+    with pytest.raises(ValueError, match="must be > 0"):
+        SlotPadding(0.0)
+
+
+def test_auto_chooses_from_every_ranks_profile() -> None:
+    # 4 profiled slots and a step: the slower rank's 4 x 0.4 s, then 0.1 s once.
+    profiles = (RankProfile(0.2, 1.7, 8 * 2**30), RankProfile(0.4, 1.65, 4 * 2**30))
+    assert step_overhead(profiles) == pytest.approx(0.1)
+    assert step_overhead((RankProfile(0.2, 0.5, 1.0),)) == 0.0  # never below nothing
+    choice = choose(profiles, 12, accumulation=2, want_weights=True)
+    assert choice.counts == (8, 4)
+    assert choice.shard_weights == pytest.approx((2 / 3, 1 / 3))
+    assert choice.predicted_step_seconds == pytest.approx(2 * 1.6 + 0.1)
+    assert choice.even_step_seconds == pytest.approx(2 * 2.4 + 0.1)
+    line = describe(choice)
+    assert "--micro-batches-per-rank 8,4 --shard-weights 0.6667,0.3333" in line
+    assert "predicted step 3.300 s (even split: 4.900 s)" in line
+    assert choose(profiles, 12, 1, want_weights=False).shard_weights is None
+    # The first step (start-up) is left out: the median of 3.3, 3.63 and 3.0.
+    assert prediction_check(choice, [9.0, 3.3, 3.63, 3.0]).startswith(
+        "zero-train: auto: predicted step 3.300 s, measured median 3.300 s ("
+    )
+    assert "+10.0%" in prediction_check(choice, [3.63])
+
+
+def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
+    from zero_models.train_options import run_zero_config
+
+    args = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
+                          "--batch-size", "18"])  # fmt: skip
+    assert args.virtual_total == 3 and args.stage == 2  # the highest for uneven counts
+    assert run_zero_config(args).micro_batches_per_rank == (2, 1)
+    auto = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "auto"])
+    assert auto.virtual_total == 8  # --batch-size 16 over 2 ranks: up to 4 slots each
+    plain = parse_options(["--out", str(tmp_path / "out")])
+    assert plain.virtual_total == 2 and run_zero_config(plain).micro_batches_per_rank is None
+    assert plain.stage == 3
+    equal = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,2"])
+    assert equal.stage == 3  # equal counts run at stage 3
+
+
+def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A zero_core whose ZeroConfig lacks the field (one from before issue 52) stops the
+    run naming the option, instead of training homogeneously without a word."""
+    import dataclasses
+
+    import zero_core
+    from zero_models.hetero_options import hetero_settings
+
+    @dataclasses.dataclass(frozen=True)
+    class OldConfig:
+        stage: int = 3
+
+    monkeypatch.setattr(zero_core, "ZeroConfig", OldConfig)
+    args = argparse.Namespace(micro_batches_per_rank=None, shard_weights=(2.0, 1.0))
+    with pytest.raises(ValueError, match="--shard-weights: this zero_core's ZeroConfig has no"):
+        hetero_settings(args)
+    args = argparse.Namespace(micro_batches_per_rank=(2, 1), shard_weights=None)
+    with pytest.raises(ValueError, match="no 'micro_batches_per_rank' field"):
+        hetero_settings(args)
+    assert (
+        hetero_settings(argparse.Namespace(micro_batches_per_rank=None, shard_weights=None)) == {}
+    )
+
+
+def test_a_deepspeed_configs_micro_batch_is_one_slots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --deepspeed a "GPU" is a virtual rank: 6 sequences per slot on 2,1 slots make
+    a batch of 18; the config's stage 3 is refused with uneven counts, naming the key."""
+    from zero_models.train_options import run_zero_config
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
+                                  "zero_optimization": {"stage": 2}}))  # fmt: skip
+    out = ["--out", str(tmp_path / "out")]
+    args = parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
+    assert args.batch_size == 18 and args.stage == 2
+    assert run_zero_config(args).micro_batches_per_rank == (2, 1)
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
+                                  "zero_optimization": {"stage": 3}}))  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
+    assert "zero_optimization.stage 3 with --micro-batches-per-rank 2,1" in capsys.readouterr().err
