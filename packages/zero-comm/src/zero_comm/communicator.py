@@ -66,6 +66,8 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 
+# CollectiveChecks and ReductionOrder stand before the bases that declare their methods
+# abstract (CallCheck, ObjectCollectives, RowCollectives), so theirs are the ones found.
 class Communicator(
     CollectiveChecks, CallCheck, NodeGroups, ObjectCollectives, ReductionOrder, RowCollectives
 ):
