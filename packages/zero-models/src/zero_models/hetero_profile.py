@@ -20,8 +20,11 @@ but for PROFILE_SLOTS slots on every rank and no accumulation), which is then cl
 The figures are gathered, and every rank computes the same choice with zero_core.hetero:
 counts minimising accumulation * max_i c_i t_i for V slots, weights proportional to free
 memory. The lead prints the choice and the predicted step time, accumulation x max_i
-c_i t_i + O (with the even split's for comparison). The bits of the run do not depend on
-the counts chosen, only on V.
+c_i t_i + the once-per-step cost (with the even split's for comparison). That cost comes
+from the planner's cost model (zero_core.hetero.planned: the row reduction at the
+chosen counts' byte counts, the optimizer step, the after-step gathers) where this
+machine has a calibration (zero-plan --calibrate; CPU ranks), else it is the measured O.
+The bits of the run do not depend on the counts chosen, only on V.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -45,6 +48,10 @@ from zero_core.hetero import (
     even_counts,
     predicted_step_seconds,
 )
+from zero_core.hetero.planned import planned_overhead
+from zero_core.plan.calibrate import load_calibration
+from zero_core.plan.cluster import Cluster
+from zero_core.plan.presets import this_machine
 
 from .data import BatchSampler
 from .gpt import GPTConfig
@@ -71,6 +78,9 @@ class AutoChoice(NamedTuple):
     predicted_step_seconds: float
     even_step_seconds: float
     profiles: tuple[RankProfile, ...]
+    # Where the once-per-step cost came from: "measured" (the profile's O) or the
+    # planner's cluster (its Cluster.source).
+    overhead_source: str = "measured"
 
 
 def profile_rank(
@@ -109,21 +119,64 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The once-per-step cost of a step at the given counts (and shard weights), in seconds.
+Overhead = Callable[[Sequence[int], Sequence[float] | None], float]
+
+
 def choose(
-    profiles: tuple[RankProfile, ...], virtual: int, accumulation: int, want_weights: bool
+    profiles: tuple[RankProfile, ...],
+    virtual: int,
+    accumulation: int,
+    want_weights: bool,
+    overhead: Overhead | None = None,
+    overhead_source: str = "measured",
 ) -> AutoChoice:
-    """The choice every rank makes from the gathered ``profiles`` (pure)."""
+    """The choice every rank makes from the gathered ``profiles`` (pure): the predicted
+    step adds ``overhead(counts, weights)`` (the planner's terms), else the measured O."""
     times = [p.seconds_per_micro_batch for p in profiles]
     counts = choose_micro_batches(times, virtual)
-    overhead = step_overhead(profiles)
     weights = choose_shard_weights([p.free_bytes for p in profiles]) if want_weights else None
+    if overhead is None:
+        measured = step_overhead(profiles)
+        overhead = lambda _counts, _weights: measured  # noqa: E731
+        overhead_source = "measured"
+    even = even_counts(len(times), virtual)
     return AutoChoice(
         counts, weights,
-        predicted_step_seconds(counts, times, accumulation=accumulation, overhead_seconds=overhead),
-        predicted_step_seconds(even_counts(len(times), virtual), times, accumulation=accumulation,
-                               overhead_seconds=overhead),
-        profiles,
+        predicted_step_seconds(counts, times, accumulation=accumulation,
+                               overhead_seconds=overhead(counts, weights)),
+        predicted_step_seconds(even, times, accumulation=accumulation,
+                               overhead_seconds=overhead(even, weights)),
+        profiles, overhead_source,
     )  # fmt: skip
+
+
+def planner_overhead(
+    engine: zero_core.Engine, config: GPTConfig, ranks: int, device: torch.device,
+    accumulation: int, slot_seconds: float, cluster: Cluster | None = None,
+) -> tuple[Overhead, str] | None:  # fmt: skip
+    """The planner's once-per-step cost for ``engine``'s configuration (its stage, bucket
+    size, dtypes) of ``config``'s GPT on ``ranks`` ranks, and the cluster's source; None
+    where the planner has no model of this machine (a CUDA device, or no calibration:
+    zero-plan --calibrate). ``cluster`` overrides this machine's calibrated one."""
+    if cluster is None:
+        calibration = load_calibration() if device.type == "cpu" else None
+        if calibration is None:
+            return None
+        cluster = this_machine(calibration, ranks=ranks, width=config.width)
+    zc = engine.config
+    reduce_dtype = zc.reduce_dtype or zc.param_dtype
+    planned = cluster
+
+    def overhead(counts: Sequence[int], weights: Sequence[float] | None) -> float:
+        return planned_overhead(
+            counts, planned, params=config.num_params, stage=zc.stage,
+            bucket_numel=zc.bucket_numel, dtype_bytes=zc.param_dtype.itemsize,
+            reduce_bytes=reduce_dtype.itemsize, accumulation=accumulation,
+            shard_weights=weights, slot_seconds=slot_seconds,
+        ).total  # fmt: skip
+
+    return overhead, f"planner ({cluster.name}: {cluster.source})"
 
 
 def step_overhead(profiles: tuple[RankProfile, ...]) -> float:
@@ -156,6 +209,9 @@ def resolve_auto(
     engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
     try:
         mine = profile_rank(engine, inputs, targets, device, padding)
+        planner = planner_overhead(
+            engine, config, dp.world_size, device, args.grad_accum, mine.seconds_per_micro_batch
+        )
     finally:
         engine.close()
     del engine
@@ -164,12 +220,23 @@ def resolve_auto(
         torch.cuda.empty_cache()
     mine = mine._replace(free_bytes=available_bytes(device, 1) or 0.0)
     profiles = tuple(RankProfile(*p) for p in dp.all_gather_object(tuple(mine)))
-    choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto)
+    # Every rank must predict alike: the lead's view of the planner decides.
+    use_planner = dp.all_gather_object(planner is not None)
+    overhead, source = planner if planner is not None and all(use_planner) else (None, "")
+    given_weights = None if weights_auto else args.shard_weights
+    if overhead is not None and given_weights is not None:
+        planned = overhead
+        overhead = lambda counts, _weights: planned(counts, given_weights)  # noqa: E731
+    choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto, overhead, source)
     if not counts_auto:
         given = args.micro_batches_per_rank or (1,) * dp.world_size
         times = [p.seconds_per_micro_batch for p in profiles]
+        extra = (
+            step_overhead(profiles) if overhead is None
+            else overhead(given, choice.shard_weights)
+        )  # fmt: skip
         predicted = predicted_step_seconds(
-            given, times, accumulation=args.grad_accum, overhead_seconds=step_overhead(profiles)
+            given, times, accumulation=args.grad_accum, overhead_seconds=extra
         )
         choice = choice._replace(counts=tuple(given), predicted_step_seconds=predicted)
     if dp.rank == 0:
@@ -189,7 +256,8 @@ def describe(choice: AutoChoice) -> str:
     return (
         f"zero-train: auto: seconds per micro-batch [{times}], free GiB [{free}] -> "
         f"--micro-batches-per-rank {counts}{weights}; predicted step "
-        f"{choice.predicted_step_seconds:.3f} s (even split: {choice.even_step_seconds:.3f} s)"
+        f"{choice.predicted_step_seconds:.3f} s (even split: {choice.even_step_seconds:.3f} s; "
+        f"slots measured, once per step: {choice.overhead_source})"
     )
 
 
