@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.2, help="pad: rank 0's seconds per slot")
     p.add_argument("--quota", type=float, default=1.0, help="quota: rank 0's CPUs (rank 1: half)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per slot")
-    p.add_argument("--stage", type=int, default=2, help="2: the highest for uneven counts")
+    p.add_argument("--stage", type=int, default=2, help="ZeRO stage (the docs' tables: 2)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--timeout", type=float, default=900)

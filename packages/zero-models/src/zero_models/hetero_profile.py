@@ -8,8 +8,9 @@ but for PROFILE_SLOTS slots on every rank and no accumulation), which is then cl
 
 - t_i, the median seconds of one micro-batch slot (B / V sequences) of the second of two
   micro-steps (the first warms up), over the slots before the last: those only stage
-  their gradients (the engine's per-slot work included) and wait for no other rank. They
-  are padded as the run's slots are (--emulate-micro-batch-seconds);
+  their gradients (the engine's per-slot work included) and wait for no other rank. Each
+  does the run's per-slot work too (the batch read, the memory tracker's phases, the
+  loss read) and is padded as the run's slots are (--emulate-micro-batch-seconds);
 - the whole micro-step and optimizer step, from which the once-per-step cost follows:
   O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last slot's collectives wait for the
   slowest rank; then the step);
@@ -85,30 +86,39 @@ class AutoChoice(NamedTuple):
 
 def profile_rank(
     engine: zero_core.Engine,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    sampler: BatchSampler,
     device: torch.device,
     padding: SlotPadding,
 ) -> RankProfile:
     """This rank's RankProfile on ``engine`` (PROFILE_SLOTS slots per rank; collective:
-    the last slot of each micro-step reduces with every rank)."""
+    the last slot of each micro-step reduces with every rank). Each slot does what the
+    run's slots do (trainer.forward_backward): it reads its batch from ``sampler``, runs
+    forward and backward inside a memory tracker's phases, and reads its loss. Left out,
+    that per-slot work went unmeasured, which a rank throttled by a CPU quota pays for
+    several times over (docs/mixed-hardware.md)."""
+    tracker = zero_core.MemoryTracker(device)
     slot_seconds: list[float] = []
     step_seconds = 0.0
-    for _ in range(2):  # the first warms up
+    for step in range(2):  # the first warms up
         slot_seconds = []
         started = time.perf_counter()
         for _ in range(PROFILE_SLOTS):
             slot_start = time.perf_counter()
             with padding:
-                logits = engine(inputs)
-                loss = F.cross_entropy(
-                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-                )
-                del logits
-                engine.backward(loss)
+                inputs, targets = (t.to(device) for t in sampler.batch(step))
+                with tracker.phase("forward"):
+                    logits = engine(inputs)
+                    loss = F.cross_entropy(
+                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                    )
+                    del logits
+                with tracker.phase("backward"):
+                    engine.backward(loss)
+                float(loss.item())
                 _synchronize(device)
             slot_seconds.append(time.perf_counter() - slot_start)
-        engine.step()
+        with tracker.phase("step"):
+            engine.step()
         _synchronize(device)
         step_seconds = time.perf_counter() - started
     return RankProfile(statistics.median(slot_seconds[:-1]), step_seconds, 0.0)
@@ -205,10 +215,9 @@ def resolve_auto(
         tokens, context=config.context, global_batch=args.batch_size,
         dp_rank=0, dp_size=args.virtual_total, seed=args.seed,
     )  # fmt: skip
-    inputs, targets = (t.to(device) for t in sampler.batch(0))
     engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
     try:
-        mine = profile_rank(engine, inputs, targets, device, padding)
+        mine = profile_rank(engine, sampler, device, padding)
         planner = planner_overhead(
             engine, config, dp.world_size, device, args.grad_accum, mine.seconds_per_micro_batch
         )
