@@ -261,3 +261,37 @@ def test_the_delayed_update_flag_reaches_the_engine_under_deepspeed(
     assert zero.offload_optimizer == "cpu"
     assert zero.micro_batches_per_rank == ((2, 1) if counts else None)
     assert run_zero_config(parse_options(common)).delayed_parameter_update is False
+
+
+def test_the_planner_gives_the_once_per_step_cost_where_this_machine_is_calibrated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """planner_overhead: the engine configuration's stage, bucket size and dtypes reach
+    the planner's terms (zero_core.hetero.planned); without a calibration there is no
+    planner cost, and auto falls back to the measured O."""
+    import zero_core
+    from zero_core.hetero.planned import planned_overhead
+    from zero_core.plan import Cluster
+    from zero_models.gpt import PRESETS
+    from zero_models.hetero_profile import planner_overhead
+
+    cluster = Cluster(
+        name="test", nodes=1, devices_per_node=2, device_memory=1e9, peak_flops=1e12,
+        compute_efficiency=1.0, memory_bandwidth=1e10, intra_bandwidth=1e9, intra_latency=1e-4,
+        inter_bandwidth=1e9, inter_latency=1e-4, host_memory=1e10, host_bandwidth=1e10,
+        host_optimizer_rate=1e8, disk_bandwidth=1e9, optimizer_rate=1e8, overlap=0.0,
+        source="made up",
+    )  # fmt: skip
+    zc = zero_core.ZeroConfig(stage=2, bucket_numel=1 << 16, param_dtype=torch.bfloat16)
+    config = PRESETS["small"]
+    found = planner_overhead(zc, config, 2, torch.device("cpu"), 2, 0.1, cluster=cluster)
+    assert found is not None
+    overhead, source = found
+    assert source == "planner (test: made up)"
+    expected = planned_overhead((8, 4), cluster, params=config.num_params, stage=2,
+                                bucket_numel=1 << 16, dtype_bytes=2, reduce_bytes=2,
+                                accumulation=2, slot_seconds=0.1)  # fmt: skip
+    assert overhead((8, 4), None) == pytest.approx(expected.total)
+    assert overhead((6, 6), None) > overhead((8, 4), None)  # rows padded to 6, not 4
+    monkeypatch.setenv("ZERO_PLAN_CALIBRATION", str(tmp_path / "none.json"))
+    assert planner_overhead(zc, config, 2, torch.device("cpu"), 1, 0.1) is None

@@ -162,19 +162,19 @@ def choose(
 
 
 def planner_overhead(
-    engine: zero_core.Engine, config: GPTConfig, ranks: int, device: torch.device,
+    zc: zero_core.ZeroConfig, config: GPTConfig, ranks: int, device: torch.device,
     accumulation: int, slot_seconds: float, cluster: Cluster | None = None,
 ) -> tuple[Overhead, str] | None:  # fmt: skip
-    """The planner's once-per-step cost for ``engine``'s configuration (its stage, bucket
-    size, dtypes) of ``config``'s GPT on ``ranks`` ranks, and the cluster's source; None
-    where the planner has no model of this machine (a CUDA device, or no calibration:
+    """The planner's once-per-step cost for the engine configuration ``zc`` (its stage,
+    bucket size, dtypes) of ``config``'s GPT on ``ranks`` ranks, the reduction hiding
+    behind at most ``slot_seconds`` of the last slot, and the cluster's source; None where
+    the planner has no model of this machine (a CUDA device, or no calibration:
     zero-plan --calibrate). ``cluster`` overrides this machine's calibrated one."""
     if cluster is None:
         calibration = load_calibration() if device.type == "cpu" else None
         if calibration is None:
             return None
         cluster = this_machine(calibration, ranks=ranks, width=config.width)
-    zc = engine.config
     reduce_dtype = zc.reduce_dtype or zc.param_dtype
     planned = cluster
 
@@ -218,9 +218,7 @@ def resolve_auto(
     engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
     try:
         mine = profile_rank(engine, sampler, device, padding)
-        planner = planner_overhead(
-            engine, config, dp.world_size, device, args.grad_accum, mine.seconds_per_micro_batch
-        )
+        engine_config = engine.config
     finally:
         engine.close()
     del engine
@@ -229,7 +227,12 @@ def resolve_auto(
         torch.cuda.empty_cache()
     mine = mine._replace(free_bytes=available_bytes(device, 1) or 0.0)
     profiles = tuple(RankProfile(*p) for p in dp.all_gather_object(tuple(mine)))
-    # Every rank must predict alike: the lead's view of the planner decides.
+    # Every rank predicts alike: from the gathered figures, and with the planner only if
+    # every rank has this machine's calibration.
+    fastest = min(p.seconds_per_micro_batch for p in profiles)
+    planner = planner_overhead(
+        engine_config, config, dp.world_size, device, args.grad_accum, fastest
+    )
     use_planner = dp.all_gather_object(planner is not None)
     overhead, source = planner if planner is not None and all(use_planner) else (None, "")
     given_weights = None if weights_auto else args.shard_weights
