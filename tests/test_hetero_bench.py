@@ -76,3 +76,6 @@ def test_a_short_padded_bench(tmp_path: Path) -> None:
     by_counts = {r["counts"]: r for r in report["rows"]}
     assert by_counts["auto"]["chosen"] == [8, 4]
     assert by_counts["6,6"]["median_s"] > 1.3 * by_counts["8,4"]["median_s"]
+    auto = by_counts["auto"]
+    assert "once per step: planner (this-machine" in auto["auto_line"]
+    assert abs(auto["median_s"] / auto["predicted_s"] - 1) <= 0.15

@@ -16,9 +16,11 @@ the bits, so not by threads):
   moved into its own cgroup with a CPU quota, rank 0 QUOTA of a CPU and rank 1 half of it;
   the ideal uses t_i measured by ``auto``'s profile of the same run.
 
-Each configuration runs --steps steps; the first --skip are dropped (start-up, the quota's
-move); the table gives the median step time (zero-train's step_s: the slowest rank's) and
-its spread (min-max), the ratio to the ideal, and the speed-up over the even split.
+``auto``'s once-per-step cost comes from the planner's terms on this machine's calibration
+(the stored one, else one measured first, about 30 s). Each configuration runs --steps
+steps; the first --skip are dropped (start-up, the quota's move); the table gives the
+median step time (zero-train's step_s: the slowest rank's) and its spread (min-max), the
+ratio to the ideal, and the speed-up over the even split.
 """
 
 from __future__ import annotations
@@ -57,10 +59,26 @@ def zero_train(args: argparse.Namespace, counts: str, out: Path) -> list[str]:
     return command
 
 
-def run_one(args: argparse.Namespace, counts: str, folder: Path) -> dict[str, Any]:
+def calibration_env(folder: Path) -> dict[str, str]:
+    """The environment that gives ``auto`` this machine's calibration (its once-per-step
+    cost then comes from the planner's terms, zero_core.hetero.planned): the stored one,
+    else one measured now at the default GPT's width into ``folder`` (about 30 s)."""
+    from zero_core.plan.calibrate import ENV_VAR, calibrate, load_calibration
+
+    if load_calibration() is not None:
+        return {}
+    path = folder / "calibration.json"
+    print("bench: no stored calibration (zero-plan --calibrate); measuring one", flush=True)
+    calibrate(path, widths=(128,))
+    return {ENV_VAR: str(path)}
+
+
+def run_one(
+    args: argparse.Namespace, counts: str, folder: Path, extra_env: dict[str, str]
+) -> dict[str, Any]:
     """Train one configuration; its step times and run record."""
     out = folder / counts.replace(",", "-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
     started = time.perf_counter()
     process = subprocess.Popen(zero_train(args, counts, out), env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -130,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.2, help="pad: rank 0's seconds per slot")
     p.add_argument("--quota", type=float, default=1.0, help="quota: rank 0's CPUs (rank 1: half)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per slot")
-    p.add_argument("--stage", type=int, default=2, help="2: the highest for uneven counts")
+    p.add_argument("--stage", type=int, default=2, help="ZeRO stage (the docs' tables: 2)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--timeout", type=float, default=900)
@@ -143,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     rows = []
     with tempfile.TemporaryDirectory(prefix="hetero-bench-") as folder:
+        extra_env = calibration_env(Path(folder))
         for counts in COUNTS:
-            rows.append(run_one(args, counts, Path(folder)))
+            rows.append(run_one(args, counts, Path(folder), extra_env))
             print(f"bench: {counts}: median {rows[-1]['median_s']:.3f} s", flush=True)
     ideal = ideal_seconds(args, rows)
     lines = [f"ideal capacity-weighted step: {ideal:.3f} s", *table(rows, ideal)]

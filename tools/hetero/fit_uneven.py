@@ -79,7 +79,7 @@ def probe(args: argparse.Namespace) -> None:
     faulthandler.register(signal.SIGUSR1)  # a hung probe: kill -USR1 prints its stacks
     torch.set_num_threads(1)
     comm = zero_comm.init("gloo", deterministic=True)
-    weights = None if args.weights == "even" else parse_list(args.weights)
+    weights = None if args.weights == "even" else tuple(parse_list(args.weights))
     budgets = parse_list(args.budgets)
 
     def train(config: GPTConfig, steps: int) -> zero_core.ZeroEngine:

@@ -328,6 +328,26 @@ def test_json_has_the_requested_fields(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert data["requested"]["intra_node_bytes"] > 0
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [["--micro-batches-per-rank", "2,1"], ["--shard-weights", "2,1"],
+     ["--micro-batches-per-rank", "auto", "--virtual-ranks", "12"],
+     ["--emulate-micro-batch-seconds", "0.2,0.4"]],
+)  # fmt: skip
+def test_uneven_rank_options_are_refused_not_ignored(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Mixed ranks change the step, and the plan has one device kind: planning the even
+    run instead would answer for another run, so zero-plan stops and names where mixed
+    ranks are predicted (zero-train's auto)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_plan([*flags, "--json"], monkeypatch, tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flags[0] in err and "--micro-batches-per-rank auto" in err
+
+
 def test_cluster_flags_and_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(gpu_cluster().to_json()))

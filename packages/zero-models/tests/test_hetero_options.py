@@ -54,10 +54,6 @@ from zero_models.train_options import parse_options
         (["--micro-batches-per-rank", "auto", "--virtual-ranks", "1"], "give at least 2"),
         (["--virtual-ranks", "4"], "--virtual-ranks is for --micro-batches-per-rank auto"),
         (
-            ["--micro-batches-per-rank", "2,1", "--batch-size", "18", "--stage", "3"],
-            "every rank must run as many micro-batches; use --stage 2",
-        ),
-        (
             ["--micro-batches-per-rank", "1,1", "--nproc", "4", "--tp", "2", "--model", "test"],
             "mixed hardware is for data parallelism alone",
         ),
@@ -168,7 +164,16 @@ def test_auto_chooses_from_every_ranks_profile() -> None:
     assert choice.even_step_seconds == pytest.approx(2 * 2.4 + 0.1)
     line = describe(choice)
     assert "--micro-batches-per-rank 8,4 --shard-weights 0.6667,0.3333" in line
-    assert "predicted step 3.300 s (even split: 4.900 s)" in line
+    assert (
+        "predicted step 3.300 s (even split: 4.900 s; slots measured, once per step: "
+        "measured)" in line
+    )
+    # With the planner's terms, the once-per-step cost depends on the counts (the rows
+    # padded to the largest block but rank 0's) and is the planner's, not the measured O.
+    planned = choose(profiles, 12, 2, False, lambda c, w: 0.01 * max(c[1:]), "planner (x)")
+    assert planned.predicted_step_seconds == pytest.approx(2 * 1.6 + 0.04)
+    assert planned.even_step_seconds == pytest.approx(2 * 2.4 + 0.06)
+    assert describe(planned).endswith("once per step: planner (x))")
     assert choose(profiles, 12, 1, want_weights=False).shard_weights is None
     # The first step (start-up) is left out: the median of 3.3, 3.63 and 3.0.
     assert prediction_check(choice, [9.0, 3.3, 3.63, 3.0]).startswith(
@@ -182,7 +187,7 @@ def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
 
     args = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
                           "--batch-size", "18"])  # fmt: skip
-    assert args.virtual_total == 3 and args.stage == 2  # the highest for uneven counts
+    assert args.virtual_total == 3 and args.stage == 3  # uneven counts run at stage 3 too
     assert run_zero_config(args).micro_batches_per_rank == (2, 1)
     auto = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "auto"])
     assert auto.virtual_total == 8  # --batch-size 16 over 2 ranks: up to 4 slots each
@@ -190,7 +195,10 @@ def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
     assert plain.virtual_total == 2 and run_zero_config(plain).micro_batches_per_rank is None
     assert plain.stage == 3
     equal = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,2"])
-    assert equal.stage == 3  # equal counts run at stage 3
+    assert equal.stage == 3
+    explicit = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
+                              "--batch-size", "18", "--stage", "3"])  # fmt: skip
+    assert run_zero_config(explicit).stage == 3  # taken, not refused or lowered
 
 
 def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
@@ -219,22 +227,71 @@ def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
     )
 
 
-def test_a_deepspeed_configs_micro_batch_is_one_slots(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_deepspeed_configs_micro_batch_is_one_slots(tmp_path: Path) -> None:
     """With --deepspeed a "GPU" is a virtual rank: 6 sequences per slot on 2,1 slots make
-    a batch of 18; the config's stage 3 is refused with uneven counts, naming the key."""
+    a batch of 18; the config's stage (2 or 3) is the engine's with uneven counts."""
     from zero_models.train_options import run_zero_config
 
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
-                                  "zero_optimization": {"stage": 2}}))  # fmt: skip
     out = ["--out", str(tmp_path / "out")]
-    args = parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
-    assert args.batch_size == 18 and args.stage == 2
-    assert run_zero_config(args).micro_batches_per_rank == (2, 1)
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
-                                  "zero_optimization": {"stage": 3}}))  # fmt: skip
-    with pytest.raises(SystemExit):
-        parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
-    assert "zero_optimization.stage 3 with --micro-batches-per-rank 2,1" in capsys.readouterr().err
+    for stage in (2, 3):
+        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6,
+                                      "zero_optimization": {"stage": stage}}))  # fmt: skip
+        args = parse_options([*out, "--deepspeed", str(config), "--micro-batches-per-rank", "2,1"])
+        assert args.batch_size == 18 and args.stage == stage
+        zero = run_zero_config(args)
+        assert zero.micro_batches_per_rank == (2, 1) and zero.stage == stage
+
+
+@pytest.mark.parametrize("counts", [[], ["--micro-batches-per-rank", "2,1"]], ids=["plain", "2,1"])
+def test_the_delayed_update_flag_reaches_the_engine_under_deepspeed(
+    tmp_path: Path, counts: list[str]
+) -> None:
+    """--deepspeed CONFIG --delayed-parameter-update: the config has no such key, so the
+    flag is added to the config's ZeroConfig (it was once dropped without a word), also
+    beside the mixed-hardware options, which are added to the same config."""
+    from zero_models.train_options import run_zero_config
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    common = ["--out", str(tmp_path / "out"), "--deepspeed", str(config), *counts]
+    zero = run_zero_config(parse_options([*common, "--delayed-parameter-update"]))
+    assert zero.delayed_parameter_update is True
+    assert zero.offload_optimizer == "cpu"
+    assert zero.micro_batches_per_rank == ((2, 1) if counts else None)
+    assert run_zero_config(parse_options(common)).delayed_parameter_update is False
+
+
+def test_the_planner_gives_the_once_per_step_cost_where_this_machine_is_calibrated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """planner_overhead: the engine configuration's stage, bucket size and dtypes reach
+    the planner's terms (zero_core.hetero.planned); without a calibration there is no
+    planner cost, and auto falls back to the measured O."""
+    import zero_core
+    from zero_core.hetero.planned import planned_overhead
+    from zero_core.plan import Cluster
+    from zero_models.gpt import PRESETS
+    from zero_models.hetero_profile import planner_overhead
+
+    cluster = Cluster(
+        name="test", nodes=1, devices_per_node=2, device_memory=1e9, peak_flops=1e12,
+        compute_efficiency=1.0, memory_bandwidth=1e10, intra_bandwidth=1e9, intra_latency=1e-4,
+        inter_bandwidth=1e9, inter_latency=1e-4, host_memory=1e10, host_bandwidth=1e10,
+        host_optimizer_rate=1e8, disk_bandwidth=1e9, optimizer_rate=1e8, overlap=0.0,
+        source="made up",
+    )  # fmt: skip
+    zc = zero_core.ZeroConfig(stage=2, bucket_numel=1 << 16, param_dtype=torch.bfloat16)
+    config = PRESETS["small"]
+    found = planner_overhead(zc, config, 2, torch.device("cpu"), 2, 0.1, cluster=cluster)
+    assert found is not None
+    overhead, source = found
+    assert source == "planner (test: made up)"
+    expected = planned_overhead((8, 4), cluster, params=config.num_params, stage=2,
+                                bucket_numel=1 << 16, dtype_bytes=2, reduce_bytes=2,
+                                accumulation=2, slot_seconds=0.1)  # fmt: skip
+    assert overhead((8, 4), None) == pytest.approx(expected.total)
+    assert overhead((6, 6), None) > overhead((8, 4), None)  # rows padded to 6, not 4
+    monkeypatch.setenv("ZERO_PLAN_CALIBRATION", str(tmp_path / "none.json"))
+    assert planner_overhead(zc, config, 2, torch.device("cpu"), 1, 0.1) is None

@@ -8,8 +8,9 @@ but for PROFILE_SLOTS slots on every rank and no accumulation), which is then cl
 
 - t_i, the median seconds of one micro-batch slot (B / V sequences) of the second of two
   micro-steps (the first warms up), over the slots before the last: those only stage
-  their gradients (the engine's per-slot work included) and wait for no other rank. They
-  are padded as the run's slots are (--emulate-micro-batch-seconds);
+  their gradients (the engine's per-slot work included) and wait for no other rank. Each
+  does the run's per-slot work too (the batch read, the memory tracker's phases, the
+  loss read) and is padded as the run's slots are (--emulate-micro-batch-seconds);
 - the whole micro-step and optimizer step, from which the once-per-step cost follows:
   O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last slot's collectives wait for the
   slowest rank; then the step);
@@ -20,8 +21,11 @@ but for PROFILE_SLOTS slots on every rank and no accumulation), which is then cl
 The figures are gathered, and every rank computes the same choice with zero_core.hetero:
 counts minimising accumulation * max_i c_i t_i for V slots, weights proportional to free
 memory. The lead prints the choice and the predicted step time, accumulation x max_i
-c_i t_i + O (with the even split's for comparison). The bits of the run do not depend on
-the counts chosen, only on V.
+c_i t_i + the once-per-step cost (with the even split's for comparison). That cost comes
+from the planner's cost model (zero_core.hetero.planned: the row reduction at the
+chosen counts' byte counts, the optimizer step, the after-step gathers) where this
+machine has a calibration (zero-plan --calibrate; CPU ranks), else it is the measured O.
+The bits of the run do not depend on the counts chosen, only on V.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -45,6 +49,10 @@ from zero_core.hetero import (
     even_counts,
     predicted_step_seconds,
 )
+from zero_core.hetero.planned import planned_overhead
+from zero_core.plan.calibrate import load_calibration
+from zero_core.plan.cluster import Cluster
+from zero_core.plan.presets import this_machine
 
 from .data import BatchSampler
 from .gpt import GPTConfig
@@ -71,34 +79,46 @@ class AutoChoice(NamedTuple):
     predicted_step_seconds: float
     even_step_seconds: float
     profiles: tuple[RankProfile, ...]
+    # Where the once-per-step cost came from: "measured" (the profile's O) or the
+    # planner's cluster (its Cluster.source).
+    overhead_source: str = "measured"
 
 
 def profile_rank(
     engine: zero_core.Engine,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    sampler: BatchSampler,
     device: torch.device,
     padding: SlotPadding,
 ) -> RankProfile:
     """This rank's RankProfile on ``engine`` (PROFILE_SLOTS slots per rank; collective:
-    the last slot of each micro-step reduces with every rank)."""
+    the last slot of each micro-step reduces with every rank). Each slot does what the
+    run's slots do (trainer.forward_backward): it reads its batch from ``sampler``, runs
+    forward and backward inside a memory tracker's phases, and reads its loss. Left out,
+    that per-slot work went unmeasured, which a rank throttled by a CPU quota pays for
+    several times over (docs/mixed-hardware.md)."""
+    tracker = zero_core.MemoryTracker(device)
     slot_seconds: list[float] = []
     step_seconds = 0.0
-    for _ in range(2):  # the first warms up
+    for step in range(2):  # the first warms up
         slot_seconds = []
         started = time.perf_counter()
         for _ in range(PROFILE_SLOTS):
             slot_start = time.perf_counter()
             with padding:
-                logits = engine(inputs)
-                loss = F.cross_entropy(
-                    logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-                )
-                del logits
-                engine.backward(loss)
+                inputs, targets = (t.to(device) for t in sampler.batch(step))
+                with tracker.phase("forward"):
+                    logits = engine(inputs)
+                    loss = F.cross_entropy(
+                        logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+                    )
+                    del logits
+                with tracker.phase("backward"):
+                    engine.backward(loss)
+                float(loss.item())
                 _synchronize(device)
             slot_seconds.append(time.perf_counter() - slot_start)
-        engine.step()
+        with tracker.phase("step"):
+            engine.step()
         _synchronize(device)
         step_seconds = time.perf_counter() - started
     return RankProfile(statistics.median(slot_seconds[:-1]), step_seconds, 0.0)
@@ -109,21 +129,64 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The once-per-step cost of a step at the given counts (and shard weights), in seconds.
+Overhead = Callable[[Sequence[int], Sequence[float] | None], float]
+
+
 def choose(
-    profiles: tuple[RankProfile, ...], virtual: int, accumulation: int, want_weights: bool
+    profiles: tuple[RankProfile, ...],
+    virtual: int,
+    accumulation: int,
+    want_weights: bool,
+    overhead: Overhead | None = None,
+    overhead_source: str = "measured",
 ) -> AutoChoice:
-    """The choice every rank makes from the gathered ``profiles`` (pure)."""
+    """The choice every rank makes from the gathered ``profiles`` (pure): the predicted
+    step adds ``overhead(counts, weights)`` (the planner's terms), else the measured O."""
     times = [p.seconds_per_micro_batch for p in profiles]
     counts = choose_micro_batches(times, virtual)
-    overhead = step_overhead(profiles)
     weights = choose_shard_weights([p.free_bytes for p in profiles]) if want_weights else None
+    if overhead is None:
+        measured = step_overhead(profiles)
+        overhead = lambda _counts, _weights: measured  # noqa: E731
+        overhead_source = "measured"
+    even = even_counts(len(times), virtual)
     return AutoChoice(
         counts, weights,
-        predicted_step_seconds(counts, times, accumulation=accumulation, overhead_seconds=overhead),
-        predicted_step_seconds(even_counts(len(times), virtual), times, accumulation=accumulation,
-                               overhead_seconds=overhead),
-        profiles,
+        predicted_step_seconds(counts, times, accumulation=accumulation,
+                               overhead_seconds=overhead(counts, weights)),
+        predicted_step_seconds(even, times, accumulation=accumulation,
+                               overhead_seconds=overhead(even, weights)),
+        profiles, overhead_source,
     )  # fmt: skip
+
+
+def planner_overhead(
+    zc: zero_core.ZeroConfig, config: GPTConfig, ranks: int, device: torch.device,
+    accumulation: int, slot_seconds: float, cluster: Cluster | None = None,
+) -> tuple[Overhead, str] | None:  # fmt: skip
+    """The planner's once-per-step cost for the engine configuration ``zc`` (its stage,
+    bucket size, dtypes) of ``config``'s GPT on ``ranks`` ranks, the reduction hiding
+    behind at most ``slot_seconds`` of the last slot, and the cluster's source; None where
+    the planner has no model of this machine (a CUDA device, or no calibration:
+    zero-plan --calibrate). ``cluster`` overrides this machine's calibrated one."""
+    if cluster is None:
+        calibration = load_calibration() if device.type == "cpu" else None
+        if calibration is None:
+            return None
+        cluster = this_machine(calibration, ranks=ranks, width=config.width)
+    reduce_dtype = zc.reduce_dtype or zc.param_dtype
+    planned = cluster
+
+    def overhead(counts: Sequence[int], weights: Sequence[float] | None) -> float:
+        return planned_overhead(
+            counts, planned, params=config.num_params, stage=zc.stage,
+            bucket_numel=zc.bucket_numel, dtype_bytes=zc.param_dtype.itemsize,
+            reduce_bytes=reduce_dtype.itemsize, accumulation=accumulation,
+            shard_weights=weights, slot_seconds=slot_seconds,
+        ).total  # fmt: skip
+
+    return overhead, f"planner ({cluster.name}: {cluster.source})"
 
 
 def step_overhead(profiles: tuple[RankProfile, ...]) -> float:
@@ -152,10 +215,10 @@ def resolve_auto(
         tokens, context=config.context, global_batch=args.batch_size,
         dp_rank=0, dp_size=args.virtual_total, seed=args.seed,
     )  # fmt: skip
-    inputs, targets = (t.to(device) for t in sampler.batch(0))
     engine = profile_engine((PROFILE_SLOTS,) * dp.world_size)
     try:
-        mine = profile_rank(engine, inputs, targets, device, padding)
+        mine = profile_rank(engine, sampler, device, padding)
+        engine_config = engine.config
     finally:
         engine.close()
     del engine
@@ -164,12 +227,28 @@ def resolve_auto(
         torch.cuda.empty_cache()
     mine = mine._replace(free_bytes=available_bytes(device, 1) or 0.0)
     profiles = tuple(RankProfile(*p) for p in dp.all_gather_object(tuple(mine)))
-    choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto)
+    # Every rank predicts alike: from the gathered figures, and with the planner only if
+    # every rank has this machine's calibration.
+    fastest = min(p.seconds_per_micro_batch for p in profiles)
+    planner = planner_overhead(
+        engine_config, config, dp.world_size, device, args.grad_accum, fastest
+    )
+    use_planner = dp.all_gather_object(planner is not None)
+    overhead, source = planner if planner is not None and all(use_planner) else (None, "")
+    given_weights = None if weights_auto else args.shard_weights
+    if overhead is not None and given_weights is not None:
+        planned = overhead
+        overhead = lambda counts, _weights: planned(counts, given_weights)  # noqa: E731
+    choice = choose(profiles, args.virtual_total, args.grad_accum, weights_auto, overhead, source)
     if not counts_auto:
         given = args.micro_batches_per_rank or (1,) * dp.world_size
         times = [p.seconds_per_micro_batch for p in profiles]
+        extra = (
+            step_overhead(profiles) if overhead is None
+            else overhead(given, choice.shard_weights)
+        )  # fmt: skip
         predicted = predicted_step_seconds(
-            given, times, accumulation=args.grad_accum, overhead_seconds=step_overhead(profiles)
+            given, times, accumulation=args.grad_accum, overhead_seconds=extra
         )
         choice = choice._replace(counts=tuple(given), predicted_step_seconds=predicted)
     if dp.rank == 0:
@@ -189,7 +268,8 @@ def describe(choice: AutoChoice) -> str:
     return (
         f"zero-train: auto: seconds per micro-batch [{times}], free GiB [{free}] -> "
         f"--micro-batches-per-rank {counts}{weights}; predicted step "
-        f"{choice.predicted_step_seconds:.3f} s (even split: {choice.even_step_seconds:.3f} s)"
+        f"{choice.predicted_step_seconds:.3f} s (even split: {choice.even_step_seconds:.3f} s; "
+        f"slots measured, once per step: {choice.overhead_source})"
     )
 
 

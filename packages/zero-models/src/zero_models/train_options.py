@@ -36,7 +36,6 @@ from .gpt import PRESETS, GPTConfig
 from .hetero_options import (
     LIST_OPTIONS,
     add_hetero_options,
-    check_deepspeed_stage,
     hetero_settings,
     list_flag,
     resolve_virtual_ranks,
@@ -518,7 +517,6 @@ def parse_options(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.deepspeed is not None:
             apply_deepspeed(args, virtual)
             check_hierarchy(args, data_parallel)
-            check_deepspeed_stage(args)
         hetero = hetero_settings(args)
         if hetero and args.deepspeed is None:
             try:

@@ -54,12 +54,14 @@ IGNORED = {
     "--comm-timeout": True, "--heartbeat-timeout": True, "--stop-after": True,
     "--tensorboard": None, "--offload-dir": True, "--backend": True,
     "--offload-checkpoints": False,
-    # Issue 52's uneven ranks change a step, but the plan assumes every rank alike (its
-    # Cluster has one device kind): accepted so that a zero-train command line plans, and
-    # ignored (docs/plan.md, "Limits").
-    "--micro-batches-per-rank": True, "--shard-weights": True, "--virtual-ranks": True,
-    "--emulate-micro-batch-seconds": True,
 }  # fmt: skip
+# zero-train's options for ranks that are not alike (mixed hardware): they change a step,
+# and the plan's Cluster has one device kind, so planning without them would answer for
+# another run. Known to the parser (a zero-train command line parses) and refused when given.
+UNEVEN_RANKS = (
+    "--micro-batches-per-rank", "--shard-weights", "--virtual-ranks",
+    "--emulate-micro-batch-seconds",
+)  # fmt: skip
 CLUSTER_FLAGS = {
     "nodes": "nodes", "devices_per_node": "devices per node", "device_memory": "bytes per device",
     "peak_flops": "peak FLOP/s per device", "compute_efficiency": "achieved / peak",
@@ -127,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, takes in IGNORED.items():
         kwargs = {"nargs": "?"} if takes is None else ({} if takes else {"action": "store_true"})
         p.add_argument(flag, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+    for flag in UNEVEN_RANKS:
+        p.add_argument(flag, help=argparse.SUPPRESS)
     return p
 
 
@@ -142,6 +146,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.list_presets:
         print("\n".join(preset_names()))
         return
+    given = [f for f in UNEVEN_RANKS if getattr(args, f[2:].replace("-", "_")) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: zero-plan plans ranks that are alike; zero-train's "
+                     "--micro-batches-per-rank auto profiles mixed ranks and prints its "
+                     "predicted step (docs/mixed-hardware.md); drop these options to plan "
+                     "the even run")  # fmt: skip
     if args.tp != 1:
         parser.error(f"--tp {args.tp}: zero-plan models data parallelism only; give --tp 1")
     try:

@@ -124,6 +124,10 @@ ZPP_SHAPES = "49B/91B/138B shapes (width 8192; 61/113/171 layers)"
 # 8 V100s of 32 GB beside the activations: a 10B GPT-style model (50 x 4096, ZeRO-Offload's
 # 10B shape, sequence 512, micro-batch 8) is our assumption. (The 15B assumed before does
 # not fit a node: 30 GB of model states per 32 GB GPU.)
+# The evaluation section (its models, scales and per-figure speed-ups) is in none of the
+# stored copies searched (arXiv v1/v5 pages and mirrors, the VLDB record, Amazon Science's
+# blog): they hold the abstract and the introduction's start. So this is MiCS's only row,
+# and with one row the preset gets no fitted number (papers.MIN_FIT_ROWS).
 MICS_10B = PaperModel("MiCS 10B (assumed)", layers=50, width=4096, heads=32, seq_len=512)
 
 
@@ -271,7 +275,7 @@ RESULTS: tuple[PublishedResult, ...] = (
         PaperSetup("mics-p3dn", gpus=128, stage=3, micro_batch=8, shard_group=8),
         "speedup",
         2.89,
-        "MiCS abstract",
+        "MiCS abstract (arXiv 2205.00119 v5; PVLDB 16(1), 37-50)",
         baseline=PaperSetup("mics-p3dn", gpus=128, stage=3, micro_batch=8),
         assumed="model (the largest GPT shape whose states fit one node, the partition group), "
         "scale (16 p3dn.24xlarge), micro-batch, one micro-step per step: the abstract states none",

@@ -56,6 +56,10 @@ BUCKET_NUMEL = {"ZeRO": 500_000_000, "ZeRO-Offload": 500_000_000, "ZeRO++": 10_0
                 "MiCS": 500_000_000}  # fmt: skip
 # Search range for the fitted efficiency.
 EFFICIENCY_RANGE = (0.05, 1.0)
+# Issue 51, point 4: one efficiency per GPU kind, and fitted only from at least this many
+# absolute-throughput rows on it. Fewer rows would make the fit a tuned match of those
+# rows, not a prediction (why MiCS's p3dn.24xlarge, one speed-up row, has no fit of its own).
+MIN_FIT_ROWS = 3
 MAX_MICRO_BATCH = 1024
 
 
@@ -212,10 +216,15 @@ def _fit_loss(rows: Sequence[PublishedResult], efficiency: float) -> float:
 def fit_efficiency(kind: str = "v100", results: Iterable[PublishedResult] = RESULTS) -> float:
     """The one ``compute_efficiency`` of GPU ``kind`` (module docstring): golden-section
     search of the fit rows' mean squared log error over :data:`EFFICIENCY_RANGE`, after a
-    coarse grid (the loss need not be unimodal over the whole range)."""
+    coarse grid (the loss need not be unimodal over the whole range). Raises
+    ``ValueError`` when ``kind`` has fewer than :data:`MIN_FIT_ROWS` fit rows."""
     rows = [r for r in results if r.fit and GPU_KIND[r.setup.preset] == kind]
-    if not rows:
-        raise ValueError(f"no fit rows run on GPU kind {kind!r}")
+    if len(rows) < MIN_FIT_ROWS:
+        raise ValueError(
+            f"GPU kind {kind!r} has {len(rows)} fit rows; fitting an efficiency needs at "
+            f"least {MIN_FIT_ROWS} (mark more absolute-throughput rows fit=True, or keep a "
+            "sourced or measured efficiency for this kind)"
+        )
     low, high = EFFICIENCY_RANGE
     grid = [low + (high - low) * i / 20 for i in range(21)]
     best = min(grid, key=lambda e: _fit_loss(rows, e))
