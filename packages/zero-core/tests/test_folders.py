@@ -117,7 +117,11 @@ def test_only_the_front_door_and_the_planner_import_estimate() -> None:
             assert not {t for t in targets if folder_of(t) == "estimate"}, module
 
 
-def test_only_the_front_door_imports_the_planner() -> None:
+def test_only_the_front_door_and_hetero_import_the_planner() -> None:
+    """hetero/ (zero-train's auto for mixed ranks) predicts a step with the planner's
+    terms; the planner itself knows nothing of mixed ranks, so it never imports hetero/."""
     for module, targets in import_graph().items():
-        if folder_of(module) != "plan" and module not in ("", "plan"):  # "plan": its __init__
+        if folder_of(module) not in ("plan", "hetero") and module not in ("", "plan"):
             assert not {t for t in targets if folder_of(t) == "plan" or t == "plan"}, module
+        if folder_of(module) == "plan":
+            assert not {t for t in targets if folder_of(t) == "hetero"}, module
