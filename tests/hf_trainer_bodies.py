@@ -67,8 +67,13 @@ def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> d
         "accumulation": {"gradient_accumulation_steps": 2},
         "unclipped": {"max_grad_norm": 0.0},
         "bf16": {"zero_options": {"param_dtype": "bf16"}},
+        # Memory-weighted shards (docs/mixed-hardware.md): the engine's layout alone, so
+        # the plain case's stage 0 bits.
+        "weighted": {"zero_options": {"shard_weights": (2, 1)}},
     }
-    stages_of = {"plain": (0, 1, 2, 3), "accumulation": (0, 3), "unclipped": (2,), "bf16": (0, 3)}
+    stages_of = {"plain": (0, 1, 2, 3), "accumulation": (0, 3), "unclipped": (2,), "bf16": (0, 3),
+                 "weighted": (2, 3)}  # fmt: skip
+    plain_state: dict[str, torch.Tensor] = {}  # the plain case's stage 0 (it runs first)
     for case, overrides in cases.items():
         runs = {s: train(example, f"{folder}/{case}-{s}", s, **overrides) for s in stages_of[case]}
         first = runs[stages_of[case][0]]
@@ -78,7 +83,9 @@ def stages_accumulation_clipping(comm: zero_comm.Communicator, folder: str) -> d
             "eval_losses": {s: r["eval_loss"] for s, r in runs.items()},
             "stages": {s: differences(first["state"], r["state"]) for s, r in runs.items()},
         }
-        if case != "bf16":  # the plain Trainer's bf16 is autocast: another computation
+        if case == "weighted":
+            report[case]["plain_stage_0"] = differences(plain_state, first["state"])
+        elif case != "bf16":  # the plain Trainer's bf16 is autocast: another computation
             ddp = train(example, f"{folder}/{case}-ddp", None, **overrides)
             report[case].update(
                 ddp_losses=ddp["losses"], ddp_norms=ddp["norms"], ddp_eval_loss=ddp["eval_loss"],

@@ -41,7 +41,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return reports[0]["value"]
 
 
-@pytest.mark.parametrize("case", ["plain", "accumulation", "unclipped", "bf16"])
+@pytest.mark.parametrize("case", ["plain", "accumulation", "unclipped", "bf16", "weighted"])
 def test_every_stage_equals_stage_0_bit_for_bit(runs: dict, case: str) -> None:
     report = runs[case]
     losses = list(report["losses"].values())
@@ -52,6 +52,13 @@ def test_every_stage_equals_stage_0_bit_for_bit(runs: dict, case: str) -> None:
     assert all(x == evaluations[0] for x in evaluations), report["eval_losses"]
     for stage, diff in report["stages"].items():
         assert diff["equal"], f"stage {stage}: weights differ by up to {diff['max_diff']:.3g}"
+
+
+def test_weighted_shards_give_the_even_runs_bits(runs: dict) -> None:
+    """ZeroConfig(shard_weights=(2, 1)) at stages 2 and 3: the plain case's stage 0."""
+    diff = runs["weighted"]["plain_stage_0"]
+    assert diff["equal"], f"weights differ by up to {diff['max_diff']:.3g}"
+    assert runs["weighted"]["losses"]["2"] == runs["plain"]["losses"]["0"]
 
 
 @pytest.mark.parametrize("case", ["plain", "accumulation", "unclipped"])

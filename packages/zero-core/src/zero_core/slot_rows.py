@@ -55,6 +55,15 @@ class SlotRows:
         # Homogeneous counts: the plain collectives, unchanged bits and bytes.
         self.active = not virtual.homogeneous_run
         self.row_counts = (1, *virtual.counts[1:])  # rank 0 sends its pre-added block
+        # Appended to every row collective's label (the same on every rank): a loop that
+        # calls backward once per micro-step on every rank (the slots forgotten) meets
+        # another collective there, and the mismatch error then names the setting.
+        self.label_hint = (
+            f" [micro_batches_per_rank={list(virtual.counts)}: rank i calls engine.backward "
+            "c_i times per micro-step]"
+            if self.active
+            else ""
+        )
         self.slot = 0
         # Rank 0 with persistent full buffers: its slots add into them (module docstring);
         # set by the gradient component that has them.
@@ -164,8 +173,9 @@ class SlotRows:
             self._hold(tensor)
             return Handle(self.comm, "all_reduce", CompletedWork())
         return self.comm.all_reduce_rows(
-            tensor, self._rows(tensor), self.row_counts, async_op=True, label=label
-        )
+            tensor, self._rows(tensor), self.row_counts, async_op=True,
+            label=label + self.label_hint,
+        )  # fmt: skip
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True], label: str
@@ -177,6 +187,7 @@ class SlotRows:
         if self.holding:
             self._hold(input)
             return Handle(self.comm, "reduce_scatter", CompletedWork())
+        label += self.label_hint
         if self.uneven is not None:
             return self._uneven_reduce_scatter(output, self._rows(input), label)
         return self.comm.reduce_scatter_rows(

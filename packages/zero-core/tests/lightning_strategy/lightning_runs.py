@@ -188,6 +188,8 @@ def main(out: Path) -> None:
     for stage in (0, 1, 2, 3):
         fit(out, f"zero{stage}", ZeroStrategy(stage=stage), gradient_clip_val=0.5)
     fit(out, "zero3_by_name", "zero_stage_3", gradient_clip_val=0.5)
+    # Memory-weighted shards (docs/mixed-hardware.md): the engine's layout alone.
+    fit(out, "zero3_weighted", ZeroStrategy(stage=3, shard_weights=(2, 1)), gradient_clip_val=0.5)
     fit(out, "zero3_meta", ZeroStrategy(stage=3), module=TinyRegression(meta=True),
         gradient_clip_val=0.5)  # fmt: skip
     fit(out, "zero0_noclip", ZeroStrategy(stage=0))

@@ -66,11 +66,13 @@ def _largest_difference(runs: Path, first: str, second: str) -> float:
     return max((v - b["params"][k]).abs().max().item() for k, v in a["params"].items())
 
 
-@pytest.mark.parametrize("run", ["zero1", "zero2", "zero3", "zero3_by_name", "zero3_meta"])
+@pytest.mark.parametrize(
+    "run", ["zero1", "zero2", "zero3", "zero3_by_name", "zero3_meta", "zero3_weighted"]
+)
 def test_every_stage_gives_stage_0s_bits(runs: Path, run: str) -> None:
     """With a per-step scheduler and gradient_clip_val; zero3_by_name is
     strategy="zero_stage_3", zero3_meta builds its layers in configure_model on the meta
-    device."""
+    device, zero3_weighted holds shards weighted 2:1 (shard_weights)."""
     _assert_same_bits(runs, "zero0", run)
 
 

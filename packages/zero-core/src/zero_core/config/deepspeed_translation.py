@@ -91,6 +91,26 @@ NO_EFFECT_PRECISION_KEYS = ("auto_cast", "consecutive_hysteresis")
 
 # DeepSpeed's older spellings of a section, which it still reads: alias -> section.
 DEEPSPEED_SECTION_ALIASES = {"bfloat16": "bf16"}
+# zero_core's mixed-hardware fields (docs/mixed-hardware.md), which users put into a
+# DeepSpeed config by habit. They are refused, not taken: a DeepSpeed config's batch
+# arithmetic (train_batch_size = micro x accumulation x ranks) counts ranks, not
+# micro-batch slots, so the same file would mean another batch under DeepSpeed.
+ZERO_CORE_ONLY_KEYS = {
+    "micro_batches_per_rank": "--micro-batches-per-rank",
+    "shard_weights": "--shard-weights",
+}
+
+
+def zero_core_only_key(path: str, name: str, value: Any) -> str:
+    """The refusal of a zero_core-only key found in a DeepSpeed config, naming the fix."""
+    text = ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+    return (
+        f"DeepSpeed config key {path!r} is zero_core's ZeroConfig field {name!r}, not a "
+        "DeepSpeed key, and is not read from a DeepSpeed config (whose train_batch_size "
+        "counts ranks, not micro-batch slots): remove it and give it to zero-train as "
+        f"{ZERO_CORE_ONLY_KEYS[name]} {text} (with --deepspeed too), or to "
+        f"zero_core.ZeroConfig({name}=...)"
+    )
 
 
 def canonical_deepspeed(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,6 +145,9 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
     for key, value in config.items():
         if key in TRAINER_KEYS or key == "communication_data_type":  # (the latter: below)
             continue
+        if key in ZERO_CORE_ONLY_KEYS:
+            problems.append(zero_core_only_key(key, key, value))
+            continue
         if key in NO_EFFECT_KEYS:
             notes.append(f"{key}: accepted, no effect (logging and profiling are zero-train's)")
             continue
@@ -151,6 +174,9 @@ def translate_deepspeed(config: Mapping[str, Any]) -> tuple[dict[str, Any], list
         if not isinstance(value, Mapping):
             raise ValueError(f"DeepSpeed config {key!r} must be a dict, got {value!r}")
         for sub, sub_value in value.items():
+            if sub in ZERO_CORE_ONLY_KEYS:
+                problems.append(zero_core_only_key(f"{key}.{sub}", sub, sub_value))
+                continue
             if key == "zero_optimization" and sub in OFFLOAD_SECTION_KEYS:
                 _offload_section(sub, sub_value, out, notes, problems)
                 continue

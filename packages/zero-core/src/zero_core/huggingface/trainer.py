@@ -239,6 +239,19 @@ def _refuse_unsupported(
             f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps})"
             ": set it in TrainingArguments only"
         )
+    counts = config.micro_batches_per_rank
+    if counts is not None and (counts == "auto" or any(c != 1 for c in counts)):
+        # The Trainer's loop gives every rank the same batches, one backward each, and
+        # steps every gradient_accumulation_steps on every rank alike; rank i of
+        # micro_batches_per_rank needs c_i backward calls per micro-step, each on a batch
+        # of its own. Run as is, the ranks would meet in different collectives.
+        given = counts if counts == "auto" else list(counts)
+        problems.append(
+            f"ZeroConfig(micro_batches_per_rank={given!r}): the Trainer gives every rank "
+            "the same batches and one backward per batch, but rank i must run c_i backward "
+            "calls per micro-step; remove it (shard_weights is supported), or train with "
+            "zero-train --micro-batches-per-rank or your own loop (docs/mixed-hardware.md)"
+        )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta and init_values is None:
         problems.append(

@@ -95,7 +95,10 @@ class StrategySettings:
                 "help(zero_core.ZeroConfig)); Lightning's own settings go to the Trainer"
             )
         if self.fields:
-            ZeroConfig(**self.fields)  # every other check of the fields, now
+            # every other check of the fields, now
+            refuse_micro_batch_slots(ZeroConfig(**self.fields))
+        if self.config is not None:
+            refuse_micro_batch_slots(self.config)
 
     def resolve(
         self,
@@ -127,9 +130,33 @@ class StrategySettings:
         return _with_trainer(config, precision, accumulate_grad_batches, gradient_clip_val)
 
 
+def refuse_micro_batch_slots(config: ZeroConfig) -> None:
+    """ValueError if ``config`` gives a rank more than one micro-batch slot.
+
+    Lightning's loop gives every rank the same batches (DistributedSampler) and calls
+    backward once per batch, stepping every ``accumulate_grad_batches`` batches on every
+    rank alike; rank i of ``micro_batches_per_rank`` needs c_i backward calls per
+    micro-step, each on a batch of its own. Run as is, the ranks would meet in different
+    collectives (a hang, or another update), so it is refused. ``shard_weights`` is the
+    engine's layout alone and is honoured; all-ones counts are the homogeneous run."""
+    counts = config.micro_batches_per_rank
+    if counts is None or (counts != "auto" and all(c == 1 for c in counts)):
+        return
+    given = counts if counts == "auto" else list(counts)
+    raise ValueError(
+        f"ZeroStrategy cannot run micro_batches_per_rank={given!r}: Lightning gives every "
+        "rank the same batches and one backward per batch, but rank i must run c_i "
+        "backward calls (each on its own batch) per micro-step. Remove "
+        "micro_batches_per_rank (shard_weights is supported under Lightning), or train "
+        "with zero-train --micro-batches-per-rank, or with your own loop calling "
+        "engine.backward c_i times per micro-step (docs/mixed-hardware.md)"
+    )
+
+
 def _with_trainer(
     config: ZeroConfig, precision: str, accumulate: int, clip: float | None
 ) -> ZeroConfig:
+    refuse_micro_batch_slots(config)
     dtype = check_precision(precision)
     changes: dict[str, Any] = {}
     if dtype is not torch.float32:
