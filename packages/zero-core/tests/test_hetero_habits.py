@@ -106,6 +106,8 @@ def test_a_homogeneous_run_labels_its_collectives_as_before() -> None:
 # ------------------------------------------------------------------ 2. Lightning, HF
 
 
+# Needs Lightning / transformers: nox -s integrations installs them (pinned).
+@pytest.mark.integrations
 @pytest.mark.parametrize("counts", [(2, 1), (2, 2), "auto"])
 def test_lightning_refuses_micro_batch_slots_every_way_they_are_given(counts: Any) -> None:
     pytest.importorskip("lightning.pytorch")
@@ -118,6 +120,8 @@ def test_lightning_refuses_micro_batch_slots_every_way_they_are_given(counts: An
         ZeroStrategy(config=ZeroConfig(stage=2, micro_batches_per_rank=counts))
 
 
+# Needs Lightning / transformers: nox -s integrations installs them (pinned).
+@pytest.mark.integrations
 def test_lightning_keeps_shard_weights_and_all_ones_counts() -> None:
     pytest.importorskip("lightning.pytorch")
     from zero_core.lightning import ZeroStrategy
@@ -130,6 +134,8 @@ def test_lightning_keeps_shard_weights_and_all_ones_counts() -> None:
     assert config.gradient_accumulation_steps == 2
 
 
+# Needs Lightning / transformers: nox -s integrations installs them (pinned).
+@pytest.mark.integrations
 def test_lightning_refuses_the_keys_in_its_deepspeed_config() -> None:
     pytest.importorskip("lightning.pytorch")
     from zero_core.lightning import ZeroStrategy
@@ -141,6 +147,8 @@ def test_lightning_refuses_the_keys_in_its_deepspeed_config() -> None:
         )
 
 
+# Needs Lightning / transformers: nox -s integrations installs them (pinned).
+@pytest.mark.integrations
 def test_the_hf_trainer_refuses_micro_batch_slots_and_keeps_shard_weights(tmp_path: Any) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
