@@ -17,21 +17,32 @@ each rank's copy of chunk r to rank r, and this local fold:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .reduce_op import ReduceOp
 
 
-def fold_rows(out: torch.Tensor, rows: torch.Tensor, op: ReduceOp) -> None:
-    """Reduce ``rows`` (shape (N, c), row i from rank i) into ``out`` (c elements), in order."""
-    out.copy_(rows[0])
-    for row in rows[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
+def fold_in_order(out: torch.Tensor, rows: Iterable[torch.Tensor], op: ReduceOp) -> None:
+    """The left fold of ``rows`` (each the shape of ``out``) into ``out``, in the order
+    given; AVG is left as SUM (the caller divides by the number of contributions)."""
+    first = True
+    for row in rows:
+        if first:
+            out.copy_(row)
+            first = False
+        elif op in (ReduceOp.SUM, ReduceOp.AVG):
             out.add_(row)
         elif op is ReduceOp.MAX:
             torch.maximum(out, row, out=out)
         else:
             torch.minimum(out, row, out=out)
+
+
+def fold_rows(out: torch.Tensor, rows: torch.Tensor, op: ReduceOp) -> None:
+    """Reduce ``rows`` (shape (N, c), row i from rank i) into ``out`` (c elements), in order."""
+    fold_in_order(out, rows, op)
     if op is ReduceOp.AVG:
         out.div_(rows.shape[0])
 

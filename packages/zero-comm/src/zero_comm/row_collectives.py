@@ -49,7 +49,7 @@ import torch
 from .buffers import BufferPool
 from .call_check import DTYPE_CODE
 from .handle import CompletedWork, Handle, Work
-from .ordered import chunk_numel
+from .ordered import chunk_numel, fold_in_order
 from .profiler_ranges import ranged
 from .reduce_op import ReduceOp
 from .stats import CommStats
@@ -68,32 +68,10 @@ def fold_ragged(
 ) -> None:
     """Fold ``blocks`` (shape (N, m, k): rank i's rows of this chunk, the first
     ``row_counts[i]`` of them real) into ``out`` (k elements) in (rank, row) order."""
-    first = True
-    for rank, count in enumerate(row_counts):
-        for row in blocks[rank, :count]:
-            if first:
-                out.copy_(row)
-                first = False
-            elif op in (ReduceOp.SUM, ReduceOp.AVG):
-                out.add_(row)
-            elif op is ReduceOp.MAX:
-                torch.maximum(out, row, out=out)
-            else:
-                torch.minimum(out, row, out=out)
+    real = (row for rank, count in enumerate(row_counts) for row in blocks[rank, :count])
+    fold_in_order(out, real, op)
     if op is ReduceOp.AVG:
         out.div_(sum(row_counts))
-
-
-def fold_local(out: torch.Tensor, rows: list[torch.Tensor], op: ReduceOp) -> None:
-    """This rank's rows (each n) folded in row order into ``out`` (n); AVG is left as SUM."""
-    out.copy_(rows[0])
-    for row in rows[1:]:
-        if op in (ReduceOp.SUM, ReduceOp.AVG):
-            out.add_(row)
-        elif op is ReduceOp.MAX:
-            torch.maximum(out, row, out=out)
-        else:
-            torch.minimum(out, row, out=out)
 
 
 class RowCollectives(abc.ABC):
@@ -269,7 +247,7 @@ class RowCollectives(abc.ABC):
         if size == 1 or k == 0 or not self._ordered("reduce_scatter", op, out.dtype):
             self.stats.record("reduce_scatter", size * k, out.element_size())
             local = self.buffers.take(size * k, out.dtype)
-            fold_local(local, rows, op)
+            fold_in_order(local, rows, op)
             if size == 1 or k == 0:
                 out.copy_(local[:k])
                 self.buffers.give_back(local)
@@ -373,7 +351,7 @@ class RowCollectives(abc.ABC):
         flat, n, size = output.view(-1), output.numel(), self.world_size
         if size == 1 or n == 0 or not self._ordered("all_reduce", op, output.dtype):
             local = self.buffers.take(n, output.dtype)
-            fold_local(local, listed, op)
+            fold_in_order(local, listed, op)
             self.stats.record("all_reduce", n, output.element_size())
             flat.copy_(local)
             self.buffers.give_back(local)
