@@ -100,3 +100,51 @@ def test_too_few_slots_name_the_fix() -> None:
         choose_micro_batches([0.1, 0.2, 0.3], 2)
     with pytest.raises(ValueError, match="one of each"):
         micro_step_seconds((1, 2), [0.1])
+
+
+def rows_sent(counts: tuple[int, ...]) -> int:
+    """The row reduction's padding (hetero.planned.row_padding): rank 0 sends one row."""
+    return max(1, *counts[1:]) if len(counts) > 1 else 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.01, 10.0, allow_nan=False), min_size=2, max_size=3),
+    st.integers(0, 7),
+    st.integers(1, 3),
+    st.floats(0.0, 5.0),
+    st.floats(0.0, 1.0),
+)
+def test_counts_with_a_row_cost_are_optimal(
+    seconds: list[float], extra: int, accumulation: int, per_row: float, fixed: float
+) -> None:
+    """With a once-per-step cost growing with the rows the other ranks send, the choice
+    minimises the whole predicted step over every split (brute force)."""
+    total = len(seconds) + extra
+
+    def overhead(c: tuple[int, ...]) -> float:
+        return fixed + per_row * rows_sent(c)
+
+    def step(c: tuple[int, ...]) -> float:
+        return predicted_step_seconds(
+            c, seconds, accumulation=accumulation, overhead_seconds=overhead(c)
+        )
+
+    counts = choose_micro_batches(seconds, total, accumulation=accumulation, overhead=overhead)
+    assert sum(counts) == total and min(counts) >= 1 and len(counts) == len(seconds)
+    best = min(step(c) for c in splits(len(seconds), total))
+    assert step(counts) <= best * (1 + 1e-12)
+    # A constant cost changes nothing: the makespan alone decides.
+    assert choose_micro_batches(
+        seconds, total, accumulation=accumulation, overhead=lambda c: fixed
+    ) == choose_micro_batches(seconds, total)
+
+
+def test_a_slow_rank_whose_rows_cost_more_gets_fewer_slots() -> None:
+    # 2:1 speeds, 12 slots; each row rank 1 sends beyond 3 costs 0.3 s: 9,3 beats 8,4
+    # (1.8 + 0 against 1.6 + 0.3) and 10,2 (2.0).
+    def overhead(c: tuple[int, ...]) -> float:
+        return 0.3 * max(0, rows_sent(c) - 3)
+
+    assert choose_micro_batches([0.2, 0.4], 12, overhead=overhead) == (9, 3)
+    assert choose_micro_batches([0.2, 0.4], 12, overhead=lambda c: 0.01 * rows_sent(c)) == (8, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -293,5 +294,39 @@ def test_the_planner_gives_the_once_per_step_cost_where_this_machine_is_calibrat
                                 accumulation=2, slot_seconds=0.1)  # fmt: skip
     assert overhead((8, 4), None) == pytest.approx(expected.total)
     assert overhead((6, 6), None) > overhead((8, 4), None)  # rows padded to 6, not 4
+    # The profile's own step: one micro-step, even shards.
+    assert overhead((4, 4), None, 1) == pytest.approx(
+        planned_overhead((4, 4), cluster, params=config.num_params, stage=2,
+                         bucket_numel=1 << 16, dtype_bytes=2, reduce_bytes=2,
+                         accumulation=1, slot_seconds=0.1).total
+    )  # fmt: skip
     monkeypatch.setenv("ZERO_PLAN_CALIBRATION", str(tmp_path / "none.json"))
     assert planner_overhead(zc, config, 2, torch.device("cpu"), 1, 0.1) is None
+
+
+def test_the_planners_cost_is_scaled_to_the_profiles_measured_step() -> None:
+    """A rank slower than the calibration (a CPU quota) runs its once-per-step work
+    slower too: the planner's cost is scaled so that it gives the measured O at the
+    profile's counts (4 slots each, one micro-step), keeping how it changes with counts."""
+    from zero_models.hetero_profile import scaled_to_profile
+
+    def planned(c: Sequence[int], w: Sequence[float] | None, steps: int | None = None) -> float:
+        # 0.01 s per row rank 1 sends beyond 3, per micro-step (run: 2 a step).
+        return 0.01 * max(0, max(c[1:]) - 3) * (steps or 2)
+
+    # Measured: 4 x 0.4 s, then 0.3 s once; the planner says 0.01 s at (4, 4) and 1 step.
+    profiles = (RankProfile(0.2, 1.7, 1.0), RankProfile(0.4, 1.9, 1.0))
+    scaled, source = scaled_to_profile(planned, "planner (x)", profiles)
+    assert scaled((4, 4), None) == pytest.approx(30 * planned((4, 4), None))
+    assert scaled((5, 5), None) == pytest.approx(30 * 0.01 * 2 * 2)
+    assert scaled((9, 3), None) == 0.0
+    assert source == "planner (x) x 30.00 (the profile's measured step)"
+    # Without a planned cost at the profile's step there is nothing to scale by.
+    same, source = scaled_to_profile(lambda c, w, steps=None: 0.0, "planner (x)", profiles)
+    assert same((8, 4), None) == 0.0 and source == "planner (x)"
+    # The scaled cost decides the counts: at 2 micro-steps 8,4 takes 2 x 1.6 + 0.6 s and
+    # 9,3 2 x 1.8 s, so 9,3; unscaled (0.02 s), 8,4 (3.22 s against 3.6 s).
+    choice = choose(profiles, 12, 2, False, scaled, source)
+    assert choice.predicted_step_seconds == pytest.approx(3.6)
+    assert choose(profiles, 12, 2, False, lambda c, w: planned(c, w)).counts == (8, 4)
+    assert choice.counts == (9, 3)

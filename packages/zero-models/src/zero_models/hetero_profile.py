@@ -6,25 +6,28 @@ Collective over the data-parallel communicator ``dp``, before the run's engine i
 Each rank measures on a provisional engine (``profile_engine(counts)``: the run's engine
 but for PROFILE_SLOTS slots on every rank and no accumulation), which is then closed:
 
-- t_i, the median seconds of one micro-batch slot (B / V sequences) of the second of two
-  micro-steps (the first warms up), over the slots before the last: those only stage
-  their gradients (the engine's per-slot work included) and wait for no other rank. Each
+- t_i, the median seconds of one micro-batch slot (B / V sequences) over PROFILE_STEPS
+  micro-steps (after one that warms up), over the slots before the last of each: those
+  only stage their gradients (the engine's per-slot work included) and wait for no other
+  rank. Each
   does the run's per-slot work too (the batch read, the memory tracker's phases, the
   loss read) and is padded as the run's slots are (--emulate-micro-batch-seconds);
-- the whole micro-step and optimizer step, from which the once-per-step cost follows:
-  O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last slot's collectives wait for the
-  slowest rank; then the step);
+- the whole micro-step and optimizer step (the median over those steps), from which the
+  once-per-step cost follows: O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last
+  slot's collectives wait for the slowest rank; then the step);
 - its free memory once the engine is gone (out_of_memory.available_bytes: CUDA's
   mem_get_info; on CPU the address-space cap RLIMIT_AS less what is mapped, else
   MemAvailable shared among the node's ranks).
 
 The figures are gathered, and every rank computes the same choice with zero_core.hetero:
-counts minimising accumulation * max_i c_i t_i for V slots, weights proportional to free
-memory. The lead prints the choice and the predicted step time, accumulation x max_i
-c_i t_i + the once-per-step cost (with the even split's for comparison). That cost comes
-from the planner's cost model (zero_core.hetero.planned: the row reduction at the
-chosen counts' byte counts, the optimizer step, the after-step gathers) where this
-machine has a calibration (zero-plan --calibrate; CPU ranks), else it is the measured O.
+weights proportional to free memory, counts minimising the predicted step time,
+accumulation x max_i c_i t_i + the once-per-step cost, for V slots. The lead prints the
+choice and that prediction (with the even split's for comparison). The once-per-step cost
+comes from the planner's cost model (zero_core.hetero.planned: the row reduction at the
+counts' byte counts, the optimizer step, the after-step gathers) where this machine has
+a calibration (zero-plan --calibrate; CPU ranks), scaled so that it gives the measured O
+at the profile's own counts (scaled_to_profile: the calibration was taken at a full,
+unshared CPU, the ranks may run slower); else it is the measured O.
 The bits of the run do not depend on the counts chosen, only on V.
 """
 
@@ -36,7 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -61,6 +64,7 @@ from .hetero_options import AUTO
 from .out_of_memory import available_bytes
 
 PROFILE_SLOTS = 4  # per rank and micro-step: 3 timed, and the last, which sends the rows
+PROFILE_STEPS = 3  # timed steps, after one that warms up: medians over them
 
 
 class RankProfile(NamedTuple):
@@ -98,9 +102,9 @@ def profile_rank(
     several times over (docs/mixed-hardware.md)."""
     tracker = zero_core.MemoryTracker(device)
     slot_seconds: list[float] = []
-    step_seconds = 0.0
-    for step in range(2):  # the first warms up
-        slot_seconds = []
+    step_seconds: list[float] = []
+    for step in range(1 + PROFILE_STEPS):  # the first warms up
+        slots: list[float] = []
         started = time.perf_counter()
         for _ in range(PROFILE_SLOTS):
             slot_start = time.perf_counter()
@@ -116,12 +120,14 @@ def profile_rank(
                     engine.backward(loss)
                 float(loss.item())
                 _synchronize(device)
-            slot_seconds.append(time.perf_counter() - slot_start)
+            slots.append(time.perf_counter() - slot_start)
         with tracker.phase("step"):
             engine.step()
         _synchronize(device)
-        step_seconds = time.perf_counter() - started
-    return RankProfile(statistics.median(slot_seconds[:-1]), step_seconds, 0.0)
+        if step > 0:
+            slot_seconds += slots[:-1]
+            step_seconds.append(time.perf_counter() - started)
+    return RankProfile(statistics.median(slot_seconds), statistics.median(step_seconds), 0.0)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -133,6 +139,15 @@ def _synchronize(device: torch.device) -> None:
 Overhead = Callable[[Sequence[int], Sequence[float] | None], float]
 
 
+class PlannedCost(Protocol):
+    """The planner's once-per-step cost at the given counts, shard weights and micro-steps
+    per step (None: the run's)."""
+
+    def __call__(
+        self, counts: Sequence[int], weights: Sequence[float] | None, steps: int | None = None
+    ) -> float: ...
+
+
 def choose(
     profiles: tuple[RankProfile, ...],
     virtual: int,
@@ -142,14 +157,18 @@ def choose(
     overhead_source: str = "measured",
 ) -> AutoChoice:
     """The choice every rank makes from the gathered ``profiles`` (pure): the predicted
-    step adds ``overhead(counts, weights)`` (the planner's terms), else the measured O."""
+    step adds ``overhead(counts, weights)`` (the planner's terms), else the measured O;
+    the counts minimise that whole step (zero_core.hetero.choose_micro_batches)."""
     times = [p.seconds_per_micro_batch for p in profiles]
-    counts = choose_micro_batches(times, virtual)
     weights = choose_shard_weights([p.free_bytes for p in profiles]) if want_weights else None
     if overhead is None:
         measured = step_overhead(profiles)
         overhead = lambda _counts, _weights: measured  # noqa: E731
         overhead_source = "measured"
+    step_cost = overhead
+    counts = choose_micro_batches(
+        times, virtual, accumulation=accumulation, overhead=lambda c: step_cost(c, weights)
+    )
     even = even_counts(len(times), virtual)
     return AutoChoice(
         counts, weights,
@@ -164,7 +183,7 @@ def choose(
 def planner_overhead(
     zc: zero_core.ZeroConfig, config: GPTConfig, ranks: int, device: torch.device,
     accumulation: int, slot_seconds: float, cluster: Cluster | None = None,
-) -> tuple[Overhead, str] | None:  # fmt: skip
+) -> tuple[PlannedCost, str] | None:  # fmt: skip
     """The planner's once-per-step cost for the engine configuration ``zc`` (its stage,
     bucket size, dtypes) of ``config``'s GPT on ``ranks`` ranks, the reduction hiding
     behind at most ``slot_seconds`` of the last slot, and the cluster's source; None where
@@ -178,15 +197,34 @@ def planner_overhead(
     reduce_dtype = zc.reduce_dtype or zc.param_dtype
     planned = cluster
 
-    def overhead(counts: Sequence[int], weights: Sequence[float] | None) -> float:
+    def overhead(
+        counts: Sequence[int], weights: Sequence[float] | None, steps: int | None = None
+    ) -> float:
         return planned_overhead(
             counts, planned, params=config.num_params, stage=zc.stage,
             bucket_numel=zc.bucket_numel, dtype_bytes=zc.param_dtype.itemsize,
-            reduce_bytes=reduce_dtype.itemsize, accumulation=accumulation,
+            reduce_bytes=reduce_dtype.itemsize, accumulation=steps or accumulation,
             shard_weights=weights, slot_seconds=slot_seconds,
         ).total  # fmt: skip
 
     return overhead, f"planner ({cluster.name}: {cluster.source})"
+
+
+def scaled_to_profile(
+    planned: PlannedCost, source: str, profiles: tuple[RankProfile, ...]
+) -> tuple[Overhead, str]:
+    """The planner's cost scaled by k = O / planned(profile): at the profile's own step
+    (PROFILE_SLOTS slots on every rank, even shards, one micro-step) it gives the measured
+    O, and the planner's terms say how it changes with the counts and weights. The
+    calibration was taken on a full, unshared CPU; ranks that run slower (a CPU quota, a
+    slower card, a shared host) run the collectives, the gradient passes and the optimizer
+    slower too (measured under a 0.15-CPU quota: k about 7), which only the profile sees.
+    Unscaled where the planner gives no cost at the profile's step."""
+    at_profile = planned((PROFILE_SLOTS,) * len(profiles), None, 1)
+    if not at_profile > 0:
+        return (lambda c, w: planned(c, w)), source
+    k = step_overhead(profiles) / at_profile
+    return (lambda c, w: k * planned(c, w)), f"{source} x {k:.2f} (the profile's measured step)"
 
 
 def step_overhead(profiles: tuple[RankProfile, ...]) -> float:
@@ -234,7 +272,10 @@ def resolve_auto(
         engine_config, config, dp.world_size, device, args.grad_accum, fastest
     )
     use_planner = dp.all_gather_object(planner is not None)
-    overhead, source = planner if planner is not None and all(use_planner) else (None, "")
+    overhead: Overhead | None = None
+    source = ""
+    if planner is not None and all(use_planner):
+        overhead, source = scaled_to_profile(*planner, profiles)
     given_weights = None if weights_auto else args.shard_weights
     if overhead is not None and given_weights is not None:
         planned = overhead

@@ -15,12 +15,14 @@ micro-step takes max_i c_i t_i (the ranks wait for the slowest in the gradient f
 Choosing the c_i is scheduling V identical jobs on machines of speeds 1/t_i to minimise
 the makespan; giving each slot in turn to the rank on which it would finish first is
 optimal for identical jobs (each greedy step keeps the smallest achievable maximum).
+What a step adds once can depend on the counts too (the row reduction: every rank but
+rank 0 sends one row per slot), and choose_micro_batches weighs it when given.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def _check_positive(name: str, values: Sequence[float], unit: str) -> None:
@@ -34,12 +36,27 @@ def _check_positive(name: str, values: Sequence[float], unit: str) -> None:
             )
 
 
-def choose_micro_batches(seconds_per_micro_batch: Sequence[float], total: int) -> tuple[int, ...]:
-    """Counts c_i >= 1 with sum(c) == ``total`` that minimise max_i c_i * t_i, where t_i =
+def choose_micro_batches(
+    seconds_per_micro_batch: Sequence[float],
+    total: int,
+    *,
+    accumulation: int = 1,
+    overhead: Callable[[tuple[int, ...]], float] | None = None,
+) -> tuple[int, ...]:
+    """Counts c_i >= 1 with sum(c) == ``total`` that minimise the predicted step,
+    ``accumulation`` x max_i c_i t_i + ``overhead(c)``, where t_i =
     ``seconds_per_micro_batch[i]`` (one rank's time for one micro-batch's forward and
-    backward). Ties go to the lower rank, so rank 0 holds the largest block among equals.
-    Raises ValueError when ``total`` is below the rank count (every rank needs a slot) or
-    a time is not a positive number."""
+    backward) and ``overhead`` is what a step adds once (None: nothing, so the makespan
+    alone decides). Ties go to the lower rank, so rank 0 holds the largest block among
+    equals. Raises ValueError when ``total`` is below the rank count (every rank needs a
+    slot) or a time is not a positive number.
+
+    With an ``overhead``, the candidates are the makespan-optimal counts with the ranks
+    after rank 0 capped at m slots, for every m: the choice is optimal whenever the overhead
+    depends on the counts through m = max(c_1, ..., c_{N-1}) and grows with it, as the row
+    reduction's does (rank 0 sends its block pre-added as one row, every other rank its
+    slots' rows: hetero.planned.row_padding). A slow rank whose rows cost more than a
+    slot then gets fewer slots than its speed alone would give it."""
     times = [float(t) for t in seconds_per_micro_batch]
     _check_positive("seconds_per_micro_batch", times, "seconds per micro-batch")
     if total < len(times):
@@ -47,10 +64,31 @@ def choose_micro_batches(seconds_per_micro_batch: Sequence[float], total: int) -
             f"total {total} micro-batches cannot give each of the {len(times)} ranks one; "
             f"use at least {len(times)} (a multiple of the batch's micro-batch size)"
         )
+    best = _capped_greedy(times, total, cap=total)
+    if overhead is None or len(times) == 1:
+        return best
+    best_seconds = predicted_step_seconds(
+        best, times, accumulation=accumulation, overhead_seconds=overhead(best)
+    )
+    for cap in range(max(best[1:]) - 1, 0, -1):
+        counts = _capped_greedy(times, total, cap)
+        seconds = predicted_step_seconds(
+            counts, times, accumulation=accumulation, overhead_seconds=overhead(counts)
+        )
+        if seconds < best_seconds:
+            best, best_seconds = counts, seconds
+    return best
+
+
+def _capped_greedy(times: list[float], total: int, cap: int) -> tuple[int, ...]:
+    """The makespan-optimal counts with ranks 1.. holding at most ``cap`` slots (rank 0
+    unbounded): each slot in turn goes to the rank, among those with room, on which it
+    would end soonest (ties: the lower rank). Optimal for identical jobs on machines of
+    speeds 1/t_i with capacities: each greedy step keeps the smallest achievable maximum."""
     counts = [1] * len(times)
     for _ in range(total - len(times)):
-        # The rank on which one more slot ends soonest (ties: the lower rank).
-        best = min(range(len(times)), key=lambda i: ((counts[i] + 1) * times[i], i))
+        room = [i for i in range(len(times)) if i == 0 or counts[i] < cap]
+        best = min(room, key=lambda i: ((counts[i] + 1) * times[i], i))
         counts[best] += 1
     return tuple(counts)
 
