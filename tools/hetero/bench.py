@@ -3,7 +3,7 @@ micro-batches per step, trained with the speed-weighted counts 8,4, the even spl
 ``auto``; step times against the ideal capacity-weighted time.
 
     python -m tools.hetero.bench                       # padded slots: 0.2 s and 0.4 s
-    python -m tools.hetero.bench --mode quota          # cgroup CPU quotas 2:1 (root)
+    python -m tools.hetero.bench --mode quota          # cgroup CPU quotas 1 : 0.5 (root)
     python -m tools.hetero.bench --json docs/benchmarks/mixed-hardware.json
 
 Two ways to make rank 1 half as fast without changing a bit (threads per rank are part of
@@ -14,7 +14,12 @@ the bits, so not by threads):
   The ideal micro-step is 12 / (1/S + 1/(2S)) = 8S; counts 8,4 reach it, 6,6 take 12S.
 - ``quota`` (root, cgroup v2's cpu.max or v1's cpu.cfs_quota_us): each rank process is
   moved into its own cgroup with a CPU quota, rank 0 QUOTA of a CPU and rank 1 half of it;
-  the ideal uses t_i measured by ``auto``'s profile of the same run.
+  the ideal uses each rank's median slot time over the three runs (zero-train logs it as
+  slot_s: the slots before the last of each micro-step, which waits for the other
+  rank), so it is what the slots took under these quotas. Everything a rank
+  does runs at its quota, the step's once-per-step work (the row reduction, the optimizer,
+  gloo's threads) as well as its slots, so the micro-batch sets how large a share of the
+  step the slots are: 8 sequences by default (1 with ``pad``, whose padding is the slot).
 
 ``auto``'s once-per-step cost comes from the planner's terms on this machine's calibration
 (the stored one, else one measured first, about 30 s). Each configuration runs --steps
@@ -97,6 +102,8 @@ def run_one(
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     run = next(r["run"] for r in records if "run" in r)
     steps = [r["step_s"] for r in records if "run" not in r][args.skip :]
+    # Each rank's median slot of each step (zero-train's slot_s): the ideal's t_i.
+    slots = [r["slot_s"] for r in records if "run" not in r][args.skip :]
     return {
         "counts": counts,
         "chosen": run.get("micro_batches_per_rank"),
@@ -104,6 +111,7 @@ def run_one(
         "median_s": statistics.median(steps),
         "min_s": min(steps),
         "max_s": max(steps),
+        "slot_s": [list(rank) for rank in zip(*slots, strict=True)],  # [rank][step]
         "predicted_s": run.get("auto", {}).get("predicted_step_s"),
         "profiles": run.get("auto", {}).get("profiles"),
         "wall_s": round(time.perf_counter() - started, 1),
@@ -113,9 +121,13 @@ def run_one(
 
 def ideal_seconds(args: argparse.Namespace, rows: list[dict[str, Any]]) -> float:
     """The capacity-weighted micro-step, TOTAL / sum_i 1/t_i: with padding t = (S, 2S);
-    with quotas, auto's measured t_i."""
+    with quotas, t_i is rank i's median slot over every step of every configuration
+    (zero-train's slot_s: what the slots took in these runs), else ``auto``'s profile."""
     if args.mode == "pad":
         times = [args.seconds, 2 * args.seconds]
+    elif all(r.get("slot_s") for r in rows):
+        ranks = len(rows[0]["slot_s"])
+        times = [statistics.median(v for r in rows for v in r["slot_s"][i]) for i in range(ranks)]
     else:
         auto = next(r for r in rows if r["counts"] == "auto")
         times = [p["seconds_per_micro_batch"] for p in auto["profiles"]]
@@ -147,19 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("pad", "quota"), default="pad")
     p.add_argument("--seconds", type=float, default=0.2, help="pad: rank 0's seconds per slot")
     p.add_argument("--quota", type=float, default=1.0, help="quota: rank 0's CPUs (rank 1: half)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per slot")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per slot (default: 1 with pad, 8 with quota)")  # fmt: skip
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage (the docs' tables: 2)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
+    if args.micro_batch is None:
+        args.micro_batch = 8 if args.mode == "quota" else 1
     if args.mode == "quota":
         problem = quota_problem()
         if problem:
             print(f"bench: --mode quota: {problem}; use --mode pad", file=sys.stderr)
             return 2
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="hetero-bench-") as folder:
         extra_env = calibration_env(Path(folder))
         for counts in COUNTS:
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"mode": args.mode, "seconds": args.seconds, "quota": args.quota,
                   "micro_batch": args.micro_batch, "stage": args.stage, "steps": args.steps,
                   "skip": args.skip, "commit": git_head(), "cpus": os.cpu_count(),
+                  "load_before": load_before, "load_after": os.getloadavg(),
                   "ideal_s": ideal, "rows": rows}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

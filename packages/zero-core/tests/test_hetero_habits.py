@@ -14,6 +14,7 @@ naming the setting and its fix, never a hang, an ignored setting or a silent oth
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -206,10 +207,17 @@ def test_the_deepspeed_facade_refuses_them_too() -> None:
 def test_non_deterministic_reductions_train_the_v_rank_model_within_rounding() -> None:
     """Without deterministic reductions the fold's order is not fixed, so the bits may
     differ from the V-rank run's (docs/mixed-hardware.md); the model is the same within
-    float32 rounding."""
+    float32 rounding. The engine says so when it is built, naming the fix."""
     case = ParityCase(widths=(5, 33, 7), accumulation=2, clip=0.05, bucket_numel=64, steps=3)
     reference = run_simulated(3, lambda comm: train(case, comm, 2))[0]
-    got = run_simulated(2, lambda comm: train_virtual(case, comm, 2, (2, 1)), deterministic=False)
+    with pytest.warns(UserWarning, match=r"deterministic=False.*deterministic=True") as told:
+        got = run_simulated(
+            2, lambda comm: train_virtual(case, comm, 2, (2, 1)), deterministic=False
+        )
+    assert len([w for w in told if "micro_batches_per_rank=[2, 1]" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # deterministic: nothing to say
+        run_simulated(2, lambda comm: train_virtual(case, comm, 2, (2, 1)))
     for states in got:
         assert len(states) == len(reference) == case.steps
         for want, have in zip(reference, states, strict=True):

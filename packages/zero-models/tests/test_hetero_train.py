@@ -62,6 +62,11 @@ def test_virtual_ranks_print_the_losses_of_the_homogeneous_run(
     record = read_metrics(tmp_path / "mixed" / "metrics.jsonl")[0][0]
     assert record["micro_batches_per_rank"] == [2, 1]
     assert record.get("shard_weights") == ([2.0, 1.0] if weights else None)
+    # Each rank's median slot (the bench's ideal): at least its padding, 0.05 s and 0.1 s
+    # (rank 1's one slot a micro-step includes the wait for the rows).
+    for step in read_metrics(tmp_path / "mixed" / "metrics.jsonl")[1]:
+        fast, slow = step["slot_s"]
+        assert 0.05 <= fast < 0.1 <= slow, step["slot_s"]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ module hooks (stage 3)
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -112,6 +113,16 @@ def build_engine_parts(
     refused = None if virtual.homogeneous_run else unsupported_with_slots(config, comm.world_size)
     if refused:
         raise ValueError(f"[rank {comm.rank}] {refused}")
+    if not virtual.homogeneous_run and not comm.deterministic and comm.rank == 0:
+        # Slots' rows are then folded in the backend's order: a valid step of V
+        # micro-batches, but not the V-rank run's bits, which is what counts promise.
+        warnings.warn(
+            f"micro_batches_per_rank={list(virtual.counts)} on a communicator with "
+            "deterministic=False: the run trains, but equals the homogeneous run at "
+            f"{virtual.total} ranks only to within rounding; create it with "
+            "zero_comm.init(..., deterministic=True) for the same bits",
+            stacklevel=3,
+        )
     slot_rows = SlotRows(virtual, comm)
     dtype = config.param_dtype
     split = model_parallel.sharded if model_parallel is not None else ()

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -101,7 +102,8 @@ def clear_earlier_results(out: Path) -> None:
                 path.unlink()
 
 
-RANK_STATS = 4  # resident MiB, step seconds, intra-node bytes, inter-node bytes
+# resident MiB, step seconds, intra-node bytes, inter-node bytes, seconds per slot
+RANK_STATS = 5
 
 
 class Trainer:
@@ -131,6 +133,7 @@ class Trainer:
         self.tokens_per_step = args.batch_size * args.grad_accum * self.run.config.context
         self.history: list[tuple[int, float]] = []
         self.step_seconds: list[float] = []  # lead: each step's slowest rank's seconds
+        self.slot_seconds = 0.0  # this rank's median slot in the last step (optimizer_step)
         self.metrics: TextIO | None = None
         self.tensorboard: TensorBoardLog | None = None
         self.progress: tqdm[None] | None = None
@@ -301,11 +304,16 @@ class Trainer:
         applied = False
         # Each slot's mean loss over the micro-steps (one slot without
         # --micro-batches-per-rank): what its virtual rank would report at V ranks.
-        self.slot_losses = [0.0] * self.run.sampler.slots
+        slots = self.run.sampler.slots
+        self.slot_losses = [0.0] * slots
+        slot_seconds: list[float] = []
         for micro in range(args.grad_accum):
-            for slot in range(self.run.sampler.slots):
+            for slot in range(slots):
+                started = time.perf_counter()
                 with self.run.padding:  # --emulate-micro-batch-seconds; else nothing
                     loss = self.forward_backward(step, micro, slot)
+                if slot < slots - 1 or slots == 1:  # the last of several waits for the rows
+                    slot_seconds.append(time.perf_counter() - started)
                 self.slot_losses[slot] += loss / args.grad_accum
             self.phase = f"the optimizer step of step {step + 1}"
             if micro == args.grad_accum - 1:
@@ -316,6 +324,7 @@ class Trainer:
                 self.memory_mib = engine.memory_report().total / 2**20 if delayed else None
             with tracker.phase("step"):
                 applied = engine.step()  # True at the last micro-batch, unless skipped
+        self.slot_seconds = statistics.median(slot_seconds)
         return self.slot_losses[0], engine.last_grad_norm if applied else None
 
     def forward_backward(self, step: int, micro: int, slot: int) -> float:
@@ -367,11 +376,13 @@ class Trainer:
 
     def gather_rank_stats(self, step_s: float, links: list[Fraction]) -> torch.Tensor:
         """Collective: every rank's (resident MiB, ``step_s``, intra-node and inter-node
-        bytes its engine's communicators sent in the step), rank by rank as one flat
+        bytes its engine's communicators sent in the step, the median seconds of its
+        micro-batch slots: those before the last of each micro-step when it runs several,
+        since the last waits for the other ranks), rank by rank as one flat
         float64 tensor of RANK_STATS columns, for the metrics (tools/diagnose/soak.py reads
         them)."""
         comm = self.run.metrics_comm
-        stats = [resident_mib(), step_s, *map(float, links)]
+        stats = [resident_mib(), step_s, *map(float, links), self.slot_seconds]
         mine = torch.tensor(stats, dtype=torch.float64, device=comm.device)
         per_rank = mine.new_empty(RANK_STATS * comm.world_size)
         comm.all_gather(per_rank, mine)
@@ -424,7 +435,8 @@ class Trainer:
                   "grad_norm": grad_norm,
                   # every rank's sends, by link class (zero_comm.stats' ring convention)
                   "intra_node_bytes": int(table[:, 2].sum()),
-                  "inter_node_bytes": int(table[:, 3].sum())}  # fmt: skip
+                  "inter_node_bytes": int(table[:, 3].sum()),
+                  "slot_s": [round(float(v), 5) for v in table[:, 4]]}  # fmt: skip
         self.metrics.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.write(record)
