@@ -31,20 +31,21 @@ def rows() -> list[dict[str, object]]:
 
 def test_the_table_compares_with_the_ideal_and_the_even_split() -> None:
     args = argparse.Namespace(mode="pad", seconds=0.2)
-    ideal = ideal_seconds(args, rows())
-    assert ideal == pytest.approx(1.6)
-    lines = table(rows(), ideal)
-    assert lines[2] == "| 8,4 | 1.640 | 1.630-1.650 | 1.025x | 1.482x |  |"
+    assert ideal_seconds(args, rows()[0]) == pytest.approx(1.6)
+    lines = table(args, rows())
+    assert lines[2] == "| 8,4 | 1.640 | 1.630-1.650 | 1.600 | 1.025x | 1.482x |  |"
     assert lines[3].startswith("| 6,6 | 2.430 |") and "| 1.000x |" in lines[3]
     assert lines[4].startswith("| auto (8,4) |") and lines[4].endswith("| 1.600 (+3.1%) |")
-    # With quotas the ideal comes from the runs' own slot times (each rank's median over
-    # every step of every configuration), else from auto's profile: the same here.
+    # With quotas each run's ideal comes from its own ranks' slot times (the median over
+    # its steps), not from another run's or the profile's.
     quota = argparse.Namespace(mode="quota", seconds=None)
-    assert ideal_seconds(quota, rows()) == pytest.approx(1.6)
     timed = rows()
-    for row in timed:
-        row["slot_s"] = [[0.1, 0.1, 0.5], [0.3, 0.2, 0.3]]  # [rank][step]: medians 0.1, 0.3
-    assert ideal_seconds(quota, timed) == pytest.approx(12 / (1 / 0.1 + 1 / 0.3))
+    timed[0]["slot_s"] = [[0.1, 0.1, 0.5], [0.3, 0.2, 0.3]]  # [rank][step]: medians 0.1, 0.3
+    timed[1]["slot_s"] = [[0.2, 0.2, 0.2], [0.4, 0.4, 0.4]]
+    timed[2]["slot_s"] = [[0.2, 0.2, 0.2], [0.4, 0.4, 0.4]]
+    assert ideal_seconds(quota, timed[0]) == pytest.approx(12 / (1 / 0.1 + 1 / 0.3))
+    assert ideal_seconds(quota, timed[1]) == pytest.approx(1.6)
+    assert table(quota, timed)[2] == "| 8,4 | 1.640 | 1.630-1.650 | 0.900 | 1.822x | 1.482x |  |"
 
 
 def test_the_command_pads_the_slots_two_to_one() -> None:

@@ -14,9 +14,9 @@ the bits, so not by threads):
   The ideal micro-step is 12 / (1/S + 1/(2S)) = 8S; counts 8,4 reach it, 6,6 take 12S.
 - ``quota`` (root, cgroup v2's cpu.max or v1's cpu.cfs_quota_us): each rank process is
   moved into its own cgroup with a CPU quota, rank 0 QUOTA of a CPU and rank 1 half of it;
-  the ideal uses each rank's median slot time over the three runs (zero-train logs it as
-  slot_s: the slots before the last of each micro-step, which waits for the other
-  rank), so it is what the slots took under these quotas. Everything a rank
+  each run's ideal uses its ranks' median slot times (zero-train logs them as slot_s: the
+  slots before the last of each micro-step, which waits for the other rank), so it is
+  what the slots took under these quotas in that run. Everything a rank
   does runs at its quota, the step's once-per-step work (the row reduction, the optimizer,
   gloo's threads) as well as its slots, so the micro-batch sets how large a share of the
   step the slots are: 8 sequences by default (1 with ``pad``, whose padding is the slot).
@@ -119,36 +119,35 @@ def run_one(
     }
 
 
-def ideal_seconds(args: argparse.Namespace, rows: list[dict[str, Any]]) -> float:
-    """The capacity-weighted micro-step, TOTAL / sum_i 1/t_i: with padding t = (S, 2S);
-    with quotas, t_i is rank i's median slot over every step of every configuration
-    (zero-train's slot_s: what the slots took in these runs), else ``auto``'s profile."""
+def ideal_seconds(args: argparse.Namespace, row: dict[str, Any]) -> float:
+    """The capacity-weighted micro-step of one configuration's run, TOTAL / sum_i 1/t_i:
+    with padding t = (S, 2S); with quotas, t_i is rank i's median slot over the run's
+    steps (zero-train's slot_s), so the ideal is that of the ranks as fast as they were
+    in that run (the machine's speed drifts by several percent between runs)."""
     if args.mode == "pad":
         times = [args.seconds, 2 * args.seconds]
-    elif all(r.get("slot_s") for r in rows):
-        ranks = len(rows[0]["slot_s"])
-        times = [statistics.median(v for r in rows for v in r["slot_s"][i]) for i in range(ranks)]
     else:
-        auto = next(r for r in rows if r["counts"] == "auto")
-        times = [p["seconds_per_micro_batch"] for p in auto["profiles"]]
+        times = [statistics.median(rank) for rank in row["slot_s"]]
     return float(TOTAL / sum(1 / t for t in times))
 
 
-def table(rows: list[dict[str, Any]], ideal: float) -> list[str]:
+def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
     even = next(r for r in rows if r["counts"] == "6,6")["median_s"]
     lines = [
-        "| counts | median step (s) | spread min-max (s) | / ideal | even split / this | "
-        "predicted (s) |",
-        "|---|---|---|---|---|---|",
+        "| counts | median step (s) | spread min-max (s) | ideal (s) | / ideal | "
+        "even split / this | predicted (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["counts"] if r["counts"] != "auto" else f"auto ({','.join(map(str, r['chosen']))})"
+        ideal = ideal_seconds(args, r)
         predicted = "" if r["predicted_s"] is None else (
             f"{r['predicted_s']:.3f} ({100 * (r['median_s'] / r['predicted_s'] - 1):+.1f}%)"
         )  # fmt: skip
         lines.append(
             f"| {name} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} | "
-            f"{r['median_s'] / ideal:.3f}x | {even / r['median_s']:.3f}x | {predicted} |"
+            f"{ideal:.3f} | {r['median_s'] / ideal:.3f}x | {even / r['median_s']:.3f}x | "
+            f"{predicted} |"
         )
     return lines
 
@@ -162,13 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per slot (default: 1 with pad, 8 with quota)")  # fmt: skip
     p.add_argument("--stage", type=int, default=2, help="ZeRO stage (the docs' tables: 2)")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="default: 8 with pad, 12 with quota")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", type=Path, help="write the figures here")
     args = p.parse_args(argv)
     if args.micro_batch is None:
         args.micro_batch = 8 if args.mode == "quota" else 1
+    if args.steps is None:  # quota runs are noisier: more steps for their medians
+        args.steps = 12 if args.mode == "quota" else 8
     if args.mode == "quota":
         problem = quota_problem()
         if problem:
@@ -181,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         for counts in COUNTS:
             rows.append(run_one(args, counts, Path(folder), extra_env))
             print(f"bench: {counts}: median {rows[-1]['median_s']:.3f} s", flush=True)
-    ideal = ideal_seconds(args, rows)
-    lines = [f"ideal capacity-weighted step: {ideal:.3f} s", *table(rows, ideal)]
-    print("\n".join(lines))
+    for row in rows:
+        row["ideal_s"] = ideal_seconds(args, row)
+    print("\n".join(table(args, rows)))
     if args.json is not None:
         report = {"mode": args.mode, "seconds": args.seconds, "quota": args.quota,
                   "micro_batch": args.micro_batch, "stage": args.stage, "steps": args.steps,
                   "skip": args.skip, "commit": git_head(), "cpus": os.cpu_count(),
                   "load_before": load_before, "load_after": os.getloadavg(),
-                  "ideal_s": ideal, "rows": rows}  # fmt: skip
+                  "rows": rows}  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
