@@ -67,13 +67,9 @@ from tools.peers.trainers import Hyper, Trainer, fsdp2_gpt_on_mesh, next_token_l
 from zero_comm.stats import ring_volume
 from zero_models.data import BatchSampler, load_tokens
 from zero_models.gpt import GPT, GPTConfig
-from zero_models.train_options import (
-    DTYPES,
-    hierarchy_settings,
-    learning_rate,
-    model_config,
-    parse_options,
-)
+from zero_models.train_engine_config import DTYPES, hierarchy_settings
+from zero_models.train_options import model_config, parse_options
+from zero_models.train_schedule import learning_rate
 
 RECORD_STATS = 4  # step_s, loss, intra-node bytes, inter-node bytes (per rank, gathered)
 # torch's own, before any peer is built: DeepSpeed's stage 3 replaces it (see DeepSpeedHpz).

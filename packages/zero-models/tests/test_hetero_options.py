@@ -184,7 +184,7 @@ def test_auto_chooses_from_every_ranks_profile() -> None:
 
 
 def test_counts_reach_the_engines_config(tmp_path: Path) -> None:
-    from zero_models.train_options import run_zero_config
+    from zero_models.train_engine_config import run_zero_config
 
     args = parse_options(["--out", str(tmp_path / "out"), "--micro-batches-per-rank", "2,1",
                           "--batch-size", "18"])  # fmt: skip
@@ -231,7 +231,7 @@ def test_an_option_the_engine_cannot_honour_is_refused_not_dropped(
 def test_a_deepspeed_configs_micro_batch_is_one_slots(tmp_path: Path) -> None:
     """With --deepspeed a "GPU" is a virtual rank: 6 sequences per slot on 2,1 slots make
     a batch of 18; the config's stage (2 or 3) is the engine's with uneven counts."""
-    from zero_models.train_options import run_zero_config
+    from zero_models.train_engine_config import run_zero_config
 
     config = tmp_path / "ds.json"
     out = ["--out", str(tmp_path / "out")]
@@ -251,7 +251,7 @@ def test_the_delayed_update_flag_reaches_the_engine_under_deepspeed(
     """--deepspeed CONFIG --delayed-parameter-update: the config has no such key, so the
     flag is added to the config's ZeroConfig (it was once dropped without a word), also
     beside the mixed-hardware options, which are added to the same config."""
-    from zero_models.train_options import run_zero_config
+    from zero_models.train_engine_config import run_zero_config
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 6, "zero_optimization": {

@@ -166,7 +166,8 @@ def test_resume_auto_over_results_without_a_checkpoint_starts_over(tmp_path: Pat
 
 
 def test_reduce_dtype_reaches_the_engines_config(tmp_path: Path) -> None:
-    from zero_models.train_options import parse_options, run_zero_config
+    from zero_models.train_engine_config import run_zero_config
+    from zero_models.train_options import parse_options
 
     out = ["--out", str(tmp_path / "o")]
     wide = run_zero_config(parse_options([*out, "--dtype", "bf16", "--reduce-dtype", "fp32"]))
@@ -176,7 +177,8 @@ def test_reduce_dtype_reaches_the_engines_config(tmp_path: Path) -> None:
 
 def test_no_offload_gradients_keeps_them_on_the_device(tmp_path: Path) -> None:
     """Gradients follow --offload-optimizer by default; --no-offload-gradients keeps them."""
-    from zero_models.train_options import parse_options, run_zero_config
+    from zero_models.train_engine_config import run_zero_config
+    from zero_models.train_options import parse_options
 
     run = ["--out", str(tmp_path / "o"), "--stage", "2", "--offload-optimizer", "cpu"]
     assert run_zero_config(parse_options(run)).gradients_offloaded

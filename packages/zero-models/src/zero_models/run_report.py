@@ -20,7 +20,8 @@ from zero_core.estimate.model_states import state_bytes_per_param
 from .run_metrics import read_metrics
 from .run_plots import write_run_plots
 from .tp_mappings import gather_last_dim
-from .train_options import CHECKPOINT, DTYPES
+from .train_engine_config import DTYPES
+from .train_options import CHECKPOINT
 
 
 def mib(n: float) -> str:

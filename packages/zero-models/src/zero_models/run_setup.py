@@ -42,7 +42,8 @@ from .out_of_memory import (
     stop_in_one_line,
 )
 from .tp_plan import Mesh, make_mesh, sharded_parameters, tensor_parallel_gpt
-from .train_options import DTYPES, model_config, run_zero_config
+from .train_engine_config import DTYPES, run_zero_config
+from .train_options import model_config
 
 
 class Run(NamedTuple):

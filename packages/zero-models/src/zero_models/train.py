@@ -31,7 +31,8 @@ from zero_comm.launcher_env import detect_launch_env
 from .out_of_memory import EXIT_OUT_OF_MEMORY, remove_dead_ranks_swap_folders
 from .run_lock import HOLDER_VARIABLE, ResultsFolderBusy, RunLock, owns_the_run
 from .run_setup import prelaunch_memory_problem
-from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options, run_zero_config
+from .train_engine_config import run_zero_config
+from .train_options import EXIT_FAILED, EXIT_PREEMPTED, parse_options
 from .trainer import Trainer
 
 EXIT_INTERRUPTED = 130  # a shell's code for SIGINT

@@ -50,10 +50,9 @@ from .train_options import (
     EXIT_PREEMPTED,
     RESULTS,
     earlier_results,
-    learning_rate,
-    own_schedule,
     threads_per_rank,
 )
+from .train_schedule import learning_rate, own_schedule
 
 
 def resident_mib() -> float:
