@@ -132,13 +132,13 @@ def arm(engine: zero_core.ZeroEngine, where: str, folder: Path) -> None:
     elif where == "save":
         from zero_core.checkpoint import writer as checkpoint
 
-        write = checkpoint.write_file
+        write = checkpoint.write_stream
 
         def write_then_die(*args: Any, **kwargs: Any) -> Any:
             write(*args, **kwargs)
             die(folder)
 
-        checkpoint.write_file = write_then_die  # type: ignore[assignment]
+        checkpoint.write_stream = write_then_die  # type: ignore[assignment]
     elif where in ON_DISK:
         swap: Any = disk_swap(engine)
         # The pipeline's threads and the gradient tier call the instance's attribute.

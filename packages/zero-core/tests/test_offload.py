@@ -225,3 +225,41 @@ def test_gathered_parameters_modify_reaches_disk_masters() -> None:
         engine.close()
 
     run_simulated(2, body)
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "disk"])
+def test_a_save_writes_each_tile_without_joining_them(
+    optimizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save streams the master and every optimizer state tile by tile: it never joins a
+    group's tiles into one tensor (that was a whole copy of the shard, on the device where
+    the states live), and the file holds what the joined tensors would."""
+    from safetensors.torch import load_file
+
+    case = with_tiers(CASE, optimizer, "none")
+
+    def body(comm: Communicator) -> None:
+        engine = build_engine(case, comm, 2)
+        run_steps(engine, case, comm, 0, 2)
+        state = engine.sharded_state()
+        assert max(len(group.master_tiles) for group in state.groups) > 1  # tiles to join
+        expected = {}
+        for g, group in enumerate(state.groups):
+            expected[f"master.{g}"] = group.master().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                parts = [s[key].reshape(-1) for s in group.tile_states]
+                expected[f"state.{g}.{key}"] = torch.cat(parts)
+        del state
+
+        def joined(*args: object, **kwargs: object) -> torch.Tensor:
+            raise AssertionError("the save joined tiles into one tensor")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "cat", joined)
+            folder = engine.save(tmp_path / "ckpt")
+        saved = load_file(folder / "rank-00000.safetensors")
+        for name, value in expected.items():
+            assert torch.equal(saved[name], value), name
+        engine.close()
+
+    run_simulated(1, body)

@@ -19,7 +19,7 @@ import math
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,16 +88,23 @@ def write_file(
     return write_stream(path, specs, (t for _, t in items), metadata, block_bytes)
 
 
+# One tensor's value: the tensor, or its elements in order as 1-D chunks (a tensor that
+# lives in pieces, such as a shard's tiles, written without first joining them).
+Value = torch.Tensor | Sequence[torch.Tensor]
+
+
 def write_stream(
     path: Path,
     specs: list[tuple[str, torch.dtype, list[int]]],
-    values: Iterable[torch.Tensor],
+    values: Iterable[Value],
     metadata: dict[str, str] | None = None,
     block_bytes: int = BLOCK_BYTES,
 ) -> WrittenFile:
     """Write tensors described by ``specs`` (name, dtype, shape), their values coming one
-    at a time from ``values`` (memory: one tensor), through a temporary name, fsync,
-    rename. Returns the size and block checksums."""
+    at a time from ``values`` (memory: one tensor, or one chunk of a chunked one), through
+    a temporary name, fsync, rename. A chunked value's chunks must hold the spec's dtype
+    and, together, its element count; the file is the same as for the joined tensor.
+    Returns the size and block checksums."""
     header: dict[str, object] = {"__metadata__": metadata or {}}
     offset = 0
     for name, dtype, shape in specs:
@@ -118,42 +125,76 @@ def write_stream(
         raise
 
 
+class _BlockCrcs:
+    """CRC-32 of every ``block_bytes`` of a byte stream fed in pieces of any length."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.crcs: list[int] = []
+        self.carry = bytearray()  # the start of a block that the next piece completes
+
+    def feed(self, data: memoryview) -> None:
+        block = self.block_bytes
+        if self.carry:
+            need = block - len(self.carry)
+            self.carry += data[:need]
+            data = data[need:]
+            if len(self.carry) == block:
+                self.crcs.append(zlib.crc32(self.carry))
+                self.carry = bytearray()
+        whole = len(data) // block * block
+        self.crcs += [zlib.crc32(data[at : at + block]) for at in range(0, whole, block)]
+        self.carry += data[whole:]
+
+    def finish(self) -> list[int]:
+        if self.carry:
+            self.crcs.append(zlib.crc32(self.carry))
+            self.carry = bytearray()
+        return self.crcs
+
+
+def _chunks(
+    name: str, dtype: torch.dtype, shape: list[int], value: Value
+) -> Iterator[torch.Tensor]:
+    """The value's pieces, checked against its spec as they come."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != dtype or list(value.shape) != list(shape):
+            raise ValueError(f"{name}: got {value.dtype} {tuple(value.shape)}, "
+                             f"declared {dtype} {tuple(shape)}")  # fmt: skip
+        yield value
+        return
+    seen = 0
+    for chunk in value:
+        if chunk.dtype != dtype:
+            raise ValueError(f"{name}: a chunk is {chunk.dtype}, declared {dtype}")
+        seen += chunk.numel()
+        yield chunk
+    if seen != math.prod(shape):
+        raise ValueError(f"{name}: chunks hold {seen} elements, declared {tuple(shape)}")
+
+
 def _write_partial(
     partial: Path,
     path: Path,
     text: bytes,
     specs: list[tuple[str, torch.dtype, list[int]]],
-    values: Iterable[torch.Tensor],
+    values: Iterable[Value],
     block_bytes: int,
     offset: int,
 ) -> WrittenFile:
-    crcs: list[int] = []
-    carry = bytearray()  # the start of a block that the next tensor completes
+    crcs = _BlockCrcs(block_bytes)
     with partial.open("wb") as out:
         out.write(struct.pack("<Q", len(text)) + text)
-        for (name, dtype, shape), tensor in zip(specs, values, strict=True):
-            if tensor.dtype != dtype or list(tensor.shape) != list(shape):
-                raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, "
-                                 f"declared {dtype} {tuple(shape)}")  # fmt: skip
-            data = _raw_bytes(tensor)
-            out.write(data)
-            if carry:
-                need = block_bytes - len(carry)
-                carry += data[:need]
-                data = data[need:]
-                if len(carry) == block_bytes:
-                    crcs.append(zlib.crc32(carry))
-                    carry = bytearray()
-            whole = len(data) // block_bytes * block_bytes
-            crcs += [zlib.crc32(data[at : at + block_bytes]) for at in range(0, whole, block_bytes)]
-            carry += data[whole:]
-        if carry:
-            crcs.append(zlib.crc32(carry))
+        for (name, dtype, shape), value in zip(specs, values, strict=True):
+            for chunk in _chunks(name, dtype, shape, value):
+                data = _raw_bytes(chunk)
+                out.write(data)
+                crcs.feed(data)
         out.flush()
         os.fsync(out.fileno())
     os.replace(partial, path)
     head = struct.pack("<Q", len(text)) + text
-    return WrittenFile(8 + len(text) + offset, block_bytes, crcs, zlib.crc32(head))
+    return WrittenFile(8 + len(text) + offset, block_bytes, crcs.finish(), zlib.crc32(head))
 
 
 class TensorFile:

@@ -45,7 +45,7 @@ from .format import (
     shard_name,
 )
 from .reader import complete_checkpoint
-from .safetensors_file import write_file
+from .safetensors_file import Value, write_stream
 from .sharded_state import ShardedGroupState, ShardedState
 
 __all__ = ["save"]
@@ -73,19 +73,12 @@ def _save(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     comm.barrier()
-    tensors: list[tuple[str, torch.Tensor]] = [("rng.cpu", torch.get_rng_state())]
     # Replicas of a shard group (hybrid sharding) hold the same slices: the first writes.
     writes_master = comm.rank == 0 or (not state.replicated and state.first_replica)
-    if writes_master:
-        for g, group in enumerate(state.groups):
-            tensors.append((f"master.{g}", group.master()))
-            for key, value in _sharded_states(group).items():
-                tensors.append((f"state.{g}.{key}", value))
-    if comm.rank == 0:
-        tensors += [(f"whole.{name}", t) for name, t in state.whole.items()]
+    specs, values = _rank_file(state, writes_master, comm.rank == 0)
     entry: dict[str, Any]
     try:
-        written = write_file(staging / shard_name(comm.rank), tensors, {"format": FORMAT})
+        written = write_stream(staging / shard_name(comm.rank), specs, values, {"format": FORMAT})
         entry = {
             "file": written.to_json(),
             "pieces": [_pieces_json(group) for group in state.groups] if writes_master else None,
@@ -155,16 +148,45 @@ def _pieces_json(group: ShardedGroupState) -> list[list[int]]:
     return [[p.param, p.elements.start, p.elements.stop, p.offset] for p in group.pieces]
 
 
-def _sharded_states(group: ShardedGroupState) -> dict[str, torch.Tensor]:
-    """Each optimizer state as large as its tile, concatenated over the group's tiles (so
-    it lines up with the group's master)."""
+def _rank_file(
+    state: ShardedState, writes_master: bool, writes_whole: bool
+) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[Value]]:
+    """This rank's file, as write_stream's specs and values: rng.cpu; master.G and
+    state.G.KEY of every group (``writes_master``), each written tile by tile in the
+    group's order, never joined into one tensor (a save then holds no copy of the shard:
+    joining the tiles cost one copy of every state, on the device where the states live);
+    whole.NAME (``writes_whole``)."""
+    rng = torch.get_rng_state()
+    specs: list[tuple[str, torch.dtype, list[int]]] = [("rng.cpu", rng.dtype, list(rng.shape))]
+    values: list[Value] = [rng]
+
+    def add(name: str, chunks: list[torch.Tensor], dtype: torch.dtype) -> None:
+        specs.append((name, dtype, [sum(c.numel() for c in chunks)]))
+        values.append(chunks)
+
+    if writes_master:
+        for g, group in enumerate(state.groups):
+            tiles = [tile.detach().reshape(-1) for tile, _ in group.master_tiles]
+            add(f"master.{g}", tiles, tiles[0].dtype if tiles else torch.float32)
+            for key, chunks in _sharded_states(group).items():
+                add(f"state.{g}.{key}", chunks, chunks[0].dtype)
+    if writes_whole:
+        for name, tensor in state.whole.items():
+            specs.append((f"whole.{name}", tensor.dtype, list(tensor.shape)))
+            values.append(tensor)
+    return specs, values
+
+
+def _sharded_states(group: ShardedGroupState) -> dict[str, list[torch.Tensor]]:
+    """Each optimizer state as large as its tile, as its tiles' flat pieces in the group's
+    order (so, written one after the other, it lines up with the group's master)."""
     states = group.tile_states
     keys = [
         key
         for key, value in states[0].items()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     ] if states else []  # fmt: skip
-    return {key: torch.cat([state[key].detach().reshape(-1) for state in states]) for key in keys}
+    return {key: [state[key].detach().reshape(-1) for state in states] for key in keys}
 
 
 def _scalar_states(group: ShardedGroupState, g: int) -> dict[str, Any]:
