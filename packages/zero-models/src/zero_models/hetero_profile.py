@@ -9,9 +9,9 @@ but for PROFILE_SLOTS slots on every rank and no accumulation), which is then cl
 - t_i, the median seconds of one micro-batch slot (B / V sequences) over PROFILE_STEPS
   micro-steps (after one that warms up), over the slots before the last of each: those
   only stage their gradients (the engine's per-slot work included) and wait for no other
-  rank. Each
-  does the run's per-slot work too (the batch read, the memory tracker's phases, the
-  loss read) and is padded as the run's slots are (--emulate-micro-batch-seconds);
+  rank. Each does the run's per-slot work too (the batch read, the memory tracker's
+  phases, the loss read) and is padded as the run's slots are
+  (--emulate-micro-batch-seconds);
 - the whole micro-step and optimizer step (the median over those steps), from which the
   once-per-step cost follows: O = max_i step_i - PROFILE_SLOTS * max_j t_j (the last
   slot's collectives wait for the slowest rank; then the step);
