@@ -218,7 +218,7 @@ def scaled_to_profile(
     O, and the planner's terms say how it changes with the counts and weights. The
     calibration was taken on a full, unshared CPU; ranks that run slower (a CPU quota, a
     slower card, a shared host) run the collectives, the gradient passes and the optimizer
-    slower too (measured under a 0.15-CPU quota: k about 7), which only the profile sees.
+    slower too (measured under a 0.15-CPU quota: k 6-10), which only the profile sees.
     Unscaled where the planner gives no cost at the profile's step."""
     at_profile = planned((PROFILE_SLOTS,) * len(profiles), None, 1)
     if not at_profile > 0:
