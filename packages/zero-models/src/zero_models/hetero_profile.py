@@ -222,7 +222,7 @@ def scaled_to_profile(
     Unscaled where the planner gives no cost at the profile's step."""
     at_profile = planned((PROFILE_SLOTS,) * len(profiles), None, 1)
     if not at_profile > 0:
-        return (lambda c, w: planned(c, w)), source
+        return planned, source
     k = step_overhead(profiles) / at_profile
     return (lambda c, w: k * planned(c, w)), f"{source} x {k:.2f} (the profile's measured step)"
 

@@ -57,13 +57,6 @@ class ShardedGroupState:
     def numel(self) -> int:
         return sum(tile.numel() for tile, _ in self.master_tiles)
 
-    def master(self) -> torch.Tensor:
-        """The whole flat master (a copy when it is more than one tile)."""
-        tiles = [tile.detach().reshape(-1) for tile, _ in self.master_tiles]
-        if len(tiles) == 1:
-            return tiles[0]
-        return torch.cat(tiles) if tiles else torch.zeros(0, device="cpu")  # no tiles: no device
-
 
 @dataclass
 class ShardedState:
